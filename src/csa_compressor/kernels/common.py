@@ -1,0 +1,72 @@
+"""Device helpers shared by the pooling kernels: pinned rounding and the row geometry."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """fp32 product rounded on its own: inline PTX, so it can never be contracted into an
+    FMA with the add that follows (the reference rounds the product before adding)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
+    """Largest s in [0, B] with cu[s] <= x (upper bound - 1) over the non-decreasing offsets;
+    returns B when x is at or beyond cu[B]. log2(B) cached loads."""
+    lo = Int32(0)
+    n = num_seqs
+    while n > 0:
+        half = n // 2
+        if cu[lo + half + 1] <= x:
+            lo = lo + half + 1
+            n = n - half - 1
+        else:
+            n = half
+    return lo
+
+
+@cute.jit
+def row_window(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, row: Int32, num_seqs: Int32,
+               num_tokens: Int32, ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
+    """Geometry of output row ``row`` of segment ``s`` (``s == B``: past the true rows):
+    (first token t0, has previous block, real row, in bounds).
+
+    Padding rows (at or beyond cu_seqlens_comp[B]) are a first block at token 0. ``ok`` is
+    False where the window would leave [0, T) (offsets inconsistent with each other, or
+    T < ratio for a padding row): such a row is written as zeros and reads nothing.
+    """
+    real = s < num_seqs
+    t0 = Int32(0)
+    i = Int32(0)
+    if real:
+        i = row - cuc[s]
+        t0 = cu[s] + i * ratio
+    has_prev = i > 0
+    ok = (t0 >= 0) & (t0 + ratio <= num_tokens)
+    if cutlass.const_expr(coff == 2):
+        ok = ok & ((~has_prev) | (t0 >= ratio))
+    return t0, has_prev, real, ok
+
+
+@cute.jit
+def advance_segment(cu: cute.Tensor, s: Int32, x: Int32, num_seqs: Int32) -> Int32:
+    """Walk ``s`` forward to the segment holding ``x`` (x non-decreasing between calls):
+    consecutive rows or tokens of one CTA pay one binary search, then O(1) steps."""
+    while (s < num_seqs) & (cu[cutlass.min(s + 1, num_seqs)] <= x):
+        s = s + 1
+    return s

@@ -1,0 +1,121 @@
+"""Compile cache of the pooling kernels, keyed by what specialises the code.
+
+A kernel is specialised on (device, dtype, ratio, coff, head_dim); token count, row count,
+batch size and the workspace size stay symbolic, so packs change without recompiling.
+Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def dsl_import_error() -> str | None:
+    """None when the CuTe DSL and TVM-FFI import, else a one-line reason."""
+    return _dsl_import_error()
+
+
+@functools.lru_cache(maxsize=1)
+def _dsl_import_error():
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return f"CuTe DSL unavailable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32}[dtype]
+
+
+def _fake(dtype, shape, align):
+    import cutlass.cute as cute
+
+    order = tuple(range(len(shape)))[::-1]  # row-major
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from .pool_bwd import PoolBackward
+    from .pool_fwd import PoolForward
+
+    cdt = _cutlass_dtype(dtype)
+    W = coff * head_dim
+    T, N, B1, P = (cute.sym_int32() for _ in range(4))
+    kv, score = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
+    ape = _fake(cutlass.Float32, (ratio, W), 16)
+    cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if direction == "fwd":
+        kernel = PoolForward(cdt, ratio, coff, head_dim)
+        out = _fake(cdt, (N, head_dim), 16)
+        fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
+                          options="--enable-tvm-ffi")
+    else:
+        kernel = PoolBackward(cdt, ratio, coff, head_dim)
+        grad = _fake(cdt, (N, head_dim), 16)
+        dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
+        work = _fake(cutlass.Float32, (P, W), 16)
+        fn = cute.compile(kernel, kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1),
+                          Int32(1), Int32(1), stream, options="--enable-tvm-ffi")
+    return kernel, fn
+
+
+def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
+               head_dim: int):
+    """The compiled kernel for this specialisation, compiling it on first use.
+
+    Compiling inside CUDA-graph capture would run host work that the graph cannot record
+    and can invalidate the capture, so a miss during capture raises instead.
+    """
+    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"csa_compressor: the {direction} kernel for dtype={dtype}, ratio={ratio}, coff={coff}, "
+            f"head_dim={head_dim} on {device} is not compiled yet and the stream is capturing a "
+            "CUDA graph; run one warm-up call (or csa_compressor.precompile(...)) before capture"
+        )
+    err = dsl_import_error()
+    if err:
+        raise RuntimeError(f"csa_compressor: {err}")
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    hit = _build(direction, dtype, ratio, coff, head_dim)
+            else:
+                hit = _build(direction, dtype, ratio, coff, head_dim)
+            _CACHE[key] = hit
+    return hit
+
+
+def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
+               directions=("fwd", "bwd")) -> None:
+    """Compile ahead of time (e.g. before CUDA-graph capture)."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    for direction in directions:
+        get_kernel(direction, device, dtype, ratio, coff, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,42 @@
+"""Constants that shape the pooling kernels, in one place.
+
+VEC_BYTES / BWD_VEC_BYTES: bytes one thread loads per tensor row and slot in the forward
+  and backward. 16 B is the widest global load; the vector shrinks (never below one
+  element) until it divides head_dim. The backward holds three window-sized register
+  arrays (scores, values, dape partials), so it uses narrower vectors and more threads.
+MIN_CHUNKS_PER_ROW: shrink the vector further while a row would have fewer chunks than
+  this, so that one row still fills a warp (d=128 bf16 -> 4-element vectors, 32 lanes).
+MAX_CTA_THREADS: column lanes of one CTA; wider rows are split over grid.y.
+MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once;
+  longer windows (ratio 128) are processed in chunks of at most this many slots, each
+  pass reloading its chunk (the exact serial op order is kept, so results are unchanged).
+FWD_ROWS_PER_CTA / BWD_TARGET_CTAS_PER_SM: rows one CTA walks. The backward carries
+  per-CTA dape partials, so it walks more rows per CTA to keep their reduction small.
+BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
+  column lanes up to this many threads; their dape partials meet in shared memory.
+ZERO_TOKENS_PER_CTA: tokens a gradient zero-fill CTA checks.
+"""
+
+VEC_BYTES = 16
+BWD_VEC_BYTES = 8
+MIN_CHUNKS_PER_ROW = 32
+MAX_CTA_THREADS = 128
+MAX_REG_SLOTS = 16
+FWD_ROWS_PER_CTA = 1
+BWD_TARGET_CTAS_PER_SM = 4
+BWD_CTA_THREADS = 256
+ZERO_TOKENS_PER_CTA = 64
+
+
+def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int = VEC_BYTES) -> int:
+    vec = max(1, vec_bytes // elem_bytes)
+    while vec > 1 and (head_dim % vec or head_dim // vec < MIN_CHUNKS_PER_ROW):
+        vec //= 2
+    return vec
+
+
+def slot_chunk(num_slots: int) -> int:
+    """Slots per register chunk: the window itself, or the largest divisor <= MAX_REG_SLOTS."""
+    if num_slots <= MAX_REG_SLOTS:
+        return num_slots
+    return max(c for c in range(1, MAX_REG_SLOTS + 1) if num_slots % c == 0)

@@ -1,0 +1,80 @@
+"""Kernel-level API: caller-provided buffers, no hidden allocation except the optional
+dape workspace, safe to capture in CUDA graphs once compiled."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..validation import check_out, validate
+from . import config
+from .compile import get_kernel, sm_count
+
+
+def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    return validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                    coff=coff, for_kernel=True)
+
+
+def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int,
+                 _prob=None):
+    """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    p = _prob or _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff)
+    check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
+    if p.total_comp == 0:
+        return out
+    _, fn = get_kernel("fwd", p.kv.device, p.kv.dtype, ratio, coff, p.head_dim)
+    with torch.cuda.device(p.kv.device):
+        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, config.FWD_ROWS_PER_CTA)
+    return out
+
+
+def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device):
+    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch."""
+    target = max(1, sm_count(device.index) * config.BWD_TARGET_CTAS_PER_SM // kernel.col_groups)
+    rows_per_cta = max(kernel.row_lanes, math.ceil(total_comp / target))
+    return (rows_per_cta, math.ceil(total_comp / rows_per_cta),
+            math.ceil(num_tokens / config.ZERO_TOKENS_PER_CTA))
+
+
+def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
+    """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
+    device = torch.device(device)
+    kernel, _ = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
+    _, row_ctas, _ = backward_schedule(total_comp, num_tokens, kernel, device)
+    return (row_ctas * ratio, coff * head_dim)
+
+
+def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                  grad_ape, *, ratio: int, coff: int, workspace=None, _prob=None):
+    """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
+    ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
+    reproducible: dape partials are reduced in a fixed order, never with atomics."""
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
+    p = _prob or _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff)
+    dev, dt, N, T, d = p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens, p.head_dim
+    check_out("grad_out", grad_out, (N, d), dt, dev)
+    check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
+    check_out("grad_score", grad_score, tuple(p.kv.shape), dt, dev)
+    check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
+    if N == 0 or T == 0:
+        grad_kv.zero_()
+        grad_score.zero_()
+        grad_ape.zero_()
+        return grad_kv, grad_score, grad_ape
+    kernel, fn = get_kernel("bwd", dev, dt, ratio, coff, d)
+    rows_per_cta, row_ctas, zero_ctas = backward_schedule(N, T, kernel, dev)
+    shape = (row_ctas * ratio, coff * d)
+    if workspace is None:
+        workspace = torch.empty(shape, dtype=torch.float32, device=dev)
+    else:
+        check_out("workspace", workspace, shape, torch.float32, dev)
+    with torch.cuda.device(dev):
+        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv, grad_score,
+           workspace, rows_per_cta, row_ctas, zero_ctas)
+        torch.sum(workspace.view(row_ctas, ratio, coff * d), dim=0, out=grad_ape)
+    return grad_kv, grad_score, grad_ape

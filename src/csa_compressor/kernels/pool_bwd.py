@@ -1,0 +1,259 @@
+"""Fused backward of the gated pooling: one launch writes every element of dkv and dscore
+and one fp32 dape partial per row-CTA.
+
+Two kinds of CTA share the grid:
+- row CTAs (bx < num_row_ctas) walk ``rows_per_cta`` consecutive rows, recompute the
+  window softmax in the forward's op order and store ``dkv = g*p`` and
+  ``dscore = p*dp - p*S`` (``dp = g*v``, ``S`` a serial sum of ``p*dp``) at the window's
+  slots: each input element is in at most one window, so these are plain disjoint stores.
+  dape contributions are summed per thread in registers over its rows (fixed order) and
+  stored as the CTA's partial; the host reduces the partials in a fixed order, so the
+  whole backward is bitwise reproducible without atomics.
+- zero CTAs write exact zeros to the elements no window reads (tails, the first-half
+  columns of a segment's last block, short segments, tokens at or past cu_seqlens[B],
+  rows cut off by total_comp), so gradient buffers may start uninitialised.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import config
+from .common import advance_segment, find_segment, mul_rn, row_window
+
+
+class PoolBackward:
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+        self.dtype = dtype
+        self.ratio = ratio
+        self.coff = coff
+        self.d = head_dim
+        self.vec = config.vector_elems(head_dim, dtype.width // 8, config.BWD_VEC_BYTES)
+        self.cpr = head_dim // self.vec
+        self.slots = coff * ratio
+        self.chunk_slots = config.slot_chunk(self.slots)
+        self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
+        self.col_groups = math.ceil(self.cpr / self.lanes)
+        self.register_window = self.chunk_slots == self.slots
+        # Long windows accumulate dape in global partials owned by one thread: one row lane.
+        # Row lanes also need every thread active (one column group) for the CTA barrier.
+        stack = self.register_window and self.col_groups == 1
+        self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
+        self.smem_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
+                           if self.register_window and self.row_lanes > 1 else 0)
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
+                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32, num_zero_ctas: Int32,
+                 stream):
+        tiler = (1, self.vec)
+        self.kernel(
+            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
+            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
+            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
+            num_row_ctas,
+        ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
+                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
+
+    @cute.jit
+    def slot_coords(self, k, t0, has_prev, chunk):
+        """(token, column chunk, ape row, non-empty) of window slot k."""
+        ratio = self.ratio
+        if cutlass.const_expr(self.coff == 2):
+            own = k >= ratio
+            colc = chunk + (Int32(self.cpr) if own else Int32(0))
+            arow = k - (Int32(ratio) if own else Int32(0))
+            return t0 - ratio + k, colc, arow, own | has_prev
+        else:
+            return t0 + k, chunk, k, k >= 0
+
+    @cute.jit
+    def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            if valid:
+                s32 = gSc[(None, (tok, colc))].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                v32 = gKV[(None, (tok, colc))].load().to(Float32)
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = s32[e] + a32[e]
+                    vf[kk, e] = v32[e]
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = -Float32.inf
+                    vf[kk, e] = Float32(0.0)
+
+    @cute.jit
+    def store_slots(self, gDKV, gDSc, gWork, sf, vf, dacc, c0, t0, has_prev, chunk, wrow0):
+        """Store dscore (in sf) and dkv (in vf) of slots c0.. and add dscore to dape: into
+        registers ``dacc`` for a register-resident window, else into the CTA's partial."""
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            if valid:
+                gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                if cutlass.const_expr(self.chunk_slots == self.slots):
+                    for e in cutlass.range_constexpr(self.vec):
+                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                else:
+                    w = gWork[(None, (wrow0 + arow, colc))]
+                    wf = cute.make_rmem_tensor((self.vec,), Float32)
+                    wf.store(w.load())
+                    for e in cutlass.range_constexpr(self.vec):
+                        wf[e] = wf[e] + sf[kk, e]
+                    w.store(wf.load())
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+               num_row_ctas: Int32):
+        tid, ty, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
+        n_chunks = self.slots // CH
+        num_seqs = mCuc.shape[0] - 1
+        chunk = by * self.lanes + tid
+        if chunk < cpr:
+            if bx < num_row_ctas:
+                sf = cute.make_rmem_tensor((CH, vec), Float32)
+                vf = cute.make_rmem_tensor((CH, vec), Float32)
+                gv = cute.make_rmem_tensor((vec,), Float32)
+                m = cute.make_rmem_tensor((vec,), Float32)
+                den = cute.make_rmem_tensor((vec,), Float32)
+                S = cute.make_rmem_tensor((vec,), Float32)
+                dacc = cute.make_rmem_tensor((CH, vec), Float32)
+                wrow0 = bx * ratio
+                if cutlass.const_expr(n_chunks == 1):
+                    for kk in cutlass.range_constexpr(CH):
+                        for e in cutlass.range_constexpr(vec):
+                            dacc[kk, e] = Float32(0.0)
+                else:
+                    # This thread alone owns these partial entries: zero, then accumulate.
+                    for a in cutlass.range(ratio):
+                        for h in cutlass.range_constexpr(self.coff):
+                            wz = cute.make_rmem_tensor((vec,), Float32)
+                            wz.fill(0.0)
+                            gWork[(None, (wrow0 + a, chunk + h * cpr))].store(wz.load())
+                row0 = bx * rows_per_cta
+                s = find_segment(mCuc, row0 + ty, num_seqs)
+                for r in cutlass.range(ty, rows_per_cta, self.row_lanes):
+                    row = row0 + r
+                    s = advance_segment(mCuc, s, row, num_seqs)
+                    t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
+                                                        ratio, self.coff)
+                    if (row < num_rows) & real & ok:
+                        gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
+                        if cutlass.const_expr(n_chunks == 1):
+                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                            for e in cutlass.range_constexpr(vec):
+                                mx = sf[0, e]
+                                for k in cutlass.range_constexpr(1, CH):
+                                    mx = cutlass.max(mx, sf[k, e])
+                                for k in cutlass.range_constexpr(CH):
+                                    sf[k, e] = cute.math.exp(sf[k, e] - mx)
+                                dn = sf[0, e]
+                                for k in cutlass.range_constexpr(1, CH):
+                                    dn = dn + sf[k, e]
+                                g = gv[e]
+                                for k in cutlass.range_constexpr(CH):
+                                    p = sf[k, e] / dn
+                                    pdp = mul_rn(p, mul_rn(g, vf[k, e]))
+                                    sf[k, e] = p
+                                    vf[k, e] = pdp  # p*dp until S is known
+                                acc = vf[0, e]
+                                for k in cutlass.range_constexpr(1, CH):
+                                    acc = acc + vf[k, e]
+                                for k in cutlass.range_constexpr(CH):
+                                    p = sf[k, e]
+                                    sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
+                                    vf[k, e] = mul_rn(g, p)  # dkv
+                            self.store_slots(gDKV, gDSc, gWork, sf, vf, dacc, Int32(0), t0, has_prev,
+                                             chunk, wrow0)
+                        else:
+                            # Long windows: max, sum, S, then stores, each pass reloading its
+                            # slot chunk; the serial order equals the single-pass order.
+                            for e in cutlass.range_constexpr(vec):
+                                m[e] = -Float32.inf
+                                den[e] = Float32(0.0)
+                                S[e] = Float32(0.0)
+                            for c in cutlass.range(n_chunks):
+                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
+                                for e in cutlass.range_constexpr(vec):
+                                    for k in cutlass.range_constexpr(CH):
+                                        m[e] = cutlass.max(m[e], sf[k, e])
+                            for c in cutlass.range(n_chunks):
+                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
+                                for e in cutlass.range_constexpr(vec):
+                                    for k in cutlass.range_constexpr(CH):
+                                        den[e] = den[e] + cute.math.exp(sf[k, e] - m[e])
+                            for c in cutlass.range(n_chunks):
+                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
+                                for e in cutlass.range_constexpr(vec):
+                                    for k in cutlass.range_constexpr(CH):
+                                        p = cute.math.exp(sf[k, e] - m[e]) / den[e]
+                                        S[e] = S[e] + mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                            for c in cutlass.range(n_chunks):
+                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
+                                for e in cutlass.range_constexpr(vec):
+                                    for k in cutlass.range_constexpr(CH):
+                                        p = cute.math.exp(sf[k, e] - m[e]) / den[e]
+                                        pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                                        sf[k, e] = pdp - mul_rn(p, S[e])
+                                        vf[k, e] = mul_rn(gv[e], p)
+                                self.store_slots(gDKV, gDSc, gWork, sf, vf, dacc, c * CH, t0,
+                                                 has_prev, chunk, wrow0)
+                if cutlass.const_expr(n_chunks == 1):
+                    if cutlass.const_expr(self.row_lanes > 1):
+                        # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
+                        smem = cutlass.memory.SmemAllocator()
+                        red = smem.allocate_tensor(
+                            Float32, cute.make_layout((self.lanes, CH * vec, self.row_lanes)), 16)
+                        for i in cutlass.range_constexpr(CH * vec):
+                            red[tid, i, ty] = dacc[i // vec, i % vec]
+                        cute.arch.barrier()
+                        if ty == 0:
+                            for y in cutlass.range_constexpr(1, self.row_lanes):
+                                for i in cutlass.range_constexpr(CH * vec):
+                                    dacc[i // vec, i % vec] = dacc[i // vec, i % vec] + red[tid, i, y]
+                    if ty == 0:
+                        for kk in cutlass.range_constexpr(CH):
+                            _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
+                            gWork[(None, (wrow0 + arow, colc))].store(dacc[kk, None].load())
+            else:
+                self.zero_unread(gDKV, gDSc, mCu, mCuc, bx - num_row_ctas, chunk, num_rows,
+                                 num_tokens, num_seqs)
+
+    @cute.jit
+    def zero_unread(self, gDKV, gDSc, mCu, mCuc, zb, chunk, num_rows, num_tokens, num_seqs):
+        """Zeros for the elements of tokens [zb*Z, zb*Z+Z) that no computed row reads."""
+        ratio, cpr = self.ratio, self.cpr
+        zero = cute.make_rmem_tensor((self.vec,), self.dtype)
+        zero.fill(0.0)
+        tok0 = zb * config.ZERO_TOKENS_PER_CTA
+        s = find_segment(mCu, tok0, num_seqs)
+        for j in cutlass.range(config.ZERO_TOKENS_PER_CTA):
+            t = tok0 + j
+            if t < num_tokens:
+                s = advance_segment(mCu, s, t, num_seqs)
+                own_read = cutlass.Boolean(False)
+                prev_read = cutlass.Boolean(False)
+                if s < num_seqs:
+                    start = mCu[s]
+                    nb = (mCu[s + 1] - start) // ratio
+                    blk = (t - start) // ratio
+                    row = mCuc[s] + blk
+                    own_read = (blk < nb) & (row < num_rows)
+                    prev_read = (blk + 1 < nb) & (row + 1 < num_rows)
+                own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
+                if ~own_read:
+                    gDKV[(None, (t, own_col))].store(zero.load())
+                    gDSc[(None, (t, own_col))].store(zero.load())
+                if cutlass.const_expr(self.coff == 2):
+                    if ~prev_read:
+                        gDKV[(None, (t, chunk))].store(zero.load())
+                        gDSc[(None, (t, chunk))].store(zero.load())

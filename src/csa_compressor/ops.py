@@ -1,0 +1,101 @@
+"""The torch-facing op: custom ops (for torch.compile), autograd, and compress_thd_fused.
+
+Eager calls go through a light ``torch.autograd.Function`` that launches the kernels
+directly (a custom-op dispatch costs tens of microseconds of host time); under
+``torch.compile`` the same kernels are reached through ``torch.library`` custom ops with
+fake implementations, so the op is opaque to the compiler and never breaks the graph.
+Both paths run the same launches and give bitwise identical results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.launch import pool_backward, pool_forward
+from .validation import validate
+
+
+def _forward(kv, score, ape, cu, cuc, total_comp, ratio, coff):
+    out = torch.empty((total_comp, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)
+    return pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+
+
+def _backward(grad, kv, score, ape, cu, cuc, ratio, coff):
+    grad = grad.contiguous()
+    dkv = torch.empty_like(kv)
+    dscore = torch.empty_like(score)
+    dape = torch.empty_like(ape)
+    pool_backward(kv, score, ape, cu, cuc, grad, dkv, dscore, dape, ratio=ratio, coff=coff)
+    return dkv, dscore, dape
+
+
+@torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=(), device_types="cuda")
+def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
+                cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, coff: int) -> torch.Tensor:
+    return _forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff)
+
+
+@pool_fwd_op.register_fake
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    return kv.new_empty((total_comp, kv.shape[1] // coff))
+
+
+@torch.library.custom_op("csa_compressor::pool_bwd", mutates_args=(), device_types="cuda")
+def pool_bwd_op(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
+                coff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+
+
+@pool_bwd_op.register_fake
+def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+
+
+def _setup_context(ctx, inputs, output):
+    kv, score, ape, cu, cuc, _, ratio, coff = inputs
+    ctx.save_for_backward(kv, score, ape, cu, cuc)
+    ctx.ratio, ctx.coff = ratio, coff
+
+
+def _op_backward(ctx, grad):
+    kv, score, ape, cu, cuc = ctx.saved_tensors
+    dkv, dscore, dape = pool_bwd_op(grad, kv, score, ape, cu, cuc, ctx.ratio, ctx.coff)
+    return dkv, dscore, dape, None, None, None, None, None
+
+
+pool_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _PoolFn(torch.autograd.Function):
+    """Eager path: same kernels, no dispatcher round trip."""
+
+    @staticmethod
+    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff):
+        ctx.save_for_backward(kv, score, ape, cu, cuc)
+        ctx.ratio, ctx.coff = ratio, coff
+        return _forward(kv, score, ape, cu, cuc, total_comp, ratio, coff)
+
+    @staticmethod
+    def backward(ctx, grad):
+        kv, score, ape, cu, cuc = ctx.saved_tensors
+        dkv, dscore, dape = _backward(grad, kv, score, ape, cu, cuc, ctx.ratio, ctx.coff)
+        return dkv, dscore, dape, None, None, None, None, None
+
+
+def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                       deterministic=None):
+    """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
+
+    Differentiable in ``kv``, ``score`` and ``ape``. Raises (never falls back) on anything
+    the kernels do not support. ``deterministic`` is accepted for API stability: the
+    backward is always bitwise reproducible (dape partials are reduced in a fixed order),
+    so both settings, and ``torch.use_deterministic_algorithms(True)``, give the same result.
+    """
+    p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
+                 for_kernel=True)
+    if torch.compiler.is_compiling():
+        return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp,
+                           ratio, coff)
+    return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp, ratio,
+                         coff)

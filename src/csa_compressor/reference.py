@@ -1,0 +1,167 @@
+"""Plain-PyTorch references of the gated pooling (SPEC §3-§5), differentiable, any device.
+
+Three numerics modes:
+
+- ``"upstream"``: the eager region as training runs it today: fp32 softmax over the
+  window, weights rounded to the input dtype, the product in the input dtype, the sum
+  accumulated in fp32 and rounded. This is what users compare against, and what the
+  benchmark times as "eager".
+- ``"fp32"``: the same operation order with every intermediate in fp32 and one final
+  rounding; max and sums are serial over the window slots and the backward is spelled
+  out (``dscore = p*dp - p*S``) so that it is reproducible anywhere. This is the fused
+  kernels' contract.
+- ``"fp64"``: the oracle; everything in float64 and the output left in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import check_ratio_coff, validate
+
+MODES = ("upstream", "fp32", "fp64")
+
+
+def row_geometry(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int):
+    """Per output row: first token ``t0``, block index ``i``, and whether it is a real row.
+
+    Rows at or beyond ``Nv = cu_seqlens_comp[-1]`` are padding rows: a first block at token 0.
+    """
+    dev = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    cuc = cu_seqlens_comp.to(torch.int64)
+    rows = torch.arange(total_comp, device=dev, dtype=torch.int64)
+    seg = torch.searchsorted(cuc[1:].contiguous(), rows, right=True)
+    real = seg < cuc.numel() - 1
+    seg_c = seg.clamp(max=cuc.numel() - 2)
+    i = torch.where(real, rows - cuc[seg_c], torch.zeros_like(rows))
+    t0 = torch.where(real, cu[seg_c] + i * ratio, torch.zeros_like(rows))
+    return t0, i, real
+
+
+def _windows(kv2, score2, ape, t0, i, ratio, coff, d):
+    """Gather ``(N, K, d)`` value and score windows plus a slot mask (False = empty slot)."""
+    T = kv2.shape[0]
+    k = torch.arange(ratio, device=kv2.device, dtype=torch.int64)
+    own = (t0[:, None] + k[None, :]).clamp(0, max(T - 1, 0))  # (N, ratio)
+    v_own = kv2[own][:, :, (coff - 1) * d:]
+    s_own = score2[own][:, :, (coff - 1) * d:]
+    a_own = ape[:, (coff - 1) * d:]
+    if coff == 1:
+        mask = torch.ones(t0.shape[0], ratio, dtype=torch.bool, device=kv2.device)
+        return v_own, s_own, a_own.unsqueeze(0).expand(t0.shape[0], -1, -1), mask
+    prev = (t0[:, None] - ratio + k[None, :]).clamp(0, max(T - 1, 0))
+    v = torch.cat([kv2[prev][:, :, :d], v_own], 1)
+    s = torch.cat([score2[prev][:, :, :d], s_own], 1)
+    a = torch.cat([ape[:, :d], a_own], 0).unsqueeze(0).expand(t0.shape[0], -1, -1)
+    has_prev = (i > 0)[:, None].expand(-1, ratio)
+    mask = torch.cat([has_prev, torch.ones_like(has_prev)], 1)
+    return v, s, a, mask
+
+
+class _SerialSoftmaxPool(torch.autograd.Function):
+    """fp32 pooling with serial reductions over slots and an explicit, fixed-order backward.
+
+    ``s``/``v`` are fp32 ``(N, K, d)``; empty slots carry ``s = -inf`` and ``v = 0``.
+    """
+
+    @staticmethod
+    def forward(ctx, s, v):
+        K = s.shape[1]
+        m = s[:, 0]
+        for k in range(1, K):
+            m = torch.maximum(m, s[:, k])
+        e = torch.exp(s - m[:, None])
+        den = e[:, 0]
+        for k in range(1, K):
+            den = den + e[:, k]
+        p = e / den[:, None]
+        acc = v[:, 0] * p[:, 0]
+        for k in range(1, K):
+            acc = acc + v[:, k] * p[:, k]
+        ctx.save_for_backward(p, v)
+        return acc
+
+    @staticmethod
+    def backward(ctx, g):
+        p, v = ctx.saved_tensors
+        dp = g[:, None] * v
+        pdp = p * dp
+        S = pdp[:, 0]
+        for k in range(1, p.shape[1]):
+            S = S + pdp[:, k]
+        ds = pdp - p * S[:, None]
+        dv = g[:, None] * p
+        return ds, dv
+
+
+def _pool(v, s, a, mask, mode, out_dtype):
+    if mode == "fp64":
+        s = s.double() + a.double()
+        v = v.double()
+    else:
+        s = s.float() + a
+    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    s = torch.where(mask[:, :, None], s, neg_inf)
+    if mode == "upstream":
+        p = torch.softmax(s, dim=1).to(v.dtype)
+        v = torch.where(mask[:, :, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+        return (v * p).float().sum(1).to(out_dtype)
+    v = torch.where(mask[:, :, None], v.to(s.dtype), torch.zeros((), dtype=s.dtype, device=s.device))
+    if mode == "fp64":
+        p = torch.softmax(s, dim=1)
+        return (v * p).sum(1)
+    return _SerialSoftmaxPool.apply(s, v).to(out_dtype)
+
+
+def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, mode="fp32"):
+    """Reference gated pooling over a packed THD batch; returns ``(total_comp, d)``.
+
+    The output has the dtype of ``kv``, except in ``"fp64"`` mode (float64). Padding rows
+    (``b >= cu_seqlens_comp[-1]``) are computed from token 0 with no gradient; if
+    ``T < ratio`` they are zeros. Reads ``cu_seqlens_comp[-1]`` on the host (syncs).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    prob = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff)
+    kv2, score2, d, N = prob.kv, prob.score, prob.head_dim, total_comp
+    out_dtype = torch.float64 if mode == "fp64" else kv2.dtype
+    T = kv2.shape[0]
+    t0, i, real = row_geometry(prob.cu_seqlens, prob.cu_seqlens_comp, N, ratio)
+    n_real = int(real.sum())  # real rows come first: b < Nv
+    out = kv2.new_zeros((N, d), dtype=out_dtype)
+    if n_real:
+        v, s, a, mask = _windows(kv2, score2, ape, t0[:n_real], i[:n_real], ratio, coff, d)
+        out_real = _pool(v, s, a, mask, mode, out_dtype)
+    else:
+        out_real = out[:0]
+    if N > n_real and T >= ratio:
+        # Padding rows exist only for static shapes: finite values, no gradient.
+        n_pad = N - n_real
+        with torch.no_grad():
+            v, s, a, mask = _windows(kv2.detach(), score2.detach(), ape.detach(),
+                                     t0[n_real:], i[n_real:], ratio, coff, d)
+            out_pad = _pool(v[:1], s[:1], a[:1], mask[:1], mode, out_dtype).expand(n_pad, d)
+    else:
+        out_pad = out[n_real:]
+    return torch.cat([out_real, out_pad], 0)
+
+
+def compress_sbhd(kv, score, ape, *, ratio, coff, mode="fp32"):
+    """Reference for ``(S, B, coff*d)`` inputs: every batch column is one segment of length S.
+
+    Returns ``(S // ratio, B, d)``.
+    """
+    check_ratio_coff(ratio, coff)
+    for name, t in (("kv", kv), ("score", score)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected shape (S, B, coff*d), got {tuple(getattr(t, 'shape', ()))}")
+    S, B, W = kv.shape
+    if score.shape != kv.shape:
+        raise ValueError(f"score: expected the shape of kv {tuple(kv.shape)}, got {tuple(score.shape)}")
+    kv_t = kv.transpose(0, 1).reshape(B * S, W)
+    score_t = score.transpose(0, 1).reshape(B * S, W)
+    cu = torch.arange(B + 1, device=kv.device, dtype=torch.int32) * S
+    cuc = torch.arange(B + 1, device=kv.device, dtype=torch.int32) * (S // ratio)
+    out = compress_thd(kv_t, score_t, ape, cu, cuc, B * (S // ratio), ratio=ratio, coff=coff, mode=mode)
+    return out.view(B, S // ratio, -1).transpose(0, 1)

@@ -1,0 +1,160 @@
+"""Input validation shared by every public entry (references, fused op, kernel API, dispatch).
+
+Each error names the argument, the value seen and what was expected. Nothing here reads
+tensor contents, so validation never syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OFFSET_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1
+# The kernels load 16-byte vectors; pointers must allow it (the allocator gives 256 B).
+KERNEL_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated call: 2-D views of the inputs and the sizes that shape the work."""
+
+    kv: torch.Tensor  # (T, coff*d)
+    score: torch.Tensor  # (T, coff*d)
+    ape: torch.Tensor  # (ratio, coff*d) fp32
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    cu_seqlens_comp: torch.Tensor  # (B+1,) int32
+    total_comp: int
+    ratio: int
+    coff: int
+    head_dim: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name}: expected an int {rng}, got {value}")
+    return value
+
+
+def _check_tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_ratio_coff(ratio, coff) -> None:
+    _check_int("ratio", ratio, 1)
+    if isinstance(coff, bool) or not isinstance(coff, int) or coff not in (1, 2):
+        raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
+
+
+def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 3:
+        if t.shape[1] != 1:
+            raise ValueError(f"{name}: a 3-D input must be (T, 1, coff*d), got shape {tuple(t.shape)}")
+        return t.view(t.shape[0], t.shape[2]) if t.is_contiguous() else t[:, 0, :]
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected shape (T, coff*d) or (T, 1, coff*d), got {tuple(t.shape)}")
+    return t
+
+
+def _check_offsets(name: str, t) -> torch.Tensor:
+    _check_tensor(name, t)
+    if t.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"{name}: expected int32 (or int64) offsets, got {t.dtype}")
+    if t.dim() != 1 or t.numel() < 2:
+        raise ValueError(f"{name}: expected a 1-D tensor of B+1 >= 2 offsets, got shape {tuple(t.shape)}")
+    return t
+
+
+def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+             for_kernel: bool = False) -> Problem:
+    """Check every argument of a THD call and return 2-D views and sizes.
+
+    ``for_kernel`` adds what the fused kernels need beyond the math: a CUDA device,
+    contiguous storage, 16-byte aligned data pointers and int32-addressable sizes.
+    """
+    check_ratio_coff(ratio, coff)
+    _check_int("total_comp", total_comp, 0)
+    kv = _as_2d("kv", _check_tensor("kv", kv))
+    score = _as_2d("score", _check_tensor("score", score))
+    ape = _check_tensor("ape", ape)
+    if kv.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv: expected dtype bfloat16, float16 or float32, got {kv.dtype}")
+    if score.dtype != kv.dtype:
+        raise TypeError(f"score: expected the dtype of kv ({kv.dtype}), got {score.dtype}")
+    if score.shape != kv.shape:
+        raise ValueError(f"score: expected the shape of kv {tuple(kv.shape)}, got {tuple(score.shape)}")
+    width = kv.shape[1]
+    if width == 0 or width % coff:
+        raise ValueError(f"kv: last dimension must be a positive multiple of coff={coff}, got {width}")
+    if ape.dtype != torch.float32:
+        raise TypeError(f"ape: expected float32, got {ape.dtype}")
+    if tuple(ape.shape) != (ratio, width):
+        raise ValueError(f"ape: expected shape (ratio, coff*d) = ({ratio}, {width}), got {tuple(ape.shape)}")
+    cu = _check_offsets("cu_seqlens", cu_seqlens)
+    cuc = _check_offsets("cu_seqlens_comp", cu_seqlens_comp)
+    if cuc.numel() != cu.numel():
+        raise ValueError(
+            f"cu_seqlens_comp: expected the length of cu_seqlens ({cu.numel()}), got {cuc.numel()}"
+        )
+    devices = {t.device for t in (kv, score, ape, cu, cuc)}
+    if len(devices) != 1:
+        raise ValueError(
+            "kv, score, ape, cu_seqlens, cu_seqlens_comp: expected one device, got "
+            + ", ".join(f"{n}={t.device}" for n, t in
+                        (("kv", kv), ("score", score), ("ape", ape), ("cu_seqlens", cu),
+                         ("cu_seqlens_comp", cuc)))
+        )
+    head_dim = width // coff
+    if kv.shape[0] * width > INT32_MAX:
+        raise ValueError(f"kv: T*coff*d = {kv.shape[0] * width} overflows int32 offsets (max {INT32_MAX})")
+    if total_comp * head_dim > INT32_MAX:
+        raise ValueError(f"total_comp: N*d = {total_comp * head_dim} overflows int32 offsets (max {INT32_MAX})")
+    if for_kernel:
+        dev = kv.device
+        if dev.type != "cuda":
+            raise ValueError(f"kv: the fused kernels need CUDA tensors, got device {dev}")
+        for name, t in (("kv", kv), ("score", score), ("ape", ape)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
+            if t.data_ptr() % KERNEL_ALIGN_BYTES:
+                raise ValueError(
+                    f"{name}: expected a {KERNEL_ALIGN_BYTES}-byte aligned data pointer, "
+                    f"got address {t.data_ptr():#x}"
+                )
+        for name, t in (("cu_seqlens", cu), ("cu_seqlens_comp", cuc)):
+            if t.dtype == torch.int32 and not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
+    cu = cu.to(torch.int32).contiguous()
+    cuc = cuc.to(torch.int32).contiguous()
+    return Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
+
+
+def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A caller-provided output buffer of the kernel-level API."""
+    _check_tensor(name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
+    if t.data_ptr() % KERNEL_ALIGN_BYTES:
+        raise ValueError(f"{name}: expected a {KERNEL_ALIGN_BYTES}-byte aligned data pointer, got {t.data_ptr():#x}")
+    return t
