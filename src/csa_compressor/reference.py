@@ -118,33 +118,23 @@ def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, rat
     """Reference gated pooling over a packed THD batch; returns ``(total_comp, d)``.
 
     The output has the dtype of ``kv``, except in ``"fp64"`` mode (float64). Padding rows
-    (``b >= cu_seqlens_comp[-1]``) are computed from token 0 with no gradient; if
-    ``T < ratio`` they are zeros. Reads ``cu_seqlens_comp[-1]`` on the host (syncs).
+    (``b >= cu_seqlens_comp[-1]``) are computed from token 0 and take no gradient; if
+    ``T < ratio`` they are zeros. No host sync: the region can be captured in a CUDA
+    graph and traced by ``torch.compile``, which is how the benchmark runs it.
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     prob = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff)
     kv2, score2, d, N = prob.kv, prob.score, prob.head_dim, total_comp
     out_dtype = torch.float64 if mode == "fp64" else kv2.dtype
-    T = kv2.shape[0]
+    if N == 0 or kv2.shape[0] < ratio:
+        # No window fits: every row is a zero padding row (or there are no rows).
+        return kv2.new_zeros((N, d), dtype=out_dtype)
     t0, i, real = row_geometry(prob.cu_seqlens, prob.cu_seqlens_comp, N, ratio)
-    n_real = int(real.sum())  # real rows come first: b < Nv
-    out = kv2.new_zeros((N, d), dtype=out_dtype)
-    if n_real:
-        v, s, a, mask = _windows(kv2, score2, ape, t0[:n_real], i[:n_real], ratio, coff, d)
-        out_real = _pool(v, s, a, mask, mode, out_dtype)
-    else:
-        out_real = out[:0]
-    if N > n_real and T >= ratio:
-        # Padding rows exist only for static shapes: finite values, no gradient.
-        n_pad = N - n_real
-        with torch.no_grad():
-            v, s, a, mask = _windows(kv2.detach(), score2.detach(), ape.detach(),
-                                     t0[n_real:], i[n_real:], ratio, coff, d)
-            out_pad = _pool(v[:1], s[:1], a[:1], mask[:1], mode, out_dtype).expand(n_pad, d)
-    else:
-        out_pad = out[n_real:]
-    return torch.cat([out_real, out_pad], 0)
+    v, s, a, mask = _windows(kv2, score2, ape, t0, i, ratio, coff, d)
+    out = _pool(v, s, a, mask, mode, out_dtype)
+    # Padding rows exist only for static shapes: finite values, no gradient.
+    return torch.where(real[:, None], out, out.detach())
 
 
 def compress_sbhd(kv, score, ape, *, ratio, coff, mode="fp32"):
