@@ -1,0 +1,398 @@
+"""`python -m csa_compressor bench`: eager vs torch.compile vs fused, side by side.
+
+Method (SPEC §8): 20 calls captured in one CUDA graph, the graph replayed, time per call =
+replay time / 20, median over replays. The 20 calls rotate over enough copies of the
+inputs that their total exceeds twice the L2, so no call reads another call's data out of
+L2. Forward is timed with inputs that require grad (the training setting: each
+implementation saves what its backward needs). The floor is the bytes that must move
+(forward: read kv and score, write out; backward: read kv, score and grad_out, write dkv
+and dscore) over the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import reference
+from .layout import compressed_capacity, compressed_cu_seqlens
+
+CALLS_PER_GRAPH = 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    lens: tuple
+    d: int
+    ratio: int
+    coff: int
+
+    @property
+    def name(self) -> str:
+        if len(set(self.lens)) == 1 and len(self.lens) > 0:
+            pack = f"{len(self.lens)}x{self.lens[0]}"
+        else:
+            pack = "[" + ",".join(map(str, self.lens)) + "]"
+        return f"{pack}:{self.d}:{self.ratio}:{self.coff}"
+
+
+def parse_shape(text: str) -> Shape:
+    """``3x8192:512:4:2`` or ``1023+2048+509+3+0+77:128:4:2`` (pack:head_dim:ratio:coff)."""
+    try:
+        pack, d, ratio, coff = text.strip().split(":")
+        if "x" in pack:
+            b, n = pack.split("x")
+            lens = (int(n),) * int(b)
+        else:
+            lens = tuple(int(x) for x in pack.strip("[]").replace(",", "+").split("+"))
+        return Shape(lens, int(d), int(ratio), int(coff))
+    except ValueError as exc:
+        raise ValueError(f"--shapes: cannot parse {text!r}; expected e.g. 3x8192:512:4:2") from exc
+
+
+PRODUCTION = [parse_shape(s) for s in (
+    "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",
+    "1023+2048+509+3+0+77:128:4:2", "1x8192:128:128:1", "3x8192:512:128:1",
+)]
+DEFAULT = PRODUCTION + [parse_shape(s) for s in ("1x8192:512:128:2", "3x8192:512:2:2")]
+EXTRA = [parse_shape(s) for s in ("2048x64:128:4:2", "1x131072:128:4:2", "1x8192:65:3:2")]
+# torch.compile costs tens of seconds per shape; by default it runs where SPEC §8 quotes it.
+COMPILE_DEFAULT = {"1x8192:128:4:2", "3x8192:512:4:2", "1x8192:128:128:1", "3x8192:512:128:1"}
+
+
+def shapes_from_arg(arg: str) -> list[Shape]:
+    if arg in (None, "default"):
+        return list(DEFAULT)
+    if arg == "production":
+        return list(PRODUCTION)
+    if arg == "all":
+        return list(DEFAULT) + list(EXTRA)
+    return [parse_shape(s) for s in arg.split(",") if s.strip()]
+
+
+def make_inputs(shape: Shape, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, W = sum(shape.lens), shape.coff * shape.d
+    kv = torch.randn(T, W, device=device, dtype=torch.float32, generator=gen).to(dtype)
+    score = (2 * torch.randn(T, W, device=device, generator=gen)).to(dtype)
+    ape = torch.randn(shape.ratio, W, device=device, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(shape.lens).cumsum(0).tolist()), dtype=torch.int32,
+                      device=device)
+    cuc = compressed_cu_seqlens(cu, shape.ratio)
+    # Static capacity, as a CUDA-graph training step would pass it (no host sync).
+    N = compressed_capacity(T, len(shape.lens), max(shape.lens), shape.ratio)
+    g = torch.randn(N, shape.d, device=device, generator=gen).to(dtype)
+    return kv, score, ape, cu, cuc, N, g
+
+
+def floor_bytes(shape: Shape, N: int, elem: int):
+    T, W = sum(shape.lens), shape.coff * shape.d
+    fwd = 2 * T * W * elem + N * shape.d * elem
+    bwd = 2 * T * W * elem + N * shape.d * elem + 2 * T * W * elem
+    return fwd, fwd + bwd
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), outside graphs."""
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del x, y
+    return 2 * n / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def time_graph(step, n_sets: int, replays: int = 15) -> float:
+    """µs per call: CALLS_PER_GRAPH calls in one graph, rotating over n_sets inputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_sets):
+            step(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS_PER_GRAPH):
+            step(i % n_sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS_PER_GRAPH)
+    del graph
+    return _median(times)
+
+
+def wall_clock(call, reps: int = 30) -> float:
+    """µs per call outside graphs: CUDA events around the Python call."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return _median(times)
+
+
+def _implementations(names):
+    from .ops import compress_thd_fused
+
+    def eager(kv, score, ape, cu, cuc, N, ratio, coff):
+        return reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff, mode="upstream")
+
+    impls = {}
+    if "eager" in names:
+        impls["eager"] = eager
+    if "compile" in names:
+        impls["compile"] = torch.compile(eager, dynamic=False)
+    if "fused" in names:
+        impls["fused"] = lambda kv, score, ape, cu, cuc, N, ratio, coff: compress_thd_fused(
+            kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff)
+    return impls
+
+
+def gate(shape, sets, dtype) -> list[str]:
+    """Fused vs the fp32 reference on the first input set (forward and gradients)."""
+    from .numerics import compare
+    from .ops import compress_thd_fused
+
+    kv, score, ape, cu, cuc, N, g = sets[0]
+    outs = {}
+    for name, fn in (("fused", lambda *a: compress_thd_fused(*a[:6], ratio=shape.ratio, coff=shape.coff)),
+                     ("fp32", lambda *a: reference.compress_thd(*a[:6], ratio=shape.ratio, coff=shape.coff))):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+        out = fn(*leaves, cu, cuc, N)
+        grads = torch.autograd.grad(out, leaves, g)
+        outs[name] = (out.detach(), *grads)
+    bitwise = shape.ratio <= 8
+    fails = []
+    for i, (nm, clause) in enumerate((("out", "ulp"), ("dkv", "bitwise" if bitwise else "ulp"),
+                                       ("dscore", "bitwise" if bitwise else "ulp"), ("dape", "atol"))):
+        f, r = outs["fused"][i], outs["fp32"][i]
+        fails += compare(nm, f, r, r, r, clause=clause, against_upstream=False).failures
+    return fails
+
+
+def environment() -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import cutlass
+
+        env["cutlass_dsl"] = cutlass.__version__
+    except Exception:
+        env["cutlass_dsl"] = None
+    env["commit"] = os.environ.get("CSA_COMMIT")
+    if not env["commit"]:
+        try:
+            env["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                                    stderr=subprocess.DEVNULL, text=True).strip()
+        except Exception:
+            env["commit"] = "unknown"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+        try:
+            env["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                stderr=subprocess.DEVNULL, text=True).strip().splitlines()[0]
+        except Exception:
+            env["driver"] = "unknown"
+    return env
+
+
+def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), compile_all=False,
+        progress=print):
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    impls = _implementations(impl_names)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    total = len(shapes) * len(impls)
+    done = 0
+    for shape in shapes:
+        set_bytes = 2 * sum(shape.lens) * shape.coff * shape.d * elem
+        n_sets = max(1, min(CALLS_PER_GRAPH, math.ceil(2 * l2 / max(set_bytes, 1))))
+        sets = [make_inputs(shape, dtype, device, seed=i) for i in range(n_sets)]
+        N = sets[0][5]
+        fwd_b, all_b = floor_bytes(shape, N, elem)
+        gate_fail = gate(shape, sets, dtype) if "fused" in impls else []
+        for name, fn in impls.items():
+            done += 1
+            row = {"shape": shape.name, "impl": name, "N": N, "input_sets": n_sets,
+                   "floor_fwd_us": fwd_b / bw * 1e6, "floor_fwdbwd_us": all_b / bw * 1e6}
+            if name == "compile" and not compile_all and shape.name not in COMPILE_DEFAULT:
+                continue
+            progress(f"[{done}/{total}] {shape.name} {name} ...")
+            if name == "fused" and gate_fail:
+                row["error"] = "correctness gate failed: " + "; ".join(gate_fail)
+                rows.append(row)
+                continue
+            leaves = [[t.detach().clone().requires_grad_(True) for t in s[:3]] for s in sets]
+
+            def fwd(i, fn=fn):
+                s = sets[i]
+                return fn(*leaves[i], s[3], s[4], N, shape.ratio, shape.coff)
+
+            def fwdbwd(i, fn=fn):
+                out = fwd(i)
+                return torch.autograd.grad(out, leaves[i], sets[i][6])
+
+            try:
+                row["fwd_us"] = time_graph(fwd, n_sets)
+                row["fwdbwd_us"] = time_graph(fwdbwd, n_sets)
+                row["wall_fwd_us"] = wall_clock(lambda: fwd(0))
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwdbwd(0)
+                torch.cuda.synchronize()
+                row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            except Exception as exc:  # report, never hide
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            for key in ("fwd", "fwdbwd"):
+                if f"{key}_us" in row:
+                    row[f"{key}_pct_floor"] = 100 * row[f"floor_{key}_us"] / row[f"{key}_us"]
+                    row[f"{key}_tbps"] = (fwd_b if key == "fwd" else all_b) / row[f"{key}_us"] / 1e6
+            rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return {"environment": environment(), "copy_bandwidth_tbps": bw / 1e12, "dtype": str(dtype),
+            "calls_per_graph": CALLS_PER_GRAPH, "rows": rows}
+
+
+def _fmt(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def table(result) -> str:
+    head = ("| shape (pack:d:ratio:coff) | impl | fwd µs | fwd+bwd µs | floor fwd / fwd+bwd µs | "
+            "% floor fwd / fwd+bwd | wall fwd µs | peak MiB |")
+    lines = [head, "|" + "---|" * 8]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['impl']} | error: {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['impl']} | {_fmt(r.get('fwd_us'))} | {_fmt(r.get('fwdbwd_us'))} | "
+            f"{_fmt(r['floor_fwd_us'])} / {_fmt(r['floor_fwdbwd_us'])} | "
+            f"{_fmt(r.get('fwd_pct_floor'), 0)} / {_fmt(r.get('fwdbwd_pct_floor'), 0)} | "
+            f"{_fmt(r.get('wall_fwd_us'))} | {_fmt(r.get('peak_mib'))} |")
+    return "\n".join(lines)
+
+
+def header(result) -> str:
+    e = result["environment"]
+    return (f"GPU {e.get('gpu')}, driver {e.get('driver')}, torch {e['torch']}, CuTe DSL "
+            f"{e['cutlass_dsl']}, commit {e['commit']}, {e['date']}; dtype {result['dtype']}; "
+            f"measured copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s; "
+            f"{result['calls_per_graph']} calls per graph")
+
+
+def plot(result, out_dir) -> list[str]:
+    """PNG plots (needs matplotlib); returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "fwd_us" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    files = []
+    for key, title in (("fwd", "forward"), ("fwdbwd", "forward + backward")):
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        width = 0.8 / (len(impls) + 1)
+        for j, impl in enumerate(impls + ["floor"]):
+            xs, ys = [], []
+            for i, s in enumerate(shapes):
+                r = next((r for r in rows if r["shape"] == s and (r["impl"] == impl or impl == "floor")), None)
+                if r is None:
+                    continue
+                xs.append(i + j * width)
+                ys.append(r[f"floor_{key}_us"] if impl == "floor" else r[f"{key}_us"])
+            ax.bar(xs, ys, width, label=impl)
+        ax.set_yscale("log")
+        ax.set_xticks([i + 0.4 for i in range(len(shapes))], shapes, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel("µs per call (log)")
+        ax.set_title(f"{title}: {header(result)[:90]}", fontsize=8)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"time_{key}.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        files.append(path)
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for key in ("fwd", "fwdbwd"):
+        ys = [next((r.get(f"{key}_pct_floor") for r in rows if r["shape"] == s and r["impl"] == "fused"), 0)
+              for s in shapes]
+        ax.plot(range(len(shapes)), ys, marker="o", label=f"fused {key}")
+    ax.set_xticks(range(len(shapes)), shapes, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("% of memory floor")
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "pct_floor.png")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    files.append(path)
+    return files
+
+
+def write(result, out_dir) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(header(result) + "\n\n" + table(result) + "\n")
+    files = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")]
+    try:
+        files += plot(result, out_dir)
+    except ImportError:
+        print("matplotlib missing: no plots (python -m csa_compressor plot results.json makes them)",
+              file=sys.stderr)
+    return files
+
+
+def no_gpu_demo() -> int:
+    print("No CUDA GPU: the fused kernels need an NVIDIA GPU with compute capability 9.0 or newer "
+          "(H100/H200, B200/GB200). Running the reference path on a small pack instead.")
+    shape = parse_shape("40+13+0+7:64:4:2")
+    kv, score, ape, cu, cuc, N, g = make_inputs(shape, torch.float32, torch.device("cpu"))
+    t = time.perf_counter()
+    out = reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=4, coff=2, mode="upstream")
+    print(f"reference (upstream) on {shape.name}: out {tuple(out.shape)} in "
+          f"{(time.perf_counter() - t) * 1e3:.1f} ms on the CPU")
+    return 0

@@ -1,0 +1,62 @@
+"""`python -m csa_compressor check`: the SPEC §5 numerics gate over a grid of packs."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .bench import make_inputs, parse_shape
+from .numerics import compare
+
+# Ragged packs: an empty segment, one shorter than ratio, tails, token padding via the
+# static capacity; one odd head_dim; each ratio family (short overlapping, long).
+GRID = [
+    "37+0+3+64+129+1+250:128:1:1", "37+0+3+64+129+1+250:128:2:2", "37+0+3+64+129+1+250:128:4:2",
+    "37+0+3+64+129+1+250:512:4:2", "37+0+3+64+129+1+250:65:3:2", "37+0+3+64+129+1+250:64:8:1",
+    "300+0+127+520:128:128:1", "300+0+127+520:64:128:2",
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _run(fn, kv, score, ape, cu, cuc, N, g, ratio, coff):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    out = fn(*leaves, cu, cuc, N, ratio=ratio, coff=coff)
+    grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
+    return (out.detach(), *grads)
+
+
+def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
+    from .ops import compress_thd_fused
+
+    failures = 0
+    out("| pack:d:ratio:coff | dtype | output | bitwise | differ | max ulp | L1 err fp32 ref | "
+        "L1 err upstream | L1 err fused | verdict |")
+    out("|" + "---|" * 10)
+    for spec in grid:
+        shape = parse_shape(spec)
+        for dname in dtypes:
+            dt = DTYPES[dname]
+            kv, score, ape, cu, cuc, N, g = make_inputs(shape, dt, torch.device("cuda"), seed=1)
+            N += 3  # static-capacity padding rows, with non-zero gradient arriving on them
+            g = torch.cat([g, torch.randn(3, shape.d, device="cuda").to(dt)])
+
+            def ref(mode):
+                return lambda *a, **k: reference.compress_thd(*a, mode=mode, **k)
+
+            fused = _run(compress_thd_fused, kv, score, ape, cu, cuc, N, g, shape.ratio, shape.coff)
+            r32 = _run(ref("fp32"), kv, score, ape, cu, cuc, N, g, shape.ratio, shape.coff)
+            up = _run(ref("upstream"), kv, score, ape, cu, cuc, N, g, shape.ratio, shape.coff)
+            ora = _run(ref("fp64"), kv.float(), score.float(), ape, cu, cuc, N, g.float(),
+                       shape.ratio, shape.coff)
+            bitwise = shape.ratio <= 8
+            clauses = ("ulp", "bitwise" if bitwise else "ulp", "bitwise" if bitwise else "ulp", "atol")
+            for i, (name, clause) in enumerate(zip(("out", "dkv", "dscore", "dape"), clauses)):
+                rep = compare(name, fused[i], r32[i], up[i], ora[i], clause=clause,
+                              against_upstream=dt != torch.float32)
+                failures += len(rep.failures)
+                verdict = "ok" if not rep.failures else "FAIL: " + "; ".join(rep.failures)
+                out(f"| {spec} | {dname} | {name} | {'yes' if rep.bitwise else 'no'} | "
+                    f"{rep.n_diff}/{rep.numel} | {rep.max_ulp:.2f} | {rep.err_fp32:.4g} | "
+                    f"{rep.err_upstream:.4g} | {rep.err_fused:.4g} | {verdict} |")
+    out(f"\n{'PASS' if failures == 0 else 'FAIL'}: {failures} contract clause(s) failed")
+    return 1 if failures else 0

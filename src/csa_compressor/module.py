@@ -1,0 +1,126 @@
+"""``Compressor``: the whole Compressor block as an ``nn.Module`` (projections, gated
+pooling, RMSNorm, rotary embedding, optional Hadamard rotation)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import reference
+from .dispatch import fused_unavailable_reason
+from .layout import compressed_capacity, compressed_cu_seqlens
+
+POOLING = ("auto", "fused", "reference")
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
+    d = x.shape[-1]
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
+        h *= 2
+    return (y / math.sqrt(d)).view(x.shape)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool):
+    """Rotary embedding on the last ``rope_dim`` channels of ``x`` (rows x channels, fp32)
+    at integer positions ``pos`` (one per row)."""
+    if rope_dim == 0:
+        return x
+    inv = theta ** (-torch.arange(0, rope_dim, 2, device=x.device, dtype=torch.float64) / rope_dim)
+    ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((head, out), dim=-1)
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, *, coff: int | None = None,
+                 rope_dim: int = 64, rope_theta: float = 160000.0, rope_interleaved: bool = True,
+                 norm_eps: float = 1e-6, rotate: bool = False, dtype=torch.bfloat16, device=None,
+                 pooling: str = "auto"):
+        super().__init__()
+        coff = (2 if ratio == 4 else 1) if coff is None else coff
+        if coff not in (1, 2):
+            raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
+        if ratio < 1:
+            raise ValueError(f"ratio: expected an int >= 1, got {ratio!r}")
+        if rope_dim % 2 or not 0 <= rope_dim <= head_dim:
+            raise ValueError(f"rope_dim: expected an even int in [0, head_dim={head_dim}], got {rope_dim}")
+        if rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
+        if pooling not in POOLING:
+            raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
+        self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
+        self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
+        self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
+        width = coff * head_dim
+        self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
+        self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
+        self.ape = nn.Parameter(0.02 * torch.randn(ratio, width, dtype=torch.float32, device=device))
+        self.norm_weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
+
+    def pool(self, kv, score, cu, cuc, total_comp):
+        args = (kv, score, self.ape, cu, cuc, total_comp)
+        if self.pooling != "reference":
+            reason = fused_unavailable_reason(*args, ratio=self.ratio, coff=self.coff)
+            if reason is None:
+                from .ops import compress_thd_fused
+
+                return compress_thd_fused(*args, ratio=self.ratio, coff=self.coff)
+            if self.pooling == "fused":
+                raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
+        return reference.compress_thd(*args, ratio=self.ratio, coff=self.coff, mode="fp32")
+
+    def _finish(self, pooled, pos):
+        x = pooled.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
+        x = apply_rope(x, pos, self.rope_dim, self.rope_theta, self.rope_interleaved)
+        if self.rotate:
+            x = hadamard(x)
+        return x.to(pooled.dtype)
+
+    def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):
+        """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->
+        ``(compressed (N, head_dim), cu_seqlens_comp)``. ``total_comp`` defaults to the static
+        capacity from ``max_seqlen`` (no sync) or else the true count (syncs).
+        SBHD: ``x`` (S, B, hidden) -> (S // ratio, B, head_dim)."""
+        if cu_seqlens is None:
+            if x.dim() != 3:
+                raise ValueError(f"x: expected (S, B, hidden) without cu_seqlens, got {tuple(x.shape)}")
+            S, B, _ = x.shape
+            kv = self.wkv(x).transpose(0, 1).reshape(B * S, -1)
+            score = self.wgate(x).transpose(0, 1).reshape(B * S, -1)
+            cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * S
+            n = S // self.ratio
+            cuc = torch.arange(B + 1, device=x.device, dtype=torch.int32) * n
+            pooled = self.pool(kv, score, cu, cuc, B * n)
+            pos = (torch.arange(n, device=x.device) * self.ratio).repeat(B)
+            return self._finish(pooled, pos).view(B, n, -1).transpose(0, 1)
+        if x.dim() == 3:
+            if x.shape[1] != 1:
+                raise ValueError(f"x: a 3-D THD input must be (T, 1, hidden), got {tuple(x.shape)}")
+            x = x.squeeze(1)
+        if x.dim() != 2:
+            raise ValueError(f"x: expected (T, hidden) or (T, 1, hidden), got {tuple(x.shape)}")
+        cuc = compressed_cu_seqlens(cu_seqlens, self.ratio)
+        if total_comp is None:
+            if max_seqlen is not None:
+                total_comp = compressed_capacity(x.shape[0], cu_seqlens.numel() - 1, int(max_seqlen), self.ratio)
+            else:
+                total_comp = int(cuc[-1])
+        kv, score = self.wkv(x), self.wgate(x)
+        pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
+        _, i, _ = reference.row_geometry(cu_seqlens, cuc, total_comp, self.ratio)
+        return self._finish(pooled, i * self.ratio), cuc

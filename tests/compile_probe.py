@@ -1,0 +1,48 @@
+"""Compile one kernel for CUTE_DSL_ARCH on this (CPU) machine and print what ptxas and the PTX
+say about it as JSON. Run in a subprocess: the DSL reads its environment at import."""
+
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+direction, dtype, ratio, coff, d = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+dump = tempfile.mkdtemp()
+os.environ["CUTE_DSL_KEEP"] = "ptx"
+os.environ["CUTE_DSL_DUMP_DIR"] = dump
+os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
+
+import cutlass.cute as cute  # noqa: E402
+
+from csa_compressor.kernels import compile as cc  # noqa: E402
+
+_orig = cute.compile
+
+
+def _verbose(*a, options="", **k):
+    return _orig(*a, options=options + " --ptxas-options=-v", **k)
+
+
+cute.compile = _verbose
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    kernel, _ = cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+log = buf.getvalue()
+ptx = "".join(open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx"))
+regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+loads = {}
+for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
+    width = (int(m[0][2:]) if m[0] else 1) * int(m[1]) // 8
+    loads[width] = loads.get(width, 0) + 1
+print(json.dumps({"arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
+                  "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+                  "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
+                  "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
+                  "slots": kernel.slots, "ptx_bytes": len(ptx)}))
