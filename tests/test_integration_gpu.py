@@ -1,0 +1,191 @@
+"""torch.compile, CUDA graphs, dispatch, the Compressor module and streams on the GPU."""
+
+import pytest
+import torch
+
+import csa_compressor as C
+from csa_compressor import reference
+from packs import make_pack
+
+pytestmark = pytest.mark.gpu
+
+
+def pack(**kw):
+    return make_pack([100, 0, 3, 61, 256], 128, 4, 2, dtype=torch.bfloat16, device="cuda", **kw)
+
+
+def fwd_bwd(fn, kv, score, ape, cu, cuc, N, g):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    out = fn(*leaves, cu, cuc, N)
+    grads = torch.autograd.grad(out, leaves, g)
+    return (out.detach(), *grads)
+
+
+def fused(kv, score, ape, cu, cuc, N):
+    return C.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
+
+
+def test_torch_compile_fullgraph_no_break_bitwise():
+    import torch._dynamo
+
+    kv, score, ape, cu, cuc, N = pack(extra_rows=2)
+    g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(fused, fullgraph=True)
+    got = fwd_bwd(compiled, kv, score, ape, cu, cuc, N, g)
+    want = fwd_bwd(fused, kv, score, ape, cu, cuc, N, g)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_replay_with_smaller_true_count():
+    kv, score, ape, cu, cuc, N = pack(extra_rows=4)
+    g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    s_cu, s_cuc = cu.clone(), cuc.clone()
+    fwd_bwd(fused, kv, score, ape, cu, cuc, N, g)  # warm-up compiles
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fused(*leaves, s_cu, s_cuc, N)
+        torch.autograd.grad(out, leaves, g)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = fused(*leaves, s_cu, s_cuc, N)
+        grads = torch.autograd.grad(out, leaves, g)
+    # New contents, and offsets with fewer true rows than at capture.
+    new = make_pack([40, 20, 7, 0, 453], 128, 4, 2, dtype=torch.bfloat16, device="cuda", seed=9)
+    assert new[0].shape == kv.shape
+    for dst, src in zip(leaves, new[:3]):
+        dst.data.copy_(src)
+    s_cu.copy_(new[3])
+    s_cuc.copy_(new[4])
+    assert int(new[4][-1]) < int(cuc[-1])
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fwd_bwd(fused, *new[:5], N, g)
+    for a, b in zip((out, *grads), want):
+        assert torch.equal(a.detach(), b)
+
+
+def test_compile_during_capture_raises_and_context_survives():
+    kv, score, ape, cu, cuc, N = make_pack([64], 96, 4, 2, dtype=torch.float16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up call"):
+        with torch.cuda.graph(graph):
+            C.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
+    torch.cuda.synchronize()
+    out = C.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2)  # usable afterwards
+    ref = reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
+    assert (out != ref).sum() <= 1
+
+
+def test_precompile_then_capture():
+    kv, score, ape, cu, cuc, N = make_pack([64, 9], 80, 2, 2, dtype=torch.bfloat16, device="cuda")
+    C.precompile(torch.bfloat16, 2, 2, 80)
+    out = torch.empty(N, 80, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        C.pool_forward(kv, score, ape, cu, cuc, out, ratio=2, coff=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, C.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=2, coff=2))
+
+
+def test_dispatch_engages_and_refuses(monkeypatch):
+    kv, score, ape, cu, cuc, N = pack()
+    assert C.fused_unavailable_reason(kv, score, ape, cu, cuc, N, ratio=4, coff=2) is None
+    out = C.maybe_compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
+    assert out is not None and torch.equal(out, fused(kv, score, ape, cu, cuc, N))
+    assert C.maybe_compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2, enabled=False) is None
+    r = C.fused_unavailable_reason(kv.double(), score.double(), ape, cu, cuc, N, ratio=4, coff=2)
+    assert "kv: expected dtype" in r
+    big = torch.empty(kv.numel() + 8, dtype=kv.dtype, device="cuda")
+    r = C.fused_unavailable_reason(big[1:kv.numel() + 1].view_as(kv), score, ape, cu, cuc, N, ratio=4, coff=2)
+    assert "aligned" in r
+    r = C.fused_unavailable_reason(kv.t().contiguous().t(), score, ape, cu, cuc, N, ratio=4, coff=2)
+    assert "contiguous" in r
+    monkeypatch.setenv("CSA_COMPRESSOR_FUSED", "0")
+    assert C.maybe_compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2) is None
+
+
+def test_side_stream():
+    kv, score, ape, cu, cuc, N = pack()
+    want = fused(kv, score, ape, cu, cuc, N)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = fused(kv, score, ape, cu, cuc, N)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_non_default_device():
+    kv, score, ape, cu, cuc, N = pack()
+    want = fused(kv, score, ape, cu, cuc, N)
+    with torch.cuda.device(0):
+        got = fused(*(t.to("cuda:1") for t in (kv, score, ape, cu, cuc)), N)
+    assert got.device == torch.device("cuda:1") and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_module_fused_matches_reference_pooling(ratio):
+    torch.manual_seed(0)
+    m_f = C.Compressor(256, 128, ratio, device="cuda", pooling="fused")
+    m_r = C.Compressor(256, 128, ratio, device="cuda", pooling="reference")
+    m_r.load_state_dict(m_f.state_dict())
+    lens = [3 * ratio + 5, 0, 2 * ratio, ratio - 1]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    x = torch.randn(sum(lens), 256, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for m in (m_f, m_r):
+        xi = x.clone().requires_grad_(True)
+        y, _ = m(xi, cu, max_seqlen=max(lens))
+        y.float().square().sum().backward()
+        outs.append((y.detach(), xi.grad, [p.grad for p in m.parameters()]))
+    (yf, gxf, gpf), (yr, gxr, gpr) = outs
+    torch.testing.assert_close(yf, yr, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gxf, gxr, rtol=2e-2, atol=2e-2)
+    for a, b in zip(gpf, gpr):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    # SBHD
+    xs = torch.randn(4 * ratio, 2, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(m_f(xs), m_r(xs), rtol=2e-2, atol=2e-2)
+
+
+def test_module_training_step_compiles_without_breaks_and_with_checkpoint_autocast():
+    import torch._dynamo
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = C.Compressor(256, 128, 4, device="cuda")
+    cu = torch.tensor([0, 300, 301, 512], dtype=torch.int32, device="cuda")
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(mod, x):
+        y, _ = mod(x, cu, total_comp=128)
+        return y.float().square().mean()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    loss_c = compiled(m, x)
+    loss_c.backward()
+    g_c = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    loss_e = step(m, x)
+    loss_e.backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert torch.equal(loss_c, loss_e)
+    for a, p in zip(g_c, m.parameters()):
+        assert torch.equal(a, p.grad)
+    m.zero_grad()
+    xf = x.float().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = checkpoint(lambda t: step(m, t), xf, use_reentrant=False)
+    loss.backward()
+    assert torch.isfinite(xf.grad).all() and all(torch.isfinite(p.grad).all() for p in m.parameters())
