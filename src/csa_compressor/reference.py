@@ -31,7 +31,9 @@ def row_geometry(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, total_
     cu = cu_seqlens.to(torch.int64)
     cuc = cu_seqlens_comp.to(torch.int64)
     rows = torch.arange(total_comp, device=dev, dtype=torch.int64)
-    seg = torch.searchsorted(cuc[1:].contiguous(), rows, right=True)
+    # Last s with cuc[s] <= b (cuc[0] = 0); s == B past the true rows. (Searching the whole
+    # tensor, not a slice of it: inductor cannot lower searchsorted over a slice view.)
+    seg = torch.searchsorted(cuc, rows, right=True) - 1
     real = seg < cuc.numel() - 1
     seg_c = seg.clamp(max=cuc.numel() - 2)
     i = torch.where(real, rows - cuc[seg_c], torch.zeros_like(rows))
@@ -101,13 +103,13 @@ def _pool(v, s, a, mask, mode, out_dtype):
         v = v.double()
     else:
         s = s.float() + a
-    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
-    s = torch.where(mask[:, :, None], s, neg_inf)
+    # Scalars as python floats: a CPU tensor here would be a host copy, illegal in graph capture.
+    s = s.masked_fill(~mask[:, :, None], float("-inf"))
     if mode == "upstream":
         p = torch.softmax(s, dim=1).to(v.dtype)
-        v = torch.where(mask[:, :, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+        v = v.masked_fill(~mask[:, :, None], 0.0)
         return (v * p).float().sum(1).to(out_dtype)
-    v = torch.where(mask[:, :, None], v.to(s.dtype), torch.zeros((), dtype=s.dtype, device=s.device))
+    v = v.to(s.dtype).masked_fill(~mask[:, :, None], 0.0)
     if mode == "fp64":
         p = torch.softmax(s, dim=1)
         return (v * p).sum(1)

@@ -12,11 +12,14 @@ LONG_CHUNK_SLOTS: longer windows (ratio 128) are processed in chunks of at most 
   slots, each pass reloading its chunk (the serial op order is kept, so results are
   unchanged). 16-slot chunks of 8-element vectors spilled 368 B in the forward (ptxas,
   sm_90a); 8 fit.
-FWD_ROWS_PER_CTA / BWD_TARGET_CTAS_PER_SM: rows one CTA walks. The backward carries
-  per-CTA dape partials, so it walks more rows per CTA to keep their reduction small.
+FWD_CTA_THREADS / FWD_ROWS_PER_THREAD: forward CTAs stack row lanes on top of the column
+  lanes up to this many threads; each thread computes this many rows.
+BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
+  several rows each to keep the partials (and their reduction) small.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
-ZERO_TOKENS_PER_CTA: tokens a gradient zero-fill CTA checks.
+ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks (each
+  with its own segment search, so they overlap instead of forming a chain).
 """
 
 VEC_BYTES = 16
@@ -25,10 +28,11 @@ MIN_CHUNKS_PER_ROW = 32
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 LONG_CHUNK_SLOTS = 8
-FWD_ROWS_PER_CTA = 1
+FWD_CTA_THREADS = 256
+FWD_ROWS_PER_THREAD = 1
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
-ZERO_TOKENS_PER_CTA = 64
+ZERO_TOKENS_PER_THREAD = 2
 
 
 def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int = VEC_BYTES) -> int:

@@ -28,7 +28,7 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
         return out
     _, fn = get_kernel("fwd", p.kv.device, p.kv.dtype, ratio, coff, p.head_dim)
     with torch.cuda.device(p.kv.device):
-        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, config.FWD_ROWS_PER_CTA)
+        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out)
     return out
 
 
@@ -36,8 +36,8 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
     """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch."""
     target = max(1, sm_count(device.index) * config.BWD_TARGET_CTAS_PER_SM // kernel.col_groups)
     rows_per_cta = max(kernel.row_lanes, math.ceil(total_comp / target))
-    return (rows_per_cta, math.ceil(total_comp / rows_per_cta),
-            math.ceil(num_tokens / config.ZERO_TOKENS_PER_CTA))
+    tokens_per_cta = kernel.row_lanes * config.ZERO_TOKENS_PER_THREAD
+    return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):

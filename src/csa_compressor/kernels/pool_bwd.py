@@ -225,35 +225,32 @@ class PoolBackward:
                             _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
                             gWork[(None, (wrow0 + arow, colc))].store(dacc[kk, None].load())
             else:
-                self.zero_unread(gDKV, gDSc, mCu, mCuc, bx - num_row_ctas, chunk, num_rows,
-                                 num_tokens, num_seqs)
+                for j in cutlass.range_constexpr(config.ZERO_TOKENS_PER_THREAD):
+                    t = ((bx - num_row_ctas) * config.ZERO_TOKENS_PER_THREAD + j) * self.row_lanes + ty
+                    self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
 
     @cute.jit
-    def zero_unread(self, gDKV, gDSc, mCu, mCuc, zb, chunk, num_rows, num_tokens, num_seqs):
-        """Zeros for the elements of tokens [zb*Z, zb*Z+Z) that no computed row reads."""
+    def zero_unread(self, gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs):
+        """Zeros for the elements of token ``t`` that no computed row reads."""
         ratio, cpr = self.ratio, self.cpr
-        zero = cute.make_rmem_tensor((self.vec,), self.dtype)
-        zero.fill(0.0)
-        tok0 = zb * config.ZERO_TOKENS_PER_CTA
-        s = find_segment(mCu, tok0, num_seqs)
-        for j in cutlass.range(config.ZERO_TOKENS_PER_CTA):
-            t = tok0 + j
-            if t < num_tokens:
-                s = advance_segment(mCu, s, t, num_seqs)
-                own_read = cutlass.Boolean(False)
-                prev_read = cutlass.Boolean(False)
-                if s < num_seqs:
-                    start = mCu[s]
-                    nb = (mCu[s + 1] - start) // ratio
-                    blk = (t - start) // ratio
-                    row = mCuc[s] + blk
-                    own_read = (blk < nb) & (row < num_rows)
-                    prev_read = (blk + 1 < nb) & (row + 1 < num_rows)
-                own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
-                if ~own_read:
-                    gDKV[(None, (t, own_col))].store(zero.load())
-                    gDSc[(None, (t, own_col))].store(zero.load())
-                if cutlass.const_expr(self.coff == 2):
-                    if ~prev_read:
-                        gDKV[(None, (t, chunk))].store(zero.load())
-                        gDSc[(None, (t, chunk))].store(zero.load())
+        if t < num_tokens:
+            zero = cute.make_rmem_tensor((self.vec,), self.dtype)
+            zero.fill(0.0)
+            s = find_segment(mCu, t, num_seqs)
+            own_read = cutlass.Boolean(False)
+            prev_read = cutlass.Boolean(False)
+            if s < num_seqs:
+                start = mCu[s]
+                nb = (mCu[s + 1] - start) // ratio
+                blk = (t - start) // ratio
+                row = mCuc[s] + blk
+                own_read = (blk < nb) & (row < num_rows)
+                prev_read = (blk + 1 < nb) & (row + 1 < num_rows)
+            own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
+            if ~own_read:
+                gDKV[(None, (t, own_col))].store(zero.load())
+                gDSc[(None, (t, own_col))].store(zero.load())
+            if cutlass.const_expr(self.coff == 2):
+                if ~prev_read:
+                    gDKV[(None, (t, chunk))].store(zero.load())
+                    gDSc[(None, (t, chunk))].store(zero.load())

@@ -31,19 +31,21 @@ class PoolForward:
         self.chunk_slots = config.slot_chunk(self.slots)
         self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
+        self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
+        self.rows_per_cta = self.row_lanes * config.FWD_ROWS_PER_THREAD
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mOut: cute.Tensor, rows_per_cta: Int32, stream):
+                 mCuc: cute.Tensor, mOut: cute.Tensor, stream):
         tiler = (1, self.vec)
         gKV = cute.zipped_divide(mKV, tiler)
         gSc = cute.zipped_divide(mScore, tiler)
         gApe = cute.zipped_divide(mApe, tiler)
         gOut = cute.zipped_divide(mOut, tiler)
         num_rows = mOut.shape[0]
-        grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
-        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_cta).launch(
-            grid=[grid_x, self.col_groups, 1], block=[self.lanes, 1, 1], stream=stream)
+        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0]).launch(
+            grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1], stream=stream)
 
     @cute.jit
     def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
@@ -79,9 +81,8 @@ class PoolForward:
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
-               mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
-               rows_per_cta: Int32):
-        tid, _, _ = cute.arch.thread_idx()
+               mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32):
+        tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH = self.vec, self.chunk_slots
         n_chunks = self.slots // CH
@@ -94,8 +95,8 @@ class PoolForward:
         acc = cute.make_rmem_tensor((vec,), Float32)
         res = cute.make_rmem_tensor((vec,), self.dtype)
         if chunk < self.cpr:
-            for r in cutlass.range(rows_per_cta):
-                row = bx * rows_per_cta + r
+            for r in cutlass.range_constexpr(config.FWD_ROWS_PER_THREAD):
+                row = bx * self.rows_per_cta + r * self.row_lanes + ty
                 if row < num_rows:
                     s = find_segment(mCuc, row, num_seqs)
                     t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,

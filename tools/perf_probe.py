@@ -1,0 +1,59 @@
+"""Developer probe (H200): where the host time of a fused call goes, and an A/B sweep of the
+kernel-shaping constants. Not part of the package; results go to docs/perf-notes.md.
+
+    python tools/perf_probe.py host
+    python tools/perf_probe.py sweep
+"""
+
+import sys
+
+import torch
+
+from csa_compressor import bench, compress_thd_fused, pool_forward
+from csa_compressor.kernels import compile as cc
+from csa_compressor.kernels import config
+from csa_compressor.validation import validate
+
+
+def host():
+    shape = bench.parse_shape("1x8192:128:4:2")
+    kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
+    out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
+    pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)
+    _, fn = cc.get_kernel("fwd", kv.device, torch.bfloat16, 4, 2, 128)
+    raw = fn.__tvm_ffi_object__()
+    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+    cases = {
+        "validate(for_kernel)": lambda: validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2, for_kernel=True),
+        "compiled fn (kwargs wrapper)": lambda: fn(kv, score, ape, cu, cuc, out),
+        "raw tvm_ffi.Function": lambda: raw(kv, score, ape, cu, cuc, out),
+        "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
+        "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
+        "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
+        "empty kernel-free: torch.empty": lambda: torch.empty(N, 128, dtype=torch.bfloat16, device="cuda"),
+    }
+    for name, f in cases.items():
+        print(f"{name:40s} {bench.wall_clock(f, reps=200):8.1f} µs")
+
+
+def sweep():
+    shapes = [bench.parse_shape(s) for s in ("1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")]
+    variants = [dict(VEC_BYTES=16, FWD_CTA_THREADS=256, BWD_TARGET_CTAS_PER_SM=4),
+                dict(VEC_BYTES=8, FWD_CTA_THREADS=256, BWD_TARGET_CTAS_PER_SM=4),
+                dict(VEC_BYTES=16, FWD_CTA_THREADS=128, BWD_TARGET_CTAS_PER_SM=8),
+                dict(VEC_BYTES=8, FWD_CTA_THREADS=128, BWD_TARGET_CTAS_PER_SM=16)]
+    base = {k: getattr(config, k) for k in variants[0]}
+    for v in variants:
+        for k, val in v.items():
+            setattr(config, k, val)
+        cc._CACHE.clear()
+        r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
+        for row in r["rows"]:
+            print(v, row["shape"], f"fwd {row.get('fwd_us', float('nan')):.1f} µs "
+                  f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.1f} µs", row.get("error", ""))
+    for k, val in base.items():
+        setattr(config, k, val)
+
+
+if __name__ == "__main__":
+    {"host": host, "sweep": sweep}[sys.argv[1]]()
