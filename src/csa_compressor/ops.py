@@ -11,28 +11,34 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.launch import pool_backward, pool_forward
-from .validation import validate
+from .kernels.launch import launch_backward, launch_forward
+from .validation import Problem, validate
 
 
-def _forward(kv, score, ape, cu, cuc, total_comp, ratio, coff):
-    out = torch.empty((total_comp, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)
-    return pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
+    return validate(kv, score, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
 
 
-def _backward(grad, kv, score, ape, cu, cuc, ratio, coff):
+def _forward(p: Problem):
+    out = torch.empty((p.total_comp, p.head_dim), dtype=p.kv.dtype, device=p.kv.device)
+    return launch_forward(p, out)
+
+
+def _backward(grad, p: Problem):
+    # The output buffers are fresh allocations of the right shape: no need to check them.
     grad = grad.contiguous()
-    dkv = torch.empty_like(kv)
-    dscore = torch.empty_like(score)
-    dape = torch.empty_like(ape)
-    pool_backward(kv, score, ape, cu, cuc, grad, dkv, dscore, dape, ratio=ratio, coff=coff)
-    return dkv, dscore, dape
+    if grad.data_ptr() % 16:
+        grad = grad.clone()
+    dkv = torch.empty_like(p.kv)
+    dscore = torch.empty_like(p.score)
+    dape = torch.empty_like(p.ape)
+    return launch_backward(p, grad, dkv, dscore, dape)
 
 
 @torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=(), device_types="cuda")
 def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
                 cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, coff: int) -> torch.Tensor:
-    return _forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff)
+    return _forward(_problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
 
 
 @pool_fwd_op.register_fake
@@ -44,7 +50,7 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
 def pool_bwd_op(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                 cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
                 coff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+    return _backward(grad, _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad.shape[0], ratio, coff))
 
 
 @pool_bwd_op.register_fake
@@ -68,19 +74,20 @@ pool_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _PoolFn(torch.autograd.Function):
-    """Eager path: same kernels, no dispatcher round trip."""
+    """Eager path: same kernels, no dispatcher round trip, inputs validated once."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff):
+    def forward(ctx, kv, score, ape, cu, cuc, p):
         ctx.save_for_backward(kv, score, ape, cu, cuc)
-        ctx.ratio, ctx.coff = ratio, coff
-        return _forward(kv, score, ape, cu, cuc, total_comp, ratio, coff)
+        ctx.meta = (p.total_comp, p.ratio, p.coff, p.head_dim)
+        return _forward(p)
 
     @staticmethod
     def backward(ctx, grad):
         kv, score, ape, cu, cuc = ctx.saved_tensors
-        dkv, dscore, dape = _backward(grad, kv, score, ape, cu, cuc, ctx.ratio, ctx.coff)
-        return dkv, dscore, dape, None, None, None, None, None
+        p = Problem(kv, score, ape, cu, cuc, *ctx.meta)
+        dkv, dscore, dape = _backward(grad, p)
+        return dkv, dscore, dape, None, None, None
 
 
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
@@ -97,5 +104,4 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     if torch.compiler.is_compiling():
         return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp,
                            ratio, coff)
-    return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp, ratio,
-                         coff)
+    return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p)

@@ -13,7 +13,9 @@ LONG_CHUNK_SLOTS: longer windows (ratio 128) are processed in chunks of at most 
   unchanged). 16-slot chunks of 8-element vectors spilled 368 B in the forward (ptxas,
   sm_90a); 8 fit.
 FWD_CTA_THREADS / FWD_ROWS_PER_THREAD: forward CTAs stack row lanes on top of the column
-  lanes up to this many threads; each thread computes this many rows.
+  lanes up to this many threads; each thread computes this many rows. 128 beat 256 at
+  3x8192/512 (64.0 vs 83.9 us forward, equal at 1x8192/128; tools/perf_probe.py sweep,
+  H200, 2026-11-29): at 152 registers a thread, 256-thread CTAs fit once per SM.
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
@@ -28,7 +30,7 @@ MIN_CHUNKS_PER_ROW = 32
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 LONG_CHUNK_SLOTS = 8
-FWD_CTA_THREADS = 256
+FWD_CTA_THREADS = 128
 FWD_ROWS_PER_THREAD = 1
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256

@@ -17,19 +17,41 @@ def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, cof
                     coff=coff, for_kernel=True)
 
 
-def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int,
-                 _prob=None):
+class _on_device:
+    """``torch.cuda.device(dev)`` only when ``dev`` is not already current (the guard costs
+    microseconds of host time on every call otherwise)."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, dev):
+        self.guard = torch.cuda.device(dev) if dev.index != torch.cuda.current_device() else None
+
+    def __enter__(self):
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
+def launch_forward(p, out):
+    """Forward launch on a validated problem into a checked ``out``."""
+    if p.total_comp == 0:
+        return out
+    _, fn = get_kernel("fwd", p.kv.device, p.kv.dtype, p.ratio, p.coff, p.head_dim)
+    with _on_device(p.kv.device):
+        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out)
+    return out
+
+
+def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int):
     """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-    p = _prob or _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff)
+    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff)
     check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
-    if p.total_comp == 0:
-        return out
-    _, fn = get_kernel("fwd", p.kv.device, p.kv.dtype, ratio, coff, p.head_dim)
-    with torch.cuda.device(p.kv.device):
-        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out)
-    return out
+    return launch_forward(p, out)
 
 
 def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device):
@@ -49,18 +71,27 @@ def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtyp
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                  grad_ape, *, ratio: int, coff: int, workspace=None, _prob=None):
+                  grad_ape, *, ratio: int, coff: int, workspace=None):
     """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
     ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
     reproducible: dape partials are reduced in a fixed order, never with atomics."""
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
-    p = _prob or _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff)
-    dev, dt, N, T, d = p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens, p.head_dim
+    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff)
+    dev, dt, N, d = p.kv.device, p.kv.dtype, p.total_comp, p.head_dim
     check_out("grad_out", grad_out, (N, d), dt, dev)
     check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
     check_out("grad_score", grad_score, tuple(p.kv.shape), dt, dev)
     check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
+    if workspace is not None:
+        check_out("workspace", workspace, workspace.shape, torch.float32, dev)
+    return launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace)
+
+
+def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
+    """Backward launch on a validated problem into checked buffers."""
+    dev, dt, N, T, d, ratio, coff = (p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens,
+                                     p.head_dim, p.ratio, p.coff)
     if N == 0 or T == 0:
         grad_kv.zero_()
         grad_score.zero_()
@@ -71,9 +102,9 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
     shape = (row_ctas * ratio, coff * d)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.float32, device=dev)
-    else:
-        check_out("workspace", workspace, shape, torch.float32, dev)
-    with torch.cuda.device(dev):
+    elif tuple(workspace.shape) != shape:
+        raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
+    with _on_device(dev):
         fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv, grad_score,
            workspace, rows_per_cta, row_ctas, zero_ctas)
         torch.sum(workspace.view(row_ctas, ratio, coff * d), dim=0, out=grad_ape)
