@@ -44,5 +44,5 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     width = info["vec"] * info["elem_bytes"]
     # Every window slot reads kv and score with one vector of the designed width.
     assert info["loads_by_bytes"].get(str(width), 0) >= 2 * min(info["slots"], 8), info
-    if direction == "fwd" and d == 512:
+    if direction == "fwd" and d == 512 and ratio <= 8:
         assert width == 16, info

@@ -51,8 +51,10 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     import cutlass.cute as cute
     from cutlass import Int32
 
+    from . import config
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
+    from .pool_long import LongPoolBackward, LongPoolForward
 
     cdt = _cutlass_dtype(dtype)
     W = coff * head_dim
@@ -61,12 +63,13 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    long = config.long_window(coff * ratio)
     if direction == "fwd":
-        kernel = PoolForward(cdt, ratio, coff, head_dim)
+        kernel = (LongPoolForward if long else PoolForward)(cdt, ratio, coff, head_dim)
         out = _fake(cdt, (N, head_dim), 16)
         fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, stream, options="--enable-tvm-ffi")
     else:
-        kernel = PoolBackward(cdt, ratio, coff, head_dim)
+        kernel = (LongPoolBackward if long else PoolBackward)(cdt, ratio, coff, head_dim)
         grad = _fake(cdt, (N, head_dim), 16)
         dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
         work = _fake(cutlass.Float32, (P, W), 16)

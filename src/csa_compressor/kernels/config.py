@@ -20,6 +20,12 @@ BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row C
   several rows each to keep the partials (and their reduction) small.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
+LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
+  longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kernels (pool_long.py): a
+  CTA holds one row at a time, its threads split the slots (this many each) and the
+  columns; the serial sums run over shared memory in slot order, so results stay bitwise
+  equal to the fp32 reference. The one-thread-per-row design ran ratio 128 at 2-11% of
+  the floor (61 us forward at 1x8192/128, H200, 2026-11-29).
 ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks (each
   with its own segment search, so they overlap instead of forming a chain).
 """
@@ -35,6 +41,12 @@ FWD_ROWS_PER_THREAD = 1
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 ZERO_TOKENS_PER_THREAD = 2
+LONG_SLOTS_PER_THREAD = 8
+LONG_CTA_THREADS = 512
+# 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
+LONG_BWD_CTA_THREADS = 256
+LONG_VEC_BYTES = 8
+LONG_BWD_CTAS_PER_SM = 2
 
 
 def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int = VEC_BYTES) -> int:
@@ -49,3 +61,11 @@ def slot_chunk(num_slots: int) -> int:
     if num_slots <= MAX_REG_SLOTS:
         return num_slots
     return max(c for c in range(1, LONG_CHUNK_SLOTS + 1) if num_slots % c == 0)
+
+
+def long_window(num_slots: int) -> bool:
+    return num_slots > MAX_REG_SLOTS
+
+
+def long_slots_per_thread(num_slots: int) -> int:
+    return max(c for c in range(1, LONG_SLOTS_PER_THREAD + 1) if num_slots % c == 0)

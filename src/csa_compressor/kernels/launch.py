@@ -56,8 +56,8 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
 
 def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device):
     """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch."""
-    target = max(1, sm_count(device.index) * config.BWD_TARGET_CTAS_PER_SM // kernel.col_groups)
-    rows_per_cta = max(kernel.row_lanes, math.ceil(total_comp / target))
+    target = max(1, sm_count(device.index) * kernel.target_ctas_per_sm // kernel.col_groups)
+    rows_per_cta = max(kernel.min_rows_per_cta, math.ceil(total_comp / target))
     tokens_per_cta = kernel.row_lanes * config.ZERO_TOKENS_PER_THREAD
     return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 

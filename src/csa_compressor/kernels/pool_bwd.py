@@ -41,6 +41,8 @@ class PoolBackward:
         # Row lanes also need every thread active (one column group) for the CTA barrier.
         stack = self.register_window and self.col_groups == 1
         self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
+        self.min_rows_per_cta = self.row_lanes
+        self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
         self.smem_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                            if self.register_window and self.row_lanes > 1 else 0)
 

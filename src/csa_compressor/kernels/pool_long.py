@@ -1,0 +1,235 @@
+"""Slot-parallel kernels for long windows (ratio 128): forward and backward.
+
+One row per CTA at a time. A CTA is ``lanes`` column chunks x ``groups`` slot groups: the
+thread (c, g) loads slots [g*spt, (g+1)*spt) of chunk c, so a row's whole window is read
+at once by the CTA instead of one thread walking 128 slots. The max is order-free; the
+sums that the reference does serially (softmax denominator, the output, the backward's
+S) are written to shared memory per slot and summed in slot order by one thread per
+column, so the results keep the fp32 reference's operation order exactly.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import config
+from .common import advance_segment, find_segment, mul_rn, row_window
+from .pool_bwd import PoolBackward
+
+
+class _LongShape:
+    def _setup(self, dtype, ratio, coff, head_dim, cta_threads):
+        self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
+        self.vec = config.vector_elems(head_dim, dtype.width // 8, config.LONG_VEC_BYTES)
+        self.cpr = head_dim // self.vec
+        self.slots = coff * ratio
+        self.chunk_slots = config.long_slots_per_thread(self.slots)  # slots per thread
+        self.groups = self.slots // self.chunk_slots
+        self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
+        self.col_groups = math.ceil(self.cpr / self.lanes)
+        self.cols = self.lanes * self.vec  # columns of one CTA
+        # per-slot values, the group maxima, two per-column scalars
+        self.smem_bytes = (self.slots + self.groups + 2) * self.cols * 4 + 64
+
+    @cute.jit
+    def shared(self):
+        smem = cutlass.memory.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((self.cols, self.slots)), 16)
+        gmax = smem.allocate_tensor(Float32, cute.make_layout((self.cols, self.groups)), 16)
+        stat = smem.allocate_tensor(Float32, cute.make_layout((self.cols, 2)), 16)
+        return buf, gmax, stat
+
+    @cute.jit
+    def softmax_den(self, sf, buf, gmax, stat, tid, g):
+        """In place: sf <- e = exp(s - max); stat[:, 0] <- serial sum of e over the window."""
+        vec, CH = self.vec, self.chunk_slots
+        for e in cutlass.range_constexpr(vec):
+            mx = sf[0, e]
+            for k in cutlass.range_constexpr(1, CH):
+                mx = cutlass.max(mx, sf[k, e])
+            gmax[tid * vec + e, g] = mx
+        cute.arch.barrier()
+        for e in cutlass.range_constexpr(vec):
+            mx = gmax[tid * vec + e, 0]
+            for h in cutlass.range_constexpr(1, self.groups):
+                mx = cutlass.max(mx, gmax[tid * vec + e, h])
+            for k in cutlass.range_constexpr(CH):
+                sf[k, e] = cute.math.exp(sf[k, e] - mx)
+                buf[tid * vec + e, g * CH + k] = sf[k, e]
+        cute.arch.barrier()
+        self.serial_sum(buf, stat, tid, g, 0)
+
+    @cute.jit
+    def serial_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
+        """stat[col, slot] <- buf[col, 0] + buf[col, 1] + ... in slot order; thread g of a
+        chunk sums that chunk's column g (g < vec), then all threads meet at a barrier."""
+        if g < self.vec:
+            col = tid * self.vec + g
+            acc = buf[col, 0]
+            for k in cutlass.range(1, self.slots, 1, unroll=8):
+                acc = acc + buf[col, k]
+            stat[col, slot] = acc
+        cute.arch.barrier()
+
+
+class LongPoolForward(_LongShape):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+        self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS)
+
+    # Loading is the short-window backward's (same slot geometry, chunk = this thread's slots).
+    slot_coords = PoolBackward.slot_coords
+    load_slots = PoolBackward.load_slots
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mOut: cute.Tensor, stream):
+        tiler = (1, self.vec)
+        self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+                    cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
+            grid=[mOut.shape[0], self.col_groups, 1], block=[self.lanes, self.groups, 1],
+            smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
+        tid, g, _ = cute.arch.thread_idx()
+        row, by, _ = cute.arch.block_idx()
+        vec, CH = self.vec, self.chunk_slots
+        num_seqs = mCuc.shape[0] - 1
+        chunk = by * self.lanes + tid
+        active = chunk < self.cpr
+        buf, gmax, stat = self.shared()
+        sf = cute.make_rmem_tensor((CH, vec), Float32)
+        vf = cute.make_rmem_tensor((CH, vec), Float32)
+        s = find_segment(mCuc, row, num_seqs)
+        t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
+                                            self.coff)
+        if ok:  # uniform over the CTA: barriers inside are reached by every thread
+            for kk in cutlass.range_constexpr(CH):
+                for e in cutlass.range_constexpr(vec):
+                    sf[kk, e] = -Float32.inf
+                    vf[kk, e] = Float32(0.0)
+            if active:
+                self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+            self.softmax_den(sf, buf, gmax, stat, tid, g)
+            for e in cutlass.range_constexpr(vec):
+                dn = stat[tid * vec + e, 0]
+                for k in cutlass.range_constexpr(CH):
+                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], sf[k, e] / dn)
+            cute.arch.barrier()
+            self.serial_sum(buf, stat, tid, g, 1)
+            if active & (g < vec):
+                mOut[row, chunk * vec + g] = stat[tid * vec + g, 1].to(self.dtype)
+        else:
+            if active & (g < vec):
+                mOut[row, chunk * vec + g] = Float32(0.0).to(self.dtype)
+
+
+class LongPoolBackward(PoolBackward):
+    """Row CTAs walk ``rows_per_cta`` rows one at a time; each thread keeps the dape
+    contributions of its own slots and columns in registers over those rows and stores
+    them as the CTA's partial (every partial entry has exactly one owner thread). Zero
+    CTAs are the short-window backward's."""
+
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+        _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS)
+        self.row_lanes = self.groups  # zero-fill CTAs: one token per slot-group lane
+        self.register_window = False
+        self.min_rows_per_cta = 1
+        self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
+
+    shared = _LongShape.shared
+    softmax_den = _LongShape.softmax_den
+    serial_sum = _LongShape.serial_sum
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
+                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32, num_zero_ctas: Int32,
+                 stream):
+        tiler = (1, self.vec)
+        self.kernel(
+            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
+            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
+            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
+            num_row_ctas,
+        ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
+                 block=[self.lanes, self.groups, 1], smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+               num_row_ctas: Int32):
+        tid, g, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        vec, CH, ratio = self.vec, self.chunk_slots, self.ratio
+        num_seqs = mCuc.shape[0] - 1
+        chunk = by * self.lanes + tid
+        active = chunk < self.cpr
+        if bx < num_row_ctas:
+            buf, gmax, stat = self.shared()
+            sf = cute.make_rmem_tensor((CH, vec), Float32)
+            vf = cute.make_rmem_tensor((CH, vec), Float32)
+            gv = cute.make_rmem_tensor((vec,), Float32)
+            dacc = cute.make_rmem_tensor((CH, vec), Float32)
+            for kk in cutlass.range_constexpr(CH):
+                for e in cutlass.range_constexpr(vec):
+                    dacc[kk, e] = Float32(0.0)
+            row0 = bx * rows_per_cta
+            s = find_segment(mCuc, row0, num_seqs)
+            for r in cutlass.range(rows_per_cta):
+                row = row0 + r
+                s = advance_segment(mCuc, s, row, num_seqs)
+                t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
+                                                    ratio, self.coff)
+                if (row < num_rows) & real & ok:  # uniform over the CTA
+                    for e in cutlass.range_constexpr(vec):
+                        gv[e] = Float32(0.0)
+                        for kk in cutlass.range_constexpr(CH):
+                            sf[kk, e] = -Float32.inf
+                            vf[kk, e] = Float32(0.0)
+                    if active:
+                        gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
+                        self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+                    self.softmax_den(sf, buf, gmax, stat, tid, g)
+                    for e in cutlass.range_constexpr(vec):
+                        dn = stat[tid * vec + e, 0]
+                        for k in cutlass.range_constexpr(CH):
+                            p = sf[k, e] / dn
+                            pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                            sf[k, e] = p
+                            vf[k, e] = pdp
+                            buf[tid * vec + e, g * CH + k] = pdp
+                    cute.arch.barrier()
+                    self.serial_sum(buf, stat, tid, g, 1)
+                    for e in cutlass.range_constexpr(vec):
+                        S = stat[tid * vec + e, 1]
+                        for k in cutlass.range_constexpr(CH):
+                            p = sf[k, e]
+                            sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
+                            vf[k, e] = mul_rn(gv[e], p)  # dkv
+                    if active:
+                        for kk in cutlass.range_constexpr(CH):
+                            tok, colc, arow, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
+                            if valid:
+                                gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                                gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                                for e in cutlass.range_constexpr(vec):
+                                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                    # stat and buf are rewritten by the next row
+                    cute.arch.barrier()
+            if active:
+                for kk in cutlass.range_constexpr(CH):
+                    # Empty-slot contributions are zero, so the partial of every owned entry
+                    # is just the register sum (has_prev=True: all slots own an entry).
+                    _, colc, arow, _ = self.slot_coords(g * CH + kk, Int32(0), True, chunk)
+                    gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
+        else:
+            if active:
+                for j in cutlass.range_constexpr(config.ZERO_TOKENS_PER_THREAD):
+                    t = ((bx - num_row_ctas) * config.ZERO_TOKENS_PER_THREAD + j) * self.groups + g
+                    self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
