@@ -38,10 +38,9 @@ def host():
 
 def sweep():
     shapes = [bench.parse_shape(s) for s in ("1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")]
-    variants = [dict(VEC_BYTES=16, FWD_CTA_THREADS=256, BWD_TARGET_CTAS_PER_SM=4),
-                dict(VEC_BYTES=8, FWD_CTA_THREADS=256, BWD_TARGET_CTAS_PER_SM=4),
-                dict(VEC_BYTES=16, FWD_CTA_THREADS=128, BWD_TARGET_CTAS_PER_SM=8),
-                dict(VEC_BYTES=8, FWD_CTA_THREADS=128, BWD_TARGET_CTAS_PER_SM=16)]
+    variants = [dict(VEC_BYTES=16, BWD_VEC_BYTES=8, BWD_TARGET_CTAS_PER_SM=4),
+                dict(VEC_BYTES=8, BWD_VEC_BYTES=4, BWD_TARGET_CTAS_PER_SM=4),
+                dict(VEC_BYTES=8, BWD_VEC_BYTES=4, BWD_TARGET_CTAS_PER_SM=8)]
     base = {k: getattr(config, k) for k in variants[0]}
     for v in variants:
         for k, val in v.items():

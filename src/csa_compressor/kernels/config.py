@@ -30,8 +30,8 @@ ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks 
   with its own segment search, so they overlap instead of forming a chain).
 """
 
-VEC_BYTES = 16
-BWD_VEC_BYTES = 8
+VEC_BYTES = 8
+BWD_VEC_BYTES = 4
 MIN_CHUNKS_PER_ROW = 32
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
@@ -49,8 +49,9 @@ LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
 
 
-def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int = VEC_BYTES) -> int:
-    vec = max(1, vec_bytes // elem_bytes)
+def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int | None = None) -> int:
+    # Read at call time (not as a default argument) so a probe can override VEC_BYTES.
+    vec = max(1, (VEC_BYTES if vec_bytes is None else vec_bytes) // elem_bytes)
     while vec > 1 and (head_dim % vec or head_dim // vec < MIN_CHUNKS_PER_ROW):
         vec //= 2
     return vec
