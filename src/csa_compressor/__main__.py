@@ -1,4 +1,4 @@
-"""Command line: `python -m csa_compressor {info,bench,check,plot}`."""
+"""Command line: `python -m csa_compressor {info,bench,check,report}`."""
 
 from __future__ import annotations
 
@@ -68,12 +68,14 @@ def cmd_check(args) -> int:
     return check.run(dtypes=tuple(args.dtypes.split(",")))
 
 
-def cmd_plot(args) -> int:
+def cmd_report(args) -> int:
+    """Re-render results.md and the plots from a results.json (e.g. one made on a GPU
+    machine without matplotlib); the measurements are not touched."""
     from . import bench
 
     with open(args.results) as f:
         result = json.load(f)
-    for path in bench.plot(result, args.out):
+    for path in bench.write(result, args.out, with_json=False):
         print(f"wrote {path}")
     return 0
 
@@ -91,11 +93,11 @@ def main(argv=None) -> int:
     b.add_argument("--out", help="write results.json, results.md and PNG plots here")
     c = sub.add_parser("check", help="SPEC §5 numerics gate; non-zero exit on failure")
     c.add_argument("--dtypes", default="bf16,fp16,fp32")
-    p = sub.add_parser("plot", help="PNG plots from a results.json")
+    p = sub.add_parser("report", help="results.md and PNG plots from a results.json")
     p.add_argument("results")
     p.add_argument("--out", default=".")
     args = ap.parse_args(argv)
-    return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "plot": cmd_plot}[args.cmd](args)
+    return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -299,16 +299,17 @@ def _fmt(x, nd=1):
 
 def table(result) -> str:
     head = ("| shape (pack:d:ratio:coff) | impl | fwd µs | fwd+bwd µs | floor fwd / fwd+bwd µs | "
-            "% floor fwd / fwd+bwd | wall fwd µs | peak MiB |")
-    lines = [head, "|" + "---|" * 8]
+            "% floor fwd / fwd+bwd | TB/s fwd / fwd+bwd | wall fwd µs | peak MiB |")
+    lines = [head, "|" + "---|" * 9]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['impl']} | error: {r['error']} | | | | | | |")
             continue
         lines.append(
             f"| {r['shape']} | {r['impl']} | {_fmt(r.get('fwd_us'))} | {_fmt(r.get('fwdbwd_us'))} | "
             f"{_fmt(r['floor_fwd_us'])} / {_fmt(r['floor_fwdbwd_us'])} | "
             f"{_fmt(r.get('fwd_pct_floor'), 0)} / {_fmt(r.get('fwdbwd_pct_floor'), 0)} | "
+            f"{_fmt(r.get('fwd_tbps'), 2)} / {_fmt(r.get('fwdbwd_tbps'), 2)} | "
             f"{_fmt(r.get('wall_fwd_us'))} | {_fmt(r.get('peak_mib'))} |")
     return "\n".join(lines)
 
@@ -347,7 +348,9 @@ def plot(result, out_dir) -> list[str]:
         ax.set_yscale("log")
         ax.set_xticks([i + 0.4 for i in range(len(shapes))], shapes, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel("µs per call (log)")
-        ax.set_title(f"{title}: {header(result)[:90]}", fontsize=8)
+        e = result["environment"]
+        ax.set_title(f"{title}, {result['dtype'][6:]}: {e.get('gpu')}, commit {e['commit']}, {e['date']}",
+                     fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(out_dir, f"time_{key}.png")
@@ -361,6 +364,8 @@ def plot(result, out_dir) -> list[str]:
         ax.plot(range(len(shapes)), ys, marker="o", label=f"fused {key}")
     ax.set_xticks(range(len(shapes)), shapes, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("% of memory floor")
+    ax.set_title(f"fused, % of the memory floor: {result['environment'].get('gpu')}, commit "
+                 f"{result['environment']['commit']}", fontsize=8)
     ax.set_ylim(0, 110)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -371,17 +376,21 @@ def plot(result, out_dir) -> list[str]:
     return files
 
 
-def write(result, out_dir) -> list[str]:
+def write(result, out_dir, with_json: bool = True) -> list[str]:
+    """results.json (unless re-rendering one), results.md and the PNG plots."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    files = []
+    if with_json:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        files.append(os.path.join(out_dir, "results.json"))
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(header(result) + "\n\n" + table(result) + "\n")
-    files = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")]
+    files.append(os.path.join(out_dir, "results.md"))
     try:
         files += plot(result, out_dir)
     except ImportError:
-        print("matplotlib missing: no plots (python -m csa_compressor plot results.json makes them)",
+        print("matplotlib missing: no plots (python -m csa_compressor report results.json makes them)",
               file=sys.stderr)
     return files
 
