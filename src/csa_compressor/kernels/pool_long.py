@@ -143,21 +143,7 @@ class LongPoolBackward(PoolBackward):
     shared = _LongShape.shared
     softmax_den = _LongShape.softmax_den
     serial_sum = _LongShape.serial_sum
-
-    @cute.jit
-    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
-                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32, num_zero_ctas: Int32,
-                 stream):
-        tiler = (1, self.vec)
-        self.kernel(
-            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
-            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
-            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
-            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
-            num_row_ctas,
-        ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
-                 block=[self.lanes, self.groups, 1], smem=self.smem_bytes, stream=stream)
+    # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
