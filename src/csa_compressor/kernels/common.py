@@ -70,3 +70,36 @@ def advance_segment(cu: cute.Tensor, s: Int32, x: Int32, num_seqs: Int32) -> Int
     while (s < num_seqs) & (cu[cutlass.min(s + 1, num_seqs)] <= x):
         s = s + 1
     return s
+
+
+class WindowSlots:
+    """Slot geometry and loading shared by the kernels: needs ``ratio``, ``coff``, ``cpr``
+    (column chunks per row), ``vec`` and ``chunk_slots`` (slots loaded per call)."""
+
+    @cute.jit
+    def slot_coords(self, k, t0, has_prev, chunk):
+        """(token, column chunk, ape row, non-empty) of window slot k."""
+        ratio = self.ratio
+        if cutlass.const_expr(self.coff == 2):
+            own = k >= ratio
+            colc = chunk + (Int32(self.cpr) if own else Int32(0))
+            arow = k - (Int32(ratio) if own else Int32(0))
+            return t0 - ratio + k, colc, arow, own | has_prev
+        else:
+            return t0 + k, chunk, k, k >= 0
+
+    @cute.jit
+    def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            if valid:
+                s32 = gSc[(None, (tok, colc))].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                v32 = gKV[(None, (tok, colc))].load().to(Float32)
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = s32[e] + a32[e]
+                    vf[kk, e] = v32[e]
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = -Float32.inf
+                    vf[kk, e] = Float32(0.0)

@@ -21,10 +21,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import advance_segment, find_segment, mul_rn, row_window
+from .common import WindowSlots, advance_segment, find_segment, mul_rn, row_window
 
 
-class PoolBackward:
+class PoolBackward(WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
         self.ratio = ratio
@@ -60,34 +60,6 @@ class PoolBackward:
             num_row_ctas,
         ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
-
-    @cute.jit
-    def slot_coords(self, k, t0, has_prev, chunk):
-        """(token, column chunk, ape row, non-empty) of window slot k."""
-        ratio = self.ratio
-        if cutlass.const_expr(self.coff == 2):
-            own = k >= ratio
-            colc = chunk + (Int32(self.cpr) if own else Int32(0))
-            arow = k - (Int32(ratio) if own else Int32(0))
-            return t0 - ratio + k, colc, arow, own | has_prev
-        else:
-            return t0 + k, chunk, k, k >= 0
-
-    @cute.jit
-    def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
-        for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
-            if valid:
-                s32 = gSc[(None, (tok, colc))].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
-                v32 = gKV[(None, (tok, colc))].load().to(Float32)
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[kk, e] = s32[e] + a32[e]
-                    vf[kk, e] = v32[e]
-            else:
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[kk, e] = -Float32.inf
-                    vf[kk, e] = Float32(0.0)
 
     @cute.jit
     def store_slots(self, gDKV, gDSc, gWork, sf, vf, dacc, c0, t0, has_prev, chunk, wrow0):

@@ -50,7 +50,9 @@ class PoolForward:
     @cute.jit
     def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
         """Slots c0 .. c0+chunk_slots-1 of the window into fp32 registers ``sf`` (score+ape)
-        and ``vf`` (value); empty slots get -inf / 0 and read nothing."""
+        and ``vf`` (value); empty slots get -inf / 0 and read nothing. Same geometry as
+        common.WindowSlots.load_slots; kept apart because merging reorders the forward's
+        converts (PTX changes) and needs a GPU run to validate."""
         ratio, cpr, vec = self.ratio, self.cpr, self.vec
         for kk in cutlass.range_constexpr(self.chunk_slots):
             k = c0 + kk

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import advance_segment, find_segment, mul_rn, row_window
+from .common import WindowSlots, advance_segment, find_segment, mul_rn, row_window
 from .pool_bwd import PoolBackward
 
 
@@ -74,13 +74,9 @@ class _LongShape:
         cute.arch.barrier()
 
 
-class LongPoolForward(_LongShape):
+class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS)
-
-    # Loading is the short-window backward's (same slot geometry, chunk = this thread's slots).
-    slot_coords = PoolBackward.slot_coords
-    load_slots = PoolBackward.load_slots
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
