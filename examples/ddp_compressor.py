@@ -12,6 +12,7 @@ Exit status 0 on agreement.
 """
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -57,7 +58,8 @@ def main():
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    # A bounded timeout: a lost peer fails the run instead of hanging it.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -100,8 +102,11 @@ def main():
         print(f"{'PASS' if ok else 'FAIL'}: world {world}, {backend}, {args.dtype}, ratio {r}, "
               f"pooling {pooling}: loss {mean_loss.item():.6f} vs one process {ref_loss.item():.6f}; "
               f"{sum(1 for _ in model.parameters())} parameter gradients compared", flush=True)
+    # Every rank learns the verdict, and none leaves while another still has a message in
+    # flight (a broadcast alone let rank 0 exit before rank 1 had received, hanging it).
     flag = torch.tensor([int(ok)], device=device)
-    dist.broadcast(flag, 0)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.barrier()
     dist.destroy_process_group()
     sys.exit(0 if flag.item() else 1)
 

@@ -15,10 +15,10 @@ def test_ddp_step_matches_one_process(ratio):
                                                        os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(29400 + ratio), os.path.join(HERE, "..", "examples", "ddp_compressor.py"),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(HERE, "..", "examples", "ddp_compressor.py"),
          "--device", "cpu", "--ratio", str(ratio)],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "PASS: world 2, gloo" in res.stdout
 
@@ -29,7 +29,7 @@ def test_ddp_step_two_gpus():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0",
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29477",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          os.path.join(HERE, "..", "examples", "ddp_compressor.py"), "--device", "cuda"],
         env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
