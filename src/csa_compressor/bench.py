@@ -322,6 +322,12 @@ def header(result) -> str:
             f"{result['calls_per_graph']} calls per graph")
 
 
+def _provenance(result) -> str:
+    e = result["environment"]
+    return (f"{e.get('gpu')}, driver {e.get('driver')}, torch {e['torch']}, CuTe DSL {e['cutlass_dsl']}, "
+            f"commit {e['commit']}, {e['date']}")
+
+
 def plot(result, out_dir) -> list[str]:
     """PNG plots (needs matplotlib); returns the files written."""
     import matplotlib
@@ -348,9 +354,7 @@ def plot(result, out_dir) -> list[str]:
         ax.set_yscale("log")
         ax.set_xticks([i + 0.4 for i in range(len(shapes))], shapes, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel("µs per call (log)")
-        e = result["environment"]
-        ax.set_title(f"{title}, {result['dtype'][6:]}: {e.get('gpu')}, commit {e['commit']}, {e['date']}",
-                     fontsize=8)
+        ax.set_title(f"{title}, {result['dtype'][6:]}\n{_provenance(result)}", fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(out_dir, f"time_{key}.png")
@@ -364,8 +368,7 @@ def plot(result, out_dir) -> list[str]:
         ax.plot(range(len(shapes)), ys, marker="o", label=f"fused {key}")
     ax.set_xticks(range(len(shapes)), shapes, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("% of memory floor")
-    ax.set_title(f"fused, % of the memory floor: {result['environment'].get('gpu')}, commit "
-                 f"{result['environment']['commit']}", fontsize=8)
+    ax.set_title(f"fused, % of the memory floor\n{_provenance(result)}", fontsize=8)
     ax.set_ylim(0, 110)
     ax.legend(fontsize=8)
     fig.tight_layout()

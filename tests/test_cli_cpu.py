@@ -1,0 +1,45 @@
+"""The command line on a machine without a GPU (CI): info, bench and check say what they
+can do and exit 0; report renders results.md from a results.json."""
+
+import json
+
+import pytest
+import torch
+
+from csa_compressor import __main__ as cli
+from csa_compressor import bench
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+@pytest.mark.parametrize("argv,expect", [
+    (["info"], "eager fallback (tensors are on cpu"), (["bench"], "compute capability 9.0"), (["check"], "compute capability 9.0"),
+])
+def test_no_gpu_commands(argv, expect, capsys):
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert expect in out
+
+
+def test_shape_parsing():
+    s = bench.parse_shape("1023+2048+0:128:4:2")
+    assert s.lens == (1023, 2048, 0) and (s.d, s.ratio, s.coff) == (128, 4, 2)
+    assert bench.parse_shape("3x8192:512:128:1").name == "3x8192:512:128:1"
+    with pytest.raises(ValueError, match="--shapes"):
+        bench.parse_shape("3x8192:512")
+    assert len(bench.shapes_from_arg("default")) == 9
+
+
+def test_report_renders_results(tmp_path):
+    result = {"environment": {"gpu": "X", "driver": "1", "torch": "t", "cutlass_dsl": "4.8.1",
+                              "commit": "abc", "date": "d"},
+              "copy_bandwidth_tbps": 4.0, "dtype": "torch.bfloat16", "calls_per_graph": 20,
+              "rows": [{"shape": "1x8192:128:4:2", "impl": "fused", "fwd_us": 7.0, "fwdbwd_us": 28.0,
+                        "floor_fwd_us": 2.0, "floor_fwdbwd_us": 6.0, "fwd_pct_floor": 28.6,
+                        "fwdbwd_pct_floor": 21.4, "fwd_tbps": 1.2, "fwdbwd_tbps": 0.9,
+                        "wall_fwd_us": 50.0, "peak_mib": 10.0},
+                       {"shape": "1x8192:128:4:2", "impl": "eager", "error": "boom"}]}
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(result))
+    assert cli.main(["report", str(src), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "commit abc" in md and "| 1x8192:128:4:2 | fused | 7.0 | 28.0 |" in md and "error: boom" in md
