@@ -7,11 +7,8 @@ VEC_BYTES / BWD_VEC_BYTES: bytes one thread loads per tensor row and slot in the
 MIN_CHUNKS_PER_ROW: shrink the vector further while a row would have fewer chunks than
   this, so that one row still fills a warp (d=128 bf16 -> 4-element vectors, 32 lanes).
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split over grid.y.
-MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once.
-LONG_CHUNK_SLOTS: longer windows (ratio 128) are processed in chunks of at most this many
-  slots, each pass reloading its chunk (the serial op order is kept, so results are
-  unchanged). 16-slot chunks of 8-element vectors spilled 368 B in the forward (ptxas,
-  sm_90a); 8 fit.
+MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once
+  (pool_fwd.py / pool_bwd.py); longer ones go to the slot-parallel kernels.
 FWD_CTA_THREADS / FWD_ROWS_PER_THREAD: forward CTAs stack row lanes on top of the column
   lanes up to this many threads; each thread computes this many rows. 128 beat 256 at
   3x8192/512 (64.0 vs 83.9 us forward, equal at 1x8192/128; tools/perf_probe.py sweep,
@@ -35,7 +32,6 @@ BWD_VEC_BYTES = 4
 MIN_CHUNKS_PER_ROW = 32
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
-LONG_CHUNK_SLOTS = 8
 FWD_CTA_THREADS = 128
 FWD_ROWS_PER_THREAD = 1
 BWD_TARGET_CTAS_PER_SM = 4
@@ -55,13 +51,6 @@ def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int | None = None) -
     while vec > 1 and (head_dim % vec or head_dim // vec < MIN_CHUNKS_PER_ROW):
         vec //= 2
     return vec
-
-
-def slot_chunk(num_slots: int) -> int:
-    """Slots per register chunk: the window itself, or its largest divisor <= LONG_CHUNK_SLOTS."""
-    if num_slots <= MAX_REG_SLOTS:
-        return num_slots
-    return max(c for c in range(1, LONG_CHUNK_SLOTS + 1) if num_slots % c == 0)
 
 
 def long_window(num_slots: int) -> bool:

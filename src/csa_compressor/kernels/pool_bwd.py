@@ -33,18 +33,17 @@ class PoolBackward(WindowSlots):
         self.vec = config.vector_elems(head_dim, dtype.width // 8, config.BWD_VEC_BYTES)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
-        self.chunk_slots = config.slot_chunk(self.slots)
+        assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolBackward"
+        self.chunk_slots = self.slots  # the whole window lives in registers, read once
         self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
-        self.register_window = self.chunk_slots == self.slots
-        # Long windows accumulate dape in global partials owned by one thread: one row lane.
-        # Row lanes also need every thread active (one column group) for the CTA barrier.
-        stack = self.register_window and self.col_groups == 1
+        # Row lanes need every thread active (one column group) for the CTA barrier.
+        stack = self.col_groups == 1
         self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
         self.min_rows_per_cta = self.row_lanes
         self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
         self.smem_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
-                           if self.register_window and self.row_lanes > 1 else 0)
+                           if self.row_lanes > 1 else 0)
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -62,24 +61,16 @@ class PoolBackward(WindowSlots):
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
 
     @cute.jit
-    def store_slots(self, gDKV, gDSc, gWork, sf, vf, dacc, c0, t0, has_prev, chunk, wrow0):
-        """Store dscore (in sf) and dkv (in vf) of slots c0.. and add dscore to dape: into
-        registers ``dacc`` for a register-resident window, else into the CTA's partial."""
+    def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
+        """Store dscore (in sf) and dkv (in vf) of the window's slots and add dscore to the
+        thread's dape registers ``dacc``."""
         for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            tok, colc, arow, valid = self.slot_coords(Int32(kk), t0, has_prev, chunk)
             if valid:
                 gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
                 gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
-                if cutlass.const_expr(self.chunk_slots == self.slots):
-                    for e in cutlass.range_constexpr(self.vec):
-                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
-                else:
-                    w = gWork[(None, (wrow0 + arow, colc))]
-                    wf = cute.make_rmem_tensor((self.vec,), Float32)
-                    wf.store(w.load())
-                    for e in cutlass.range_constexpr(self.vec):
-                        wf[e] = wf[e] + sf[kk, e]
-                    w.store(wf.load())
+                for e in cutlass.range_constexpr(self.vec):
+                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -89,7 +80,6 @@ class PoolBackward(WindowSlots):
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
-        n_chunks = self.slots // CH
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
         if chunk < cpr:
@@ -97,22 +87,10 @@ class PoolBackward(WindowSlots):
                 sf = cute.make_rmem_tensor((CH, vec), Float32)
                 vf = cute.make_rmem_tensor((CH, vec), Float32)
                 gv = cute.make_rmem_tensor((vec,), Float32)
-                m = cute.make_rmem_tensor((vec,), Float32)
-                den = cute.make_rmem_tensor((vec,), Float32)
-                S = cute.make_rmem_tensor((vec,), Float32)
                 dacc = cute.make_rmem_tensor((CH, vec), Float32)
-                wrow0 = bx * ratio
-                if cutlass.const_expr(n_chunks == 1):
-                    for kk in cutlass.range_constexpr(CH):
-                        for e in cutlass.range_constexpr(vec):
-                            dacc[kk, e] = Float32(0.0)
-                else:
-                    # This thread alone owns these partial entries: zero, then accumulate.
-                    for a in cutlass.range(ratio):
-                        for h in cutlass.range_constexpr(self.coff):
-                            wz = cute.make_rmem_tensor((vec,), Float32)
-                            wz.fill(0.0)
-                            gWork[(None, (wrow0 + a, chunk + h * cpr))].store(wz.load())
+                for kk in cutlass.range_constexpr(CH):
+                    for e in cutlass.range_constexpr(vec):
+                        dacc[kk, e] = Float32(0.0)
                 row0 = bx * rows_per_cta
                 s = find_segment(mCuc, row0 + ty, num_seqs)
                 for r in cutlass.range(ty, rows_per_cta, self.row_lanes):
@@ -122,82 +100,46 @@ class PoolBackward(WindowSlots):
                                                         ratio, self.coff)
                     if (row < num_rows) & real & ok:
                         gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
-                        if cutlass.const_expr(n_chunks == 1):
-                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                            for e in cutlass.range_constexpr(vec):
-                                mx = sf[0, e]
-                                for k in cutlass.range_constexpr(1, CH):
-                                    mx = cutlass.max(mx, sf[k, e])
-                                for k in cutlass.range_constexpr(CH):
-                                    sf[k, e] = cute.math.exp(sf[k, e] - mx)
-                                dn = sf[0, e]
-                                for k in cutlass.range_constexpr(1, CH):
-                                    dn = dn + sf[k, e]
-                                g = gv[e]
-                                for k in cutlass.range_constexpr(CH):
-                                    p = sf[k, e] / dn
-                                    pdp = mul_rn(p, mul_rn(g, vf[k, e]))
-                                    sf[k, e] = p
-                                    vf[k, e] = pdp  # p*dp until S is known
-                                acc = vf[0, e]
-                                for k in cutlass.range_constexpr(1, CH):
-                                    acc = acc + vf[k, e]
-                                for k in cutlass.range_constexpr(CH):
-                                    p = sf[k, e]
-                                    sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
-                                    vf[k, e] = mul_rn(g, p)  # dkv
-                            self.store_slots(gDKV, gDSc, gWork, sf, vf, dacc, Int32(0), t0, has_prev,
-                                             chunk, wrow0)
-                        else:
-                            # Long windows: max, sum, S, then stores, each pass reloading its
-                            # slot chunk; the serial order equals the single-pass order.
-                            for e in cutlass.range_constexpr(vec):
-                                m[e] = -Float32.inf
-                                den[e] = Float32(0.0)
-                                S[e] = Float32(0.0)
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        m[e] = cutlass.max(m[e], sf[k, e])
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        den[e] = den[e] + cute.math.exp(sf[k, e] - m[e])
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        p = cute.math.exp(sf[k, e] - m[e]) / den[e]
-                                        S[e] = S[e] + mul_rn(p, mul_rn(gv[e], vf[k, e]))
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        p = cute.math.exp(sf[k, e] - m[e]) / den[e]
-                                        pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
-                                        sf[k, e] = pdp - mul_rn(p, S[e])
-                                        vf[k, e] = mul_rn(gv[e], p)
-                                self.store_slots(gDKV, gDSc, gWork, sf, vf, dacc, c * CH, t0,
-                                                 has_prev, chunk, wrow0)
-                if cutlass.const_expr(n_chunks == 1):
-                    if cutlass.const_expr(self.row_lanes > 1):
-                        # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
-                        smem = cutlass.memory.SmemAllocator()
-                        red = smem.allocate_tensor(
-                            Float32, cute.make_layout((self.lanes, CH * vec, self.row_lanes)), 16)
-                        for i in cutlass.range_constexpr(CH * vec):
-                            red[tid, i, ty] = dacc[i // vec, i % vec]
-                        cute.arch.barrier()
-                        if ty == 0:
-                            for y in cutlass.range_constexpr(1, self.row_lanes):
-                                for i in cutlass.range_constexpr(CH * vec):
-                                    dacc[i // vec, i % vec] = dacc[i // vec, i % vec] + red[tid, i, y]
+                        self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                        for e in cutlass.range_constexpr(vec):
+                            mx = sf[0, e]
+                            for k in cutlass.range_constexpr(1, CH):
+                                mx = cutlass.max(mx, sf[k, e])
+                            for k in cutlass.range_constexpr(CH):
+                                sf[k, e] = cute.math.exp(sf[k, e] - mx)
+                            dn = sf[0, e]
+                            for k in cutlass.range_constexpr(1, CH):
+                                dn = dn + sf[k, e]
+                            g = gv[e]
+                            for k in cutlass.range_constexpr(CH):
+                                p = sf[k, e] / dn
+                                pdp = mul_rn(p, mul_rn(g, vf[k, e]))
+                                sf[k, e] = p
+                                vf[k, e] = pdp  # p*dp until S is known
+                            acc = vf[0, e]
+                            for k in cutlass.range_constexpr(1, CH):
+                                acc = acc + vf[k, e]
+                            for k in cutlass.range_constexpr(CH):
+                                p = sf[k, e]
+                                sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
+                                vf[k, e] = mul_rn(g, p)  # dkv
+                        self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
+                if cutlass.const_expr(self.row_lanes > 1):
+                    # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
+                    smem = cutlass.memory.SmemAllocator()
+                    red = smem.allocate_tensor(
+                        Float32, cute.make_layout((self.lanes, CH * vec, self.row_lanes)), 16)
+                    for i in cutlass.range_constexpr(CH * vec):
+                        red[tid, i, ty] = dacc[i // vec, i % vec]
+                    cute.arch.barrier()
                     if ty == 0:
-                        for kk in cutlass.range_constexpr(CH):
-                            _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
-                            gWork[(None, (wrow0 + arow, colc))].store(dacc[kk, None].load())
+                        for y in cutlass.range_constexpr(1, self.row_lanes):
+                            for i in cutlass.range_constexpr(CH * vec):
+                                dacc[i // vec, i % vec] = dacc[i // vec, i % vec] + red[tid, i, y]
+                if ty == 0:
+                    for kk in cutlass.range_constexpr(CH):
+                        _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
+                        gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
             else:
                 for j in cutlass.range_constexpr(config.ZERO_TOKENS_PER_THREAD):
                     t = ((bx - num_row_ctas) * config.ZERO_TOKENS_PER_THREAD + j) * self.row_lanes + ty

@@ -28,7 +28,8 @@ class PoolForward:
         self.vec = config.vector_elems(head_dim, dtype.width // 8)
         self.cpr = head_dim // self.vec  # column chunks per output row
         self.slots = coff * ratio
-        self.chunk_slots = config.slot_chunk(self.slots)
+        assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
+        self.chunk_slots = self.slots  # the whole window lives in registers, read once
         self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
@@ -87,13 +88,10 @@ class PoolForward:
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH = self.vec, self.chunk_slots
-        n_chunks = self.slots // CH
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
         sf = cute.make_rmem_tensor((CH, vec), Float32)
         vf = cute.make_rmem_tensor((CH, vec), Float32)
-        m = cute.make_rmem_tensor((vec,), Float32)
-        den = cute.make_rmem_tensor((vec,), Float32)
         acc = cute.make_rmem_tensor((vec,), Float32)
         res = cute.make_rmem_tensor((vec,), self.dtype)
         if chunk < self.cpr:
@@ -104,44 +102,21 @@ class PoolForward:
                     t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
                                                         self.ratio, self.coff)
                     for e in cutlass.range_constexpr(vec):
-                        m[e] = -Float32.inf
-                        den[e] = Float32(0.0)
                         acc[e] = Float32(0.0)
                     if ok:
-                        if cutlass.const_expr(n_chunks == 1):
-                            # Whole window in registers, read once.
-                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                            for e in cutlass.range_constexpr(vec):
-                                mx = sf[0, e]
-                                for k in cutlass.range_constexpr(1, CH):
-                                    mx = cutlass.max(mx, sf[k, e])
-                                for k in cutlass.range_constexpr(CH):
-                                    sf[k, e] = cute.math.exp(sf[k, e] - mx)
-                                dn = sf[0, e]
-                                for k in cutlass.range_constexpr(1, CH):
-                                    dn = dn + sf[k, e]
-                                a = mul_rn(vf[0, e], sf[0, e] / dn)
-                                for k in cutlass.range_constexpr(1, CH):
-                                    a = a + mul_rn(vf[k, e], sf[k, e] / dn)
-                                acc[e] = a
-                        else:
-                            # Long windows: three passes over slot chunks, reloading each
-                            # chunk, in the same serial order as a single pass would use.
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        m[e] = cutlass.max(m[e], sf[k, e])
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        den[e] = den[e] + cute.math.exp(sf[k, e] - m[e])
-                            for c in cutlass.range(n_chunks):
-                                self.load_slots(gKV, gSc, gApe, sf, vf, c * CH, t0, has_prev, chunk)
-                                for e in cutlass.range_constexpr(vec):
-                                    for k in cutlass.range_constexpr(CH):
-                                        p = cute.math.exp(sf[k, e] - m[e]) / den[e]
-                                        acc[e] = acc[e] + mul_rn(vf[k, e], p)
+                        self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                        for e in cutlass.range_constexpr(vec):
+                            mx = sf[0, e]
+                            for k in cutlass.range_constexpr(1, CH):
+                                mx = cutlass.max(mx, sf[k, e])
+                            for k in cutlass.range_constexpr(CH):
+                                sf[k, e] = cute.math.exp(sf[k, e] - mx)
+                            dn = sf[0, e]
+                            for k in cutlass.range_constexpr(1, CH):
+                                dn = dn + sf[k, e]
+                            a = mul_rn(vf[0, e], sf[0, e] / dn)
+                            for k in cutlass.range_constexpr(1, CH):
+                                a = a + mul_rn(vf[k, e], sf[k, e] / dn)
+                            acc[e] = a
                     res.store(acc.load().to(self.dtype))
                     gOut[(None, (row, chunk))].store(res.load())

@@ -132,7 +132,6 @@ class LongPoolBackward(PoolBackward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS)
         self.row_lanes = self.groups  # zero-fill CTAs: one token per slot-group lane
-        self.register_window = False
         self.min_rows_per_cta = 1
         self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
 
