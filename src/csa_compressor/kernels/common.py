@@ -25,6 +25,21 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
+def softmax_numerators(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
+    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max)`` for every slot,
+    returning their serial sum (the softmax denominator), in the fp32 reference's order."""
+    mx = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        mx = cutlass.max(mx, sf[k, e])
+    for k in cutlass.range_constexpr(slots):
+        sf[k, e] = cute.math.exp(sf[k, e] - mx)
+    dn = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        dn = dn + sf[k, e]
+    return dn
+
+
+@cute.jit
 def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
     """Largest s in [0, B] with cu[s] <= x (upper bound - 1) over the non-decreasing offsets;
     returns B when x is at or beyond cu[B]. log2(B) cached loads."""

@@ -21,7 +21,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import WindowSlots, advance_segment, find_segment, mul_rn, row_window
+from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
+                     softmax_numerators)
 
 
 class PoolBackward(WindowSlots):
@@ -102,14 +103,7 @@ class PoolBackward(WindowSlots):
                         gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                         self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
                         for e in cutlass.range_constexpr(vec):
-                            mx = sf[0, e]
-                            for k in cutlass.range_constexpr(1, CH):
-                                mx = cutlass.max(mx, sf[k, e])
-                            for k in cutlass.range_constexpr(CH):
-                                sf[k, e] = cute.math.exp(sf[k, e] - mx)
-                            dn = sf[0, e]
-                            for k in cutlass.range_constexpr(1, CH):
-                                dn = dn + sf[k, e]
+                            dn = softmax_numerators(sf, e, CH)
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
                                 p = sf[k, e] / dn

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import find_segment, mul_rn, row_window
+from .common import find_segment, mul_rn, row_window, softmax_numerators
 
 
 class PoolForward:
@@ -106,14 +106,7 @@ class PoolForward:
                     if ok:
                         self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
                         for e in cutlass.range_constexpr(vec):
-                            mx = sf[0, e]
-                            for k in cutlass.range_constexpr(1, CH):
-                                mx = cutlass.max(mx, sf[k, e])
-                            for k in cutlass.range_constexpr(CH):
-                                sf[k, e] = cute.math.exp(sf[k, e] - mx)
-                            dn = sf[0, e]
-                            for k in cutlass.range_constexpr(1, CH):
-                                dn = dn + sf[k, e]
+                            dn = softmax_numerators(sf, e, CH)
                             a = mul_rn(vf[0, e], sf[0, e] / dn)
                             for k in cutlass.range_constexpr(1, CH):
                                 a = a + mul_rn(vf[k, e], sf[k, e] / dn)
