@@ -41,7 +41,10 @@ loads = {}
 for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
     width = (int(m[0][2:]) if m[0] else 1) * int(m[1]) // 8
     loads[width] = loads.get(width, 0) + 1
-print(json.dumps({"arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
+copies = {}
+for m in re.findall(r"cp\.async\.c[ag]\.shared(?:::cta)?\.global[^,]*,[^,]*,\s*(\d+)", ptx):
+    copies[int(m)] = copies.get(int(m), 0) + 1
+print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),"arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),

@@ -192,3 +192,25 @@ def test_non_finite_inputs_propagate_like_the_reference():
     assert torch.equal(torch.isinf(fused), torch.isinf(ref))
     fin = torch.isfinite(ref)
     assert_forward_contract(fused[fin], ref[fin])
+
+
+@pytest.mark.parametrize("ratio,coff,scale", [(4, 2, 30.0), (8, 2, 60.0), (128, 1, 30.0)])
+def test_wide_score_spread_hits_the_exact_division_fallback(ratio, coff, scale):
+    """Scores spread so wide that many softmax numerators fall below the shared-reciprocal
+    fast path (common.DIV_FAST_MIN = 2^-64), underflow to subnormals or to zero: the
+    kernels' quotients must still be the IEEE ones (dkv = g*p bitwise)."""
+    kv, score, ape, cu, cuc, N = make_pack(RAGGED, 64, ratio, coff, dtype=torch.float32,
+                                           device="cuda", seed=11)
+    score = score * scale
+    e = torch.exp(score - score.max())
+    assert (e < 2.0 ** -64).float().mean() > 0.05 and ((e > 0) & (e < 2.0 ** -126)).any()
+    g = torch.randn(N, 64, device="cuda")
+    fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, ratio, coff, g)
+    ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
+    assert_forward_contract(fused[0], ref[0])
+    if ratio * coff <= 16:
+        assert torch.equal(fused[1], ref[1]), "dkv not bitwise equal to the fp32 reference"
+        assert torch.equal(fused[2], ref[2]), "dscore not bitwise equal to the fp32 reference"
+    else:
+        for f, r in ((fused[1], ref[1]), (fused[2], ref[2])):
+            assert_forward_contract(f, r)

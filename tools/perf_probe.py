@@ -25,8 +25,8 @@ def host():
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
     cases = {
         "validate(for_kernel)": lambda: validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2, for_kernel=True),
-        "compiled fn (kwargs wrapper)": lambda: fn(kv, score, ape, cu, cuc, out),
-        "raw tvm_ffi.Function": lambda: raw(kv, score, ape, cu, cuc, out),
+        "compiled fn (kwargs wrapper)": lambda: fn(kv, score, ape, cu, cuc, out, 1),
+        "raw tvm_ffi.Function": lambda: raw(kv, score, ape, cu, cuc, out, 1),
         "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
         "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
         "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
@@ -38,10 +38,15 @@ def host():
 
 def sweep():
     shapes = [bench.parse_shape(s) for s in ("1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")]
-    variants = [dict(VEC_BYTES=16, BWD_VEC_BYTES=8, BWD_TARGET_CTAS_PER_SM=4),
-                dict(VEC_BYTES=8, BWD_VEC_BYTES=4, BWD_TARGET_CTAS_PER_SM=4),
-                dict(VEC_BYTES=8, BWD_VEC_BYTES=4, BWD_TARGET_CTAS_PER_SM=8)]
-    base = {k: getattr(config, k) for k in variants[0]}
+    variants = [dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
+                dict(FWD_STAGES=2, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
+                dict(FWD_STAGES=4, FWD_SMEM_PER_CTA=65536, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
+                dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=4, FWD_TARGET_CTAS_PER_SM=4),
+                dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=16, FWD_TARGET_CTAS_PER_SM=2)]
+    if len(sys.argv) > 2:  # e.g. 'FWD_STAGES=2,FWD_MAX_ROWS_PER_THREAD=4;FWD_STAGES=3'
+        variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(","))
+                    for v in sys.argv[2].split(";")]
+    base = {k: getattr(config, k) for v in variants for k in v}
     for v in variants:
         for k, val in v.items():
             setattr(config, k, val)

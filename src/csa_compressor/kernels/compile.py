@@ -67,7 +67,8 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     if direction == "fwd":
         kernel = (LongPoolForward if long else PoolForward)(cdt, ratio, coff, head_dim)
         out = _fake(cdt, (N, head_dim), 16)
-        fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, stream, options="--enable-tvm-ffi")
+        fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
+                          options="--enable-tvm-ffi")
     else:
         kernel = (LongPoolBackward if long else PoolBackward)(cdt, ratio, coff, head_dim)
         grad = _fake(cdt, (N, head_dim), 16)

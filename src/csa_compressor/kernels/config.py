@@ -9,10 +9,14 @@ MIN_CHUNKS_PER_ROW: shrink the vector further while a row would have fewer chunk
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split over grid.y.
 MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once
   (pool_fwd.py / pool_bwd.py); longer ones go to the slot-parallel kernels.
-FWD_CTA_THREADS / FWD_ROWS_PER_THREAD: forward CTAs stack row lanes on top of the column
-  lanes up to this many threads; each thread computes this many rows. 128 beat 256 at
-  3x8192/512 (64.0 vs 83.9 us forward, equal at 1x8192/128; tools/perf_probe.py sweep,
-  H200, 2026-11-29): at 152 registers a thread, 256-thread CTAs fit once per SM.
+FWD_CTA_THREADS: forward CTAs stack row lanes on top of the column lanes up to this many
+  threads. 128 beat 256 at 3x8192/512 in the register-resident forward (64.0 vs 83.9 us,
+  equal at 1x8192/128; tools/perf_probe.py sweep, H200, 2026-11-29).
+FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.async
+  (pool_fwd.py), fewer when a stage would push the CTA's shared memory past the budget
+  (never fewer than 2, or nothing overlaps).
+FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
+  as keep this many CTAs per SM, at most the cap.
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
@@ -23,6 +27,10 @@ LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM
   columns; the serial sums run over shared memory in slot order, so results stay bitwise
   equal to the fp32 reference. The one-thread-per-row design ran ratio 128 at 2-11% of
   the floor (61 us forward at 1x8192/128, H200, 2026-11-29).
+DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
+  (common.div_rn); with denominators in [1, 2^40] every intermediate of the fast path stays
+  a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
+  take a true division.
 ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks (each
   with its own segment search, so they overlap instead of forming a chain).
 """
@@ -33,10 +41,14 @@ MIN_CHUNKS_PER_ROW = 32
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 FWD_CTA_THREADS = 128
-FWD_ROWS_PER_THREAD = 1
+FWD_STAGES = 3
+FWD_SMEM_PER_CTA = 48 * 1024
+FWD_TARGET_CTAS_PER_SM = 4
+FWD_MAX_ROWS_PER_THREAD = 8
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 ZERO_TOKENS_PER_THREAD = 2
+DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.

@@ -39,9 +39,11 @@ def launch_forward(p, out):
     """Forward launch on a validated problem into a checked ``out``."""
     if p.total_comp == 0:
         return out
-    _, fn = get_kernel("fwd", p.kv.device, p.kv.dtype, p.ratio, p.coff, p.head_dim)
-    with _on_device(p.kv.device):
-        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out)
+    dev = p.kv.device
+    kernel, fn = get_kernel("fwd", dev, p.kv.dtype, p.ratio, p.coff, p.head_dim)
+    rows = kernel.rows_per_thread(p.total_comp, sm_count(dev.index))
+    with _on_device(dev):
+        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
 
 

@@ -21,8 +21,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
-                     softmax_numerators)
+from .common import (WindowSlots, advance_segment, div_rn, find_segment, mul_rn, rcp_rn,
+                     row_window, softmax_numerators)
 
 
 class PoolBackward(WindowSlots):
@@ -104,9 +104,10 @@ class PoolBackward(WindowSlots):
                         self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
                         for e in cutlass.range_constexpr(vec):
                             dn = softmax_numerators(sf, e, CH)
+                            y, nd = rcp_rn(dn), -dn
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
-                                p = sf[k, e] / dn
+                                p = div_rn(sf[k, e], nd, y, dn)
                                 pdp = mul_rn(p, mul_rn(g, vf[k, e]))
                                 sf[k, e] = p
                                 vf[k, e] = pdp  # p*dp until S is known

@@ -1,12 +1,21 @@
 """Fused forward of the gated pooling: one launch, fp32 math, one final rounding.
 
-Thread mapping: a CTA owns ``lanes`` consecutive column chunks (``vec`` elements each) of
-``rows_per_cta`` consecutive output rows; a thread walks those rows for its chunk. Each
-slot of a row's window is one vector load of ``score`` and one of ``kv`` per thread, so
-a warp reads 32 contiguous vectors of one token row: fully coalesced.
+Thread mapping: a CTA owns ``lanes`` consecutive column chunks (``vec`` elements each) and
+``row_lanes`` row lanes; each thread walks ``rows_per_thread`` rows (a launch argument)
+for its chunk, ``row_lanes`` apart. Each slot of a row's window is one vector of
+``score`` and one of ``kv`` per thread, so a warp reads 32 contiguous vectors of one token
+row: fully coalesced.
+
+Staging: the window vectors travel global -> shared memory by ``cp.async``, ``stages``
+rows ahead of the row being computed, so a thread keeps ~``stages`` windows in flight
+without holding them in registers (the register-resident design kept one window in
+flight and spent most of its time either waiting or computing). Every thread reads back
+only what it copied itself, so ``cp.async.wait_group`` is the only synchronisation.
+Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
-division, products rounded on their own (``mul.rn``) before a serial sum.
+division (one shared reciprocal + exact corrections, see common.div_rn), products
+rounded on their own (``mul.rn``) before a serial sum.
 """
 
 import math
@@ -14,18 +23,21 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from . import config
-from .common import find_segment, mul_rn, row_window, softmax_numerators
+from .common import (WindowSlots, advance_segment, div_rn, find_segment, mul_rn, rcp_rn,
+                     row_window, softmax_numerators)
 
 
-class PoolForward:
+class PoolForward(WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
-        self.vec = config.vector_elems(head_dim, dtype.width // 8)
+        elem_bytes = dtype.width // 8
+        self.vec = config.vector_elems(head_dim, elem_bytes)
         self.cpr = head_dim // self.vec  # column chunks per output row
         self.slots = coff * ratio
         assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
@@ -33,83 +45,148 @@ class PoolForward:
         self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
-        self.rows_per_cta = self.row_lanes * config.FWD_ROWS_PER_THREAD
+        self.threads = self.lanes * self.row_lanes
+        self.staged = self.vec * elem_bytes in (4, 8, 16)  # the cp.async sizes
+        stage_bytes = 2 * self.slots * self.threads * self.vec * elem_bytes
+        self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
+        self.smem_bytes = self.stages * stage_bytes if self.staged else 0
+
+    def rows_per_thread(self, num_rows: int, sms: int) -> int:
+        """Rows each thread walks: as many as keep FWD_TARGET_CTAS_PER_SM CTAs per SM busy,
+        at most FWD_MAX_ROWS_PER_THREAD (more rows a thread = a longer pipeline, fewer CTAs)."""
+        ctas = sms * config.FWD_TARGET_CTAS_PER_SM // self.col_groups
+        per = num_rows // max(1, ctas * self.row_lanes)
+        return max(1, min(config.FWD_MAX_ROWS_PER_THREAD, per))
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mOut: cute.Tensor, stream):
+                 mCuc: cute.Tensor, mOut: cute.Tensor, rows_per_thread: Int32, stream):
         tiler = (1, self.vec)
         gKV = cute.zipped_divide(mKV, tiler)
         gSc = cute.zipped_divide(mScore, tiler)
         gApe = cute.zipped_divide(mApe, tiler)
         gOut = cute.zipped_divide(mOut, tiler)
         num_rows = mOut.shape[0]
-        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
-        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0]).launch(
-            grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1], stream=stream)
+        rows_per_cta = rows_per_thread * self.row_lanes
+        grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
+        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
+            grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
+            smem=self.smem_bytes, stream=stream)
 
     @cute.jit
-    def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
-        """Slots c0 .. c0+chunk_slots-1 of the window into fp32 registers ``sf`` (score+ape)
-        and ``vf`` (value); empty slots get -inf / 0 and read nothing. Same geometry as
-        common.WindowSlots.load_slots; kept apart because merging reorders the forward's
-        converts (PTX changes) and needs a GPU run to validate."""
-        ratio, cpr, vec = self.ratio, self.cpr, self.vec
-        for kk in cutlass.range_constexpr(self.chunk_slots):
-            k = c0 + kk
-            if cutlass.const_expr(self.coff == 2):
-                own = k >= ratio
-                tok = t0 - ratio + k
-                colc = chunk + (Int32(cpr) if own else Int32(0))
-                arow = k - (Int32(ratio) if own else Int32(0))
-                valid = own | has_prev
-            else:
-                tok = t0 + k
-                colc = chunk
-                arow = k
-                valid = True
+    def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, s, row, stage, thr, chunk, num_rows,
+                  num_tokens, num_seqs):
+        """Start the cp.async copies of row ``row``'s window into ``stage``; returns the
+        issuing walk's segment. Rows that compute nothing copy nothing."""
+        s = advance_segment(mCuc, s, row, num_seqs)
+        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
+                                         self.coff)
+        if (row < num_rows) & ok:
+            for k in cutlass.range_constexpr(self.slots):
+                tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+                if valid:
+                    self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
+                    self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
+        return s
+
+    @cute.jit
+    def copy_vec(self, atom, src, dst):
+        """One ``vec``-element cp.async: both sides as a single atom-sized vector."""
+        vl = cute.make_layout(((self.vec,), 1))
+        cute.copy(atom, cute.make_tensor(src.iterator, vl), cute.make_tensor(dst.iterator, vl))
+
+    @cute.jit
+    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk):
+        """The window of the row in ``stage`` into fp32 registers (score + ape, value);
+        empty slots get -inf / 0."""
+        for k in cutlass.range_constexpr(self.slots):
+            _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
-                s_raw = gSc[(None, (tok, colc))].load()
-                a_raw = gApe[(None, (arow, colc))].load()
-                v_raw = gKV[(None, (tok, colc))].load()
-                s32 = s_raw.to(Float32)
-                v32 = v_raw.to(Float32)
-                for e in cutlass.range_constexpr(vec):
-                    sf[kk, e] = s32[e] + a_raw[e]
-                    vf[kk, e] = v32[e]
+                s32 = sS[(None, thr, k, stage)].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                v32 = sV[(None, thr, k, stage)].load().to(Float32)
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = s32[e] + a32[e]
+                    vf[k, e] = v32[e]
             else:
-                for e in cutlass.range_constexpr(vec):
-                    sf[kk, e] = -Float32.inf
-                    vf[kk, e] = Float32(0.0)
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = -Float32.inf
+                    vf[k, e] = Float32(0.0)
+
+    @cute.jit
+    def pool_row(self, sf, vf, acc):
+        CH = self.slots
+        for e in cutlass.range_constexpr(self.vec):
+            dn = softmax_numerators(sf, e, CH)
+            y = rcp_rn(dn)
+            nd = -dn
+            a = mul_rn(vf[0, e], div_rn(sf[0, e], nd, y, dn))
+            for k in cutlass.range_constexpr(1, CH):
+                a = a + mul_rn(vf[k, e], div_rn(sf[k, e], nd, y, dn))
+            acc[e] = a
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
-               mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32):
+               mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
+               rows_per_thread: Int32):
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
-        vec, CH = self.vec, self.chunk_slots
+        vec, CH, P = self.vec, self.slots, self.stages
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
+        thr = ty * self.lanes + tid
         sf = cute.make_rmem_tensor((CH, vec), Float32)
         vf = cute.make_rmem_tensor((CH, vec), Float32)
         acc = cute.make_rmem_tensor((vec,), Float32)
         res = cute.make_rmem_tensor((vec,), self.dtype)
+        row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
-            for r in cutlass.range_constexpr(config.FWD_ROWS_PER_THREAD):
-                row = bx * self.rows_per_cta + r * self.row_lanes + ty
-                if row < num_rows:
-                    s = find_segment(mCuc, row, num_seqs)
-                    t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
-                                                        self.ratio, self.coff)
-                    for e in cutlass.range_constexpr(vec):
-                        acc[e] = Float32(0.0)
-                    if ok:
-                        self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+            s = find_segment(mCuc, row0, num_seqs)
+            if cutlass.const_expr(self.staged):
+                smem = cutlass.memory.SmemAllocator()
+                layout = cute.make_layout((vec, self.threads, CH, P))
+                sS = smem.allocate_tensor(self.dtype, layout, 16)
+                sV = smem.allocate_tensor(self.dtype, layout, 16)
+                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype,
+                                           num_bits_per_copy=vec * self.dtype.width)
+                s_in = s
+                for p in cutlass.range_constexpr(P - 1):
+                    if p < rows_per_thread:
+                        s_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, s_in,
+                                              row0 + p * self.row_lanes, p, thr, chunk, num_rows,
+                                              num_tokens, num_seqs)
+                    cute.arch.cp_async_commit_group()
+                for i in cutlass.range(rows_per_thread):
+                    ahead = i + (P - 1)
+                    if ahead < rows_per_thread:
+                        s_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, s_in,
+                                              row0 + ahead * self.row_lanes, ahead % P, thr,
+                                              chunk, num_rows, num_tokens, num_seqs)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(P - 1)
+                    row = row0 + i * self.row_lanes
+                    s = advance_segment(mCuc, s, row, num_seqs)
+                    if row < num_rows:
+                        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
+                                                         self.ratio, self.coff)
                         for e in cutlass.range_constexpr(vec):
-                            dn = softmax_numerators(sf, e, CH)
-                            a = mul_rn(vf[0, e], sf[0, e] / dn)
-                            for k in cutlass.range_constexpr(1, CH):
-                                a = a + mul_rn(vf[k, e], sf[k, e] / dn)
-                            acc[e] = a
-                    res.store(acc.load().to(self.dtype))
-                    gOut[(None, (row, chunk))].store(res.load())
+                            acc[e] = Float32(0.0)
+                        if ok:
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk)
+                            self.pool_row(sf, vf, acc)
+                        res.store(acc.load().to(self.dtype))
+                        gOut[(None, (row, chunk))].store(res.load())
+            else:
+                for i in cutlass.range(rows_per_thread):
+                    row = row0 + i * self.row_lanes
+                    s = advance_segment(mCuc, s, row, num_seqs)
+                    if row < num_rows:
+                        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
+                                                         self.ratio, self.coff)
+                        for e in cutlass.range_constexpr(vec):
+                            acc[e] = Float32(0.0)
+                        if ok:
+                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                            self.pool_row(sf, vf, acc)
+                        res.store(acc.load().to(self.dtype))
+                        gOut[(None, (row, chunk))].store(res.load())

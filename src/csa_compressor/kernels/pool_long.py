@@ -15,7 +15,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import WindowSlots, advance_segment, find_segment, mul_rn, row_window
+from .common import (WindowSlots, advance_segment, div_rn, find_segment, max_nan, mul_rn, rcp_rn,
+                     row_window)
 from .pool_bwd import PoolBackward
 
 
@@ -48,13 +49,13 @@ class _LongShape:
         for e in cutlass.range_constexpr(vec):
             mx = sf[0, e]
             for k in cutlass.range_constexpr(1, CH):
-                mx = cutlass.max(mx, sf[k, e])
+                mx = max_nan(mx, sf[k, e])
             gmax[tid * vec + e, g] = mx
         cute.arch.barrier()
         for e in cutlass.range_constexpr(vec):
             mx = gmax[tid * vec + e, 0]
             for h in cutlass.range_constexpr(1, self.groups):
-                mx = cutlass.max(mx, gmax[tid * vec + e, h])
+                mx = max_nan(mx, gmax[tid * vec + e, h])
             for k in cutlass.range_constexpr(CH):
                 sf[k, e] = cute.math.exp(sf[k, e] - mx)
                 buf[tid * vec + e, g * CH + k] = sf[k, e]
@@ -78,9 +79,13 @@ class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS)
 
+    def rows_per_thread(self, num_rows: int, sms: int) -> int:
+        return 1
+
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mOut: cute.Tensor, stream):
+                 mCuc: cute.Tensor, mOut: cute.Tensor, rows_per_thread: Int32, stream):
+        # rows_per_thread: the short-window forward's launch argument; a CTA here is one row.
         tiler = (1, self.vec)
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
@@ -112,8 +117,9 @@ class LongPoolForward(_LongShape, WindowSlots):
             self.softmax_den(sf, buf, gmax, stat, tid, g)
             for e in cutlass.range_constexpr(vec):
                 dn = stat[tid * vec + e, 0]
+                y, nd = rcp_rn(dn), -dn
                 for k in cutlass.range_constexpr(CH):
-                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], sf[k, e] / dn)
+                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], div_rn(sf[k, e], nd, y, dn))
             cute.arch.barrier()
             self.serial_sum(buf, stat, tid, g, 1)
             if active & (g < vec):
@@ -179,8 +185,9 @@ class LongPoolBackward(PoolBackward):
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
                     for e in cutlass.range_constexpr(vec):
                         dn = stat[tid * vec + e, 0]
+                        y, nd = rcp_rn(dn), -dn
                         for k in cutlass.range_constexpr(CH):
-                            p = sf[k, e] / dn
+                            p = div_rn(sf[k, e], nd, y, dn)
                             pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
                             sf[k, e] = p
                             vf[k, e] = pdp
