@@ -48,6 +48,11 @@ def max_nan(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def min_nan(a, b, *, loc=None, ip=None) -> Float32:
+    return _asm_f32("min.NaN.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def rcp_rn(b, *, loc=None, ip=None) -> Float32:
     """IEEE reciprocal, correctly rounded (the compiler's full-range expansion)."""
     return _asm_f32("rcp.rn.f32 $0, $1;", "=f,f", b, loc=loc, ip=ip)
@@ -56,32 +61,55 @@ def rcp_rn(b, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def div_by_rcp(a, nb, y, *, loc=None, ip=None) -> Float32:
     """``a / b`` correctly rounded, given ``nb = -b`` and ``y = rcp_rn(b)``: ``q = a*y`` is
-    within 1.5 ulp of a/b; one residual correction ``q += (a - b*q)*y`` (the residual is
-    exact under FMA) makes it faithful, and a second one correctly rounded (Markstein's
+    within 1.5 ulp of a/b; one residual correction ``q += (a - b*q)*y`` makes it faithful,
+    and a second one (the residual now exact under FMA) correctly rounded (Markstein's
     theorem: y within half an ulp of 1/b, q faithful). Valid while nothing underflows:
-    callers guard with ``a >= config.DIV_FAST_MIN`` and fall back to a true division."""
+    callers check ``a >= config.DIV_FAST_MIN`` (tests/test_division_cpu.py replays it)."""
     return _asm_f32(
         "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
         "fma.rn.f32 q, r, $3, q;\nfma.rn.f32 r, $2, q, $1;\nfma.rn.f32 $0, r, $3, q;\n}",
         "=f,f,f,f", a, nb, y, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def div_exact(a, b, *, loc=None, ip=None) -> Float32:
+    """IEEE division as an opaque (volatile) instruction: as a plain ``/`` the compiler
+    speculates the whole division out of the rarely taken branch that needs it."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "div.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @cute.jit
-def div_rn(a, nb, y, b):
-    """``a / b``, bitwise the IEEE division, at ~5 instructions instead of ~10 + a
-    reciprocal when the reciprocal ``y`` (and ``nb = -b``) is shared by many numerators."""
-    q = div_by_rcp(a, nb, y)
-    if not (a >= Float32(config.DIV_FAST_MIN)):
-        q = a / b  # tiny, zero or NaN numerators: the slow path, never hot
-    return q
+def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
+    """``sf[k, e] <- sf[k, e] / dn`` for every slot, bitwise the IEEE quotients: one shared
+    reciprocal and ~5 instructions a slot when every numerator is at least DIV_FAST_MIN
+    (one check per column), true divisions otherwise (tiny, zero or NaN numerators)."""
+    mn = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        mn = min_nan(mn, sf[k, e])
+    if mn >= Float32(config.DIV_FAST_MIN):
+        y = rcp_rn(dn)
+        nd = -dn
+        for k in cutlass.range_constexpr(slots):
+            sf[k, e] = div_by_rcp(sf[k, e], nd, y)
+    else:
+        for k in cutlass.range_constexpr(slots):
+            sf[k, e] = div_exact(sf[k, e], dn)
 
 
 @cute.jit
-def softmax_numerators(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
-    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max)`` for every slot,
-    returning their serial sum (the softmax denominator), in the fp32 reference's order."""
+def softmax_probs(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
+    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max) / sum`` for
+    every slot, in the fp32 reference's order (serial max, serial sum, true division)."""
     mx = sf[0, e]
     for k in cutlass.range_constexpr(1, slots):
         mx = max_nan(mx, sf[k, e])
@@ -90,7 +118,7 @@ def softmax_numerators(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlas
     dn = sf[0, e]
     for k in cutlass.range_constexpr(1, slots):
         dn = dn + sf[k, e]
-    return dn
+    divide_column(sf, e, slots, dn)
 
 
 @cute.jit

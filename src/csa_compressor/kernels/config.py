@@ -28,7 +28,7 @@ LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM
   equal to the fp32 reference. The one-thread-per-row design ran ratio 128 at 2-11% of
   the floor (61 us forward at 1x8192/128, H200, 2026-11-29).
 DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
-  (common.div_rn); with denominators in [1, 2^40] every intermediate of the fast path stays
+  (common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
   take a true division.
 ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks (each

@@ -21,8 +21,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, div_rn, find_segment, mul_rn, rcp_rn,
-                     row_window, softmax_numerators)
+from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
+                     softmax_probs)
 
 
 class PoolBackward(WindowSlots):
@@ -103,11 +103,10 @@ class PoolBackward(WindowSlots):
                         gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                         self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
                         for e in cutlass.range_constexpr(vec):
-                            dn = softmax_numerators(sf, e, CH)
-                            y, nd = rcp_rn(dn), -dn
+                            softmax_probs(sf, e, CH)
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
-                                p = div_rn(sf[k, e], nd, y, dn)
+                                p = sf[k, e]
                                 pdp = mul_rn(p, mul_rn(g, vf[k, e]))
                                 sf[k, e] = p
                                 vf[k, e] = pdp  # p*dp until S is known

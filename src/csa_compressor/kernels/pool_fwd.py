@@ -14,7 +14,7 @@ only what it copied itself, so ``cp.async.wait_group`` is the only synchronisati
 Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
-division (one shared reciprocal + exact corrections, see common.div_rn), products
+division (one shared reciprocal + exact corrections, see common.divide_column), products
 rounded on their own (``mul.rn``) before a serial sum.
 """
 
@@ -26,8 +26,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from . import config
-from .common import (WindowSlots, advance_segment, div_rn, find_segment, mul_rn, rcp_rn,
-                     row_window, softmax_numerators)
+from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
+                     softmax_probs)
 
 
 class PoolForward(WindowSlots):
@@ -117,12 +117,10 @@ class PoolForward(WindowSlots):
     def pool_row(self, sf, vf, acc):
         CH = self.slots
         for e in cutlass.range_constexpr(self.vec):
-            dn = softmax_numerators(sf, e, CH)
-            y = rcp_rn(dn)
-            nd = -dn
-            a = mul_rn(vf[0, e], div_rn(sf[0, e], nd, y, dn))
+            softmax_probs(sf, e, CH)
+            a = mul_rn(vf[0, e], sf[0, e])
             for k in cutlass.range_constexpr(1, CH):
-                a = a + mul_rn(vf[k, e], div_rn(sf[k, e], nd, y, dn))
+                a = a + mul_rn(vf[k, e], sf[k, e])
             acc[e] = a
 
     @cute.kernel

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, div_rn, find_segment, max_nan, mul_rn, rcp_rn,
+from .common import (WindowSlots, advance_segment, divide_column, find_segment, max_nan, mul_rn,
                      row_window)
 from .pool_bwd import PoolBackward
 
@@ -116,10 +116,9 @@ class LongPoolForward(_LongShape, WindowSlots):
                 self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
             self.softmax_den(sf, buf, gmax, stat, tid, g)
             for e in cutlass.range_constexpr(vec):
-                dn = stat[tid * vec + e, 0]
-                y, nd = rcp_rn(dn), -dn
+                divide_column(sf, e, CH, stat[tid * vec + e, 0])
                 for k in cutlass.range_constexpr(CH):
-                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], div_rn(sf[k, e], nd, y, dn))
+                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], sf[k, e])
             cute.arch.barrier()
             self.serial_sum(buf, stat, tid, g, 1)
             if active & (g < vec):
@@ -184,10 +183,9 @@ class LongPoolBackward(PoolBackward):
                         self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
                     for e in cutlass.range_constexpr(vec):
-                        dn = stat[tid * vec + e, 0]
-                        y, nd = rcp_rn(dn), -dn
+                        divide_column(sf, e, CH, stat[tid * vec + e, 0])
                         for k in cutlass.range_constexpr(CH):
-                            p = div_rn(sf[k, e], nd, y, dn)
+                            p = sf[k, e]
                             pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
                             sf[k, e] = p
                             vf[k, e] = pdp

@@ -1,0 +1,21 @@
+"""Developer probe (H200): run the fused forward and backward on one shape a few times, for
+``ncu`` to profile. Not part of the package.
+
+    ncu --clock-control none -k regex:kernel --launch-skip 4 --launch-count 3 \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+        python tools/profile_probe.py 3x8192:512:4:2
+"""
+
+import sys
+
+import torch
+
+from csa_compressor import bench, compress_thd_fused
+
+shape = bench.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
+kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
+leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+for _ in range(4):
+    out = compress_thd_fused(*leaves, cu, cuc, N, ratio=shape.ratio, coff=shape.coff)
+    out.backward(g)
+torch.cuda.synchronize()
