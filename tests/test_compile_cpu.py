@@ -43,8 +43,8 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     direction, _, ratio, coff, d = cfg
     width = info["vec"] * info["elem_bytes"]
     # Every window slot reads kv and score with one vector of the designed width: a
-    # cp.async into shared memory in the short-window forward, a load elsewhere.
-    staged = direction == "fwd" and ratio * coff <= 16
+    # cp.async into shared memory in the short-window kernels, a load in the long ones.
+    staged = ratio * coff <= 16
     reads = info["async_copies_by_bytes" if staged else "loads_by_bytes"]
     assert reads.get(str(width), 0) >= 2 * min(info["slots"], 8), info
     # One shared reciprocal per column instead of a division per slot (common.div_rn).

@@ -4,6 +4,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import config
@@ -170,8 +171,61 @@ def advance_segment(cu: cute.Tensor, s: Int32, x: Int32, num_seqs: Int32) -> Int
 
 
 class WindowSlots:
-    """Slot geometry and loading shared by the kernels: needs ``ratio``, ``coff``, ``cpr``
-    (column chunks per row), ``vec`` and ``chunk_slots`` (slots loaded per call)."""
+    """Slot geometry, loading and cp.async staging shared by the kernels: needs ``dtype``,
+    ``ratio``, ``coff``, ``cpr`` (column chunks per row), ``vec``, ``chunk_slots`` (slots
+    loaded per call), and for staging ``slots`` and ``threads``.
+
+    Staging buffers are (vec, thread, slot, stage): each thread copies its own vectors and
+    reads back only those, so ``cp.async.wait_group`` is all the synchronisation needed,
+    and a warp's 8-byte vectors are consecutive in shared memory (no bank conflicts)."""
+
+    def stageable(self) -> bool:
+        return self.vec * self.dtype.width // 8 in (4, 8, 16)  # the cp.async sizes
+
+    def window_stage_bytes(self) -> int:
+        return 2 * self.slots * self.threads * self.vec * self.dtype.width // 8
+
+    def alloc_staging(self, smem, stages: int):
+        layout = cute.make_layout((self.vec, self.threads, self.slots, stages))
+        return (smem.allocate_tensor(self.dtype, layout, 16),
+                smem.allocate_tensor(self.dtype, layout, 16))
+
+    def copy_atom(self):
+        return cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype,
+                                   num_bits_per_copy=self.vec * self.dtype.width)
+
+    @cute.jit
+    def copy_vec(self, atom, src, dst):
+        """One ``vec``-element cp.async: both sides as a single atom-sized vector."""
+        vl = cute.make_layout(((self.vec,), 1))
+        cute.copy(atom, cute.make_tensor(src.iterator, vl), cute.make_tensor(dst.iterator, vl))
+
+    @cute.jit
+    def stage_window(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
+        """Start the cp.async copies of a window's non-empty slots into ``stage``."""
+        for k in cutlass.range_constexpr(self.slots):
+            tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            if valid:
+                self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
+                self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
+
+    @cute.jit
+    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk):
+        """The staged window into fp32 registers (score + ape, value); empty slots get
+        -inf / 0 (what load_slots gives)."""
+        for k in cutlass.range_constexpr(self.slots):
+            _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            if valid:
+                s32 = sS[(None, thr, k, stage)].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                v32 = sV[(None, thr, k, stage)].load().to(Float32)
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = s32[e] + a32[e]
+                    vf[k, e] = v32[e]
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = -Float32.inf
+                    vf[k, e] = Float32(0.0)
 
     @cute.jit
     def slot_coords(self, k, t0, has_prev, chunk):

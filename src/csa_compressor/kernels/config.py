@@ -16,9 +16,11 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   (pool_fwd.py), fewer when a stage would push the CTA's shared memory past the budget
   (never fewer than 2, or nothing overlaps).
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
-  as keep this many CTAs per SM, at most the cap.
+  as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
+  <= 128 registers a thread), at most the cap.
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
+BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out).
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -44,15 +46,17 @@ FWD_CTA_THREADS = 128
 FWD_STAGES = 3
 FWD_SMEM_PER_CTA = 48 * 1024
 FWD_TARGET_CTAS_PER_SM = 4
-FWD_MAX_ROWS_PER_THREAD = 8
+FWD_MAX_ROWS_PER_THREAD = 64
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
+BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 2
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
 LONG_BWD_CTA_THREADS = 256
+BWD_STAGES = 3
 LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
 

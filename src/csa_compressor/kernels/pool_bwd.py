@@ -43,8 +43,14 @@ class PoolBackward(WindowSlots):
         self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
         self.min_rows_per_cta = self.row_lanes
         self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
-        self.smem_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
-                           if self.row_lanes > 1 else 0)
+        self.threads = self.lanes * self.row_lanes
+        self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
+                          if self.row_lanes > 1 else 0)
+        self.staged = self.stageable()
+        self.stages = config.BWD_STAGES
+        # window (score, kv) + the grad_out vector, per stage
+        stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
+        self.smem_bytes = self.red_bytes + (self.stages * stage_bytes if self.staged else 0)
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -60,6 +66,19 @@ class PoolBackward(WindowSlots):
             num_row_ctas,
         ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
+
+    @cute.jit
+    def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s, row, stage, thr, chunk,
+                  num_rows, num_tokens, num_seqs):
+        """Start the cp.async copies of row ``row``'s window and grad_out vector into
+        ``stage``; returns the issuing walk's segment. Rows that compute nothing copy nothing."""
+        s = advance_segment(mCuc, s, row, num_seqs)
+        t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
+                                            self.coff)
+        if (row < num_rows) & real & ok:
+            self.copy_vec(atom, gGrad[(None, (row, chunk))], sG[(None, thr, stage)])
+            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+        return s
 
     @cute.jit
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
@@ -92,16 +111,45 @@ class PoolBackward(WindowSlots):
                 for kk in cutlass.range_constexpr(CH):
                     for e in cutlass.range_constexpr(vec):
                         dacc[kk, e] = Float32(0.0)
-                row0 = bx * rows_per_cta
-                s = find_segment(mCuc, row0 + ty, num_seqs)
-                for r in cutlass.range(ty, rows_per_cta, self.row_lanes):
-                    row = row0 + r
+                row0 = bx * rows_per_cta + ty
+                s = find_segment(mCuc, row0, num_seqs)
+                smem = cutlass.memory.SmemAllocator()
+                # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
+                mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
+                if cutlass.const_expr(self.staged):
+                    P = self.stages
+                    sS, sV = self.alloc_staging(smem, P)
+                    sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
+                    atom = self.copy_atom()
+                    thr = ty * self.lanes + tid
+                    s_in = s
+                    for p in cutlass.range_constexpr(P - 1):
+                        if p < mine:
+                            s_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s_in,
+                                                  row0 + p * self.row_lanes, p, thr, chunk,
+                                                  num_rows, num_tokens, num_seqs)
+                        cute.arch.cp_async_commit_group()
+                for i in cutlass.range(mine):
+                    row = row0 + i * self.row_lanes
+                    if cutlass.const_expr(self.staged):
+                        ahead = i + (self.stages - 1)
+                        if ahead < mine:
+                            s_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s_in,
+                                                  row0 + ahead * self.row_lanes, ahead % self.stages,
+                                                  thr, chunk, num_rows, num_tokens, num_seqs)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(self.stages - 1)
                     s = advance_segment(mCuc, s, row, num_seqs)
                     t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
                                                         ratio, self.coff)
                     if (row < num_rows) & real & ok:
-                        gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
-                        self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                        if cutlass.const_expr(self.staged):
+                            stage = i % self.stages
+                            gv.store(sG[(None, thr, stage)].load().to(Float32))
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk)
+                        else:
+                            gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
+                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
                         for e in cutlass.range_constexpr(vec):
                             softmax_probs(sf, e, CH)
                             g = gv[e]
@@ -120,7 +168,6 @@ class PoolBackward(WindowSlots):
                         self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
-                    smem = cutlass.memory.SmemAllocator()
                     red = smem.allocate_tensor(
                         Float32, cute.make_layout((self.lanes, CH * vec, self.row_lanes)), 16)
                     for i in cutlass.range_constexpr(CH * vec):

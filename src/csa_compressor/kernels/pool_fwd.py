@@ -23,7 +23,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync
 
 from . import config
 from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
@@ -46,16 +45,17 @@ class PoolForward(WindowSlots):
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
         self.threads = self.lanes * self.row_lanes
-        self.staged = self.vec * elem_bytes in (4, 8, 16)  # the cp.async sizes
-        stage_bytes = 2 * self.slots * self.threads * self.vec * elem_bytes
+        self.staged = self.stageable()
+        stage_bytes = self.window_stage_bytes()
         self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
-        """Rows each thread walks: as many as keep FWD_TARGET_CTAS_PER_SM CTAs per SM busy,
-        at most FWD_MAX_ROWS_PER_THREAD (more rows a thread = a longer pipeline, fewer CTAs)."""
-        ctas = sms * config.FWD_TARGET_CTAS_PER_SM // self.col_groups
-        per = num_rows // max(1, ctas * self.row_lanes)
+        """Rows each thread walks: enough that the grid fits in one wave of
+        FWD_TARGET_CTAS_PER_SM CTAs per SM (a partial second wave ran at a fraction of the
+        occupancy), at most FWD_MAX_ROWS_PER_THREAD."""
+        ctas = max(1, sms * config.FWD_TARGET_CTAS_PER_SM // self.col_groups)
+        per = -(-num_rows // (ctas * self.row_lanes))
         return max(1, min(config.FWD_MAX_ROWS_PER_THREAD, per))
 
     @cute.jit
@@ -82,36 +82,8 @@ class PoolForward(WindowSlots):
         t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
                                          self.coff)
         if (row < num_rows) & ok:
-            for k in cutlass.range_constexpr(self.slots):
-                tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-                if valid:
-                    self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
-                    self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
+            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
         return s
-
-    @cute.jit
-    def copy_vec(self, atom, src, dst):
-        """One ``vec``-element cp.async: both sides as a single atom-sized vector."""
-        vl = cute.make_layout(((self.vec,), 1))
-        cute.copy(atom, cute.make_tensor(src.iterator, vl), cute.make_tensor(dst.iterator, vl))
-
-    @cute.jit
-    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk):
-        """The window of the row in ``stage`` into fp32 registers (score + ape, value);
-        empty slots get -inf / 0."""
-        for k in cutlass.range_constexpr(self.slots):
-            _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-            if valid:
-                s32 = sS[(None, thr, k, stage)].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
-                v32 = sV[(None, thr, k, stage)].load().to(Float32)
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = s32[e] + a32[e]
-                    vf[k, e] = v32[e]
-            else:
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = -Float32.inf
-                    vf[k, e] = Float32(0.0)
 
     @cute.jit
     def pool_row(self, sf, vf, acc):
@@ -142,11 +114,8 @@ class PoolForward(WindowSlots):
             s = find_segment(mCuc, row0, num_seqs)
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
-                layout = cute.make_layout((vec, self.threads, CH, P))
-                sS = smem.allocate_tensor(self.dtype, layout, 16)
-                sV = smem.allocate_tensor(self.dtype, layout, 16)
-                atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype,
-                                           num_bits_per_copy=vec * self.dtype.width)
+                sS, sV = self.alloc_staging(smem, P)
+                atom = self.copy_atom()
                 s_in = s
                 for p in cutlass.range_constexpr(P - 1):
                     if p < rows_per_thread:
