@@ -33,8 +33,9 @@ DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal divisi
   (common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
   take a true division.
-ZERO_TOKENS_PER_THREAD: tokens each row lane of a gradient zero-fill CTA checks (each
-  with its own segment search, so they overlap instead of forming a chain).
+ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
+  (one segment search, then registers). 2 tokens a thread with a search each made 25k
+  zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%).
 """
 
 VEC_BYTES = 8
@@ -50,7 +51,7 @@ FWD_MAX_ROWS_PER_THREAD = 64
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
-ZERO_TOKENS_PER_THREAD = 2
+ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
