@@ -2,7 +2,7 @@
 kernel-shaping constants. Not part of the package; results go to docs/perf-notes.md.
 
     python tools/perf_probe.py host
-    python tools/perf_probe.py sweep
+    python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
 """
 
 import sys
@@ -37,7 +37,9 @@ def host():
 
 
 def sweep():
-    shapes = [bench.parse_shape(s) for s in ("1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")]
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
+        "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
+    shapes = [bench.parse_shape(s) for s in names]
     variants = [dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=2, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=4, FWD_SMEM_PER_CTA=65536, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
