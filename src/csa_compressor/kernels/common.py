@@ -170,6 +170,55 @@ def advance_segment(cu: cute.Tensor, s: Int32, x: Int32, num_seqs: Int32) -> Int
     return s
 
 
+@cute.jit
+def segment_rows(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, num_seqs: Int32):
+    """(first row, end row, first token) of segment ``s``; past the last segment an endless
+    span (padding rows)."""
+    r0, r1, tok = Int32(0), Int32(2**31 - 1), Int32(0)
+    if s < num_seqs:
+        r0 = cuc[s]
+        r1 = cuc[s + 1]
+        tok = cu[s]
+    return r0, r1, tok
+
+
+@cute.jit
+def walk_rows(cu: cute.Tensor, cuc: cute.Tensor, walk, row: Int32, num_seqs: Int32):
+    """Advance a cached row walk ``(s, first row, end row, first token)`` to ``row``
+    (non-decreasing between calls). Offsets load only when ``row`` leaves the cached
+    segment, so consecutive rows pay no dependent L1 loads (ncu: these and the APE loads
+    made the forward's top stall, long scoreboard)."""
+    s, r0, r1, tok = walk
+    if row >= r1:
+        s = advance_segment(cuc, s, row, num_seqs)
+        r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
+    return s, r0, r1, tok
+
+
+@cute.jit
+def start_walk(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32):
+    s = find_segment(cuc, row, num_seqs)
+    r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
+    return s, r0, r1, tok
+
+
+@cute.jit
+def walk_window(walk, row: Int32, num_seqs: Int32, num_tokens: Int32,
+                ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
+    """row_window from a cached walk: (first token, has previous block, in bounds)."""
+    s, r0, _, tok = walk
+    t0 = Int32(0)
+    i = Int32(0)
+    if s < num_seqs:
+        i = row - r0
+        t0 = tok + i * ratio
+    has_prev = i > 0
+    ok = (t0 >= 0) & (t0 + ratio <= num_tokens)
+    if cutlass.const_expr(coff == 2):
+        ok = ok & ((~has_prev) | (t0 >= ratio))
+    return t0, has_prev, ok
+
+
 class WindowSlots:
     """Slot geometry, loading and cp.async staging shared by the kernels: needs ``dtype``,
     ``ratio``, ``coff``, ``cpr`` (column chunks per row), ``vec``, ``chunk_slots`` (slots
@@ -210,17 +259,32 @@ class WindowSlots:
                 self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
 
     @cute.jit
-    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk):
+    def load_ape(self, gApe, apef, chunk):
+        """The thread's APE values of every slot into registers ``apef`` (slots, vec): they
+        are the same for every row the thread walks."""
+        for k in cutlass.range_constexpr(self.slots):
+            _, colc, arow, _ = self.slot_coords(Int32(k), Int32(0), True, chunk)
+            a32 = gApe[(None, (arow, colc))].load()
+            for e in cutlass.range_constexpr(self.vec):
+                apef[k, e] = a32[e]
+
+    @cute.jit
+    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
         """The staged window into fp32 registers (score + ape, value); empty slots get
-        -inf / 0 (what load_slots gives)."""
+        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
                 s32 = sS[(None, thr, k, stage)].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
                 v32 = sV[(None, thr, k, stage)].load().to(Float32)
+                if cutlass.const_expr(apef is None):
+                    a32 = gApe[(None, (arow, colc))].load()
+                    for e in cutlass.range_constexpr(self.vec):
+                        sf[k, e] = s32[e] + a32[e]
+                else:
+                    for e in cutlass.range_constexpr(self.vec):
+                        sf[k, e] = s32[e] + apef[k, e]
                 for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = s32[e] + a32[e]
                     vf[k, e] = v32[e]
             else:
                 for e in cutlass.range_constexpr(self.vec):

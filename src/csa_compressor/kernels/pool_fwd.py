@@ -25,8 +25,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
-                     softmax_probs)
+from .common import (WindowSlots, softmax_probs, start_walk, walk_rows, walk_window, mul_rn)
 
 
 class PoolForward(WindowSlots):
@@ -74,16 +73,15 @@ class PoolForward(WindowSlots):
             smem=self.smem_bytes, stream=stream)
 
     @cute.jit
-    def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, s, row, stage, thr, chunk, num_rows,
+    def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, walk, row, stage, thr, chunk, num_rows,
                   num_tokens, num_seqs):
         """Start the cp.async copies of row ``row``'s window into ``stage``; returns the
-        issuing walk's segment. Rows that compute nothing copy nothing."""
-        s = advance_segment(mCuc, s, row, num_seqs)
-        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
-                                         self.coff)
+        issuing walk. Rows that compute nothing copy nothing."""
+        walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & ok:
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-        return s
+        return walk
 
     @cute.jit
     def pool_row(self, sf, vf, acc):
@@ -111,45 +109,48 @@ class PoolForward(WindowSlots):
         res = cute.make_rmem_tensor((vec,), self.dtype)
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
-            s = find_segment(mCuc, row0, num_seqs)
+            walk = start_walk(mCu, mCuc, row0, num_seqs)
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
                 atom = self.copy_atom()
-                s_in = s
+                apef = cute.make_rmem_tensor((CH, vec), Float32)
+                self.load_ape(gApe, apef, chunk)
+                walk_in = walk
                 for p in cutlass.range_constexpr(P - 1):
                     if p < rows_per_thread:
-                        s_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, s_in,
-                                              row0 + p * self.row_lanes, p, thr, chunk, num_rows,
-                                              num_tokens, num_seqs)
+                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
+                                                 row0 + p * self.row_lanes, p, thr, chunk,
+                                                 num_rows, num_tokens, num_seqs)
                     cute.arch.cp_async_commit_group()
                 for i in cutlass.range(rows_per_thread):
                     ahead = i + (P - 1)
                     if ahead < rows_per_thread:
-                        s_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, s_in,
-                                              row0 + ahead * self.row_lanes, ahead % P, thr,
-                                              chunk, num_rows, num_tokens, num_seqs)
+                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
+                                                 row0 + ahead * self.row_lanes, ahead % P, thr,
+                                                 chunk, num_rows, num_tokens, num_seqs)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(P - 1)
                     row = row0 + i * self.row_lanes
-                    s = advance_segment(mCuc, s, row, num_seqs)
+                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     if row < num_rows:
-                        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
-                                                         self.ratio, self.coff)
+                        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                       self.coff)
                         for e in cutlass.range_constexpr(vec):
                             acc[e] = Float32(0.0)
                         if ok:
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk)
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
+                                             apef)
                             self.pool_row(sf, vf, acc)
                         res.store(acc.load().to(self.dtype))
                         gOut[(None, (row, chunk))].store(res.load())
             else:
                 for i in cutlass.range(rows_per_thread):
                     row = row0 + i * self.row_lanes
-                    s = advance_segment(mCuc, s, row, num_seqs)
+                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     if row < num_rows:
-                        t0, has_prev, _, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
-                                                         self.ratio, self.coff)
+                        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                       self.coff)
                         for e in cutlass.range_constexpr(vec):
                             acc[e] = Float32(0.0)
                         if ok:
