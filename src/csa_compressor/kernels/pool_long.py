@@ -136,7 +136,7 @@ class LongPoolBackward(PoolBackward):
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS)
-        self.row_lanes = self.groups  # zero-fill CTAs: one token per slot-group lane
+        self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
 
@@ -216,6 +216,7 @@ class LongPoolBackward(PoolBackward):
                     gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
         else:
             if active:
-                for j in cutlass.range_constexpr(config.ZERO_TOKENS_PER_THREAD):
-                    t = ((bx - num_row_ctas) * config.ZERO_TOKENS_PER_THREAD + j) * self.groups + g
-                    self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
+                # Same token split as the short-window zero CTAs (backward_schedule counts
+                # row_lanes = groups lanes of ZERO_TOKENS_PER_THREAD tokens each).
+                t = ((bx - num_row_ctas) * self.groups + g) * config.ZERO_TOKENS_PER_THREAD
+                self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
