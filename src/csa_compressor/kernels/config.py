@@ -1,9 +1,11 @@
 """Constants that shape the pooling kernels, in one place.
 
-VEC_BYTES / BWD_VEC_BYTES: bytes one thread loads per tensor row and slot in the forward
-  and backward. 16 B is the widest global load; the vector shrinks (never below one
-  element) until it divides head_dim. The backward holds three window-sized register
-  arrays (scores, values, dape partials), so it uses narrower vectors and more threads.
+VEC_BYTES / BWD_VEC_BYTES: bytes one thread moves per tensor row and slot in the forward
+  and backward. The vector shrinks (never below one element) until it divides head_dim.
+  Forward at 3x8192/512 (H200, tools/perf_probe.py sweep at 8e6a9c5): 8 B 43.1 us, 16 B
+  55.0, 4 B 53.2; at 1x8192/128 4 B was faster (7.1 vs 8.5 us), not yet used. The
+  backward holds three window-sized register arrays (scores, values, dape partials), so it
+  uses narrower vectors and more threads.
 MIN_CHUNKS_PER_ROW: shrink the vector further while a row would have fewer chunks than
   this, so that one row still fills a warp (d=128 bf16 -> 4-element vectors, 32 lanes).
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split over grid.y.
@@ -14,13 +16,15 @@ FWD_CTA_THREADS: forward CTAs stack row lanes on top of the column lanes up to t
   equal at 1x8192/128; tools/perf_probe.py sweep, H200, 2026-11-29).
 FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.async
   (pool_fwd.py), fewer when a stage would push the CTA's shared memory past the budget
-  (never fewer than 2, or nothing overlaps).
+  (never fewer than 2, or nothing overlaps). 2 and 3 stages measured equal (43.0-43.4 us
+  at 3x8192/512, also with 5 CTAs per SM; sweep at 8e6a9c5).
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread), at most the cap.
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
-BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out).
+BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out);
+  3 by analogy with the forward, not swept.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -35,7 +39,7 @@ DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal divisi
   take a true division.
 ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
   (one segment search, then registers). 2 tokens a thread with a search each made 25k
-  zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%).
+  zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%); 32 brought it to 88.7 us.
 """
 
 VEC_BYTES = 8

@@ -2,7 +2,9 @@
 and one fp32 dape partial per row-CTA.
 
 Two kinds of CTA share the grid:
-- row CTAs (bx < num_row_ctas) walk ``rows_per_cta`` consecutive rows, recompute the
+- row CTAs (bx < num_row_ctas) walk ``rows_per_cta`` consecutive rows (row lanes
+  interleaved; each thread stages its rows' windows and grad_out vectors through cp.async
+  BWD_STAGES rows ahead, as the forward does), recompute the
   window softmax in the forward's op order and store ``dkv = g*p`` and
   ``dscore = p*dp - p*S`` (``dp = g*v``, ``S`` a serial sum of ``p*dp``) at the window's
   slots: each input element is in at most one window, so these are plain disjoint stores.
