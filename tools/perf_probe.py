@@ -2,6 +2,7 @@
 kernel-shaping constants. Not part of the package; results go to docs/perf-notes.md.
 
     python tools/perf_probe.py host
+    python tools/perf_probe.py validate
     python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
 """
 
@@ -36,6 +37,18 @@ def host():
         print(f"{name:40s} {bench.wall_clock(f, reps=200):8.1f} µs")
 
 
+def validate_cost():
+    """Host cost of validate() on CPU tensors (runs anywhere; the H200 figure is `host`)."""
+    import timeit
+    kv = torch.randn(8192, 256, dtype=torch.bfloat16)
+    score, ape = kv.clone(), torch.randn(4, 256)
+    cu = torch.tensor([0, 8192], dtype=torch.int32)
+    cuc = torch.tensor([0, 2048], dtype=torch.int32)
+    f = lambda: validate(kv, score, ape, cu, cuc, 2048, ratio=4, coff=2)  # noqa: E731
+    n = 50000
+    print(f"validate (CPU tensors) {min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6:.1f} µs")
+
+
 def sweep():
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
         "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
@@ -62,4 +75,4 @@ def sweep():
 
 
 if __name__ == "__main__":
-    {"host": host, "sweep": sweep}[sys.argv[1]]()
+    {"host": host, "sweep": sweep, "validate": validate_cost}[sys.argv[1]]()
