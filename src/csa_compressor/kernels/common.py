@@ -10,35 +10,27 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from . import config
 
 
-@dsl_user_op
-def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """fp32 product rounded on its own: inline PTX, so it can never be contracted into an
-    FMA with the add that follows (the reference rounds the product before adding)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def _asm_f32(text, constraints, *args, loc=None, ip=None) -> Float32:
+def _asm_f32(text, constraints, *args, volatile=False, loc=None, ip=None) -> Float32:
+    """One fp32 result from inline PTX. ``volatile`` keeps the compiler from speculating or
+    moving it (e.g. out of a rarely taken branch)."""
     return Float32(
         llvm.inline_asm(
             T.f32(),
             [Float32(a).ir_value(loc=loc, ip=ip) for a in args],
             text,
             constraints,
-            has_side_effects=False,
+            has_side_effects=volatile,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """fp32 product rounded on its own: inline PTX, so it can never be contracted into an
+    FMA with the add that follows (the reference rounds the product before adding)."""
+    return _asm_f32("mul.rn.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -76,17 +68,7 @@ def div_by_rcp(a, nb, y, *, loc=None, ip=None) -> Float32:
 def div_exact(a, b, *, loc=None, ip=None) -> Float32:
     """IEEE division as an opaque (volatile) instruction: as a plain ``/`` the compiler
     speculates the whole division out of the rarely taken branch that needs it."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "div.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _asm_f32("div.rn.f32 $0, $1, $2;", "=f,f,f", a, b, volatile=True, loc=loc, ip=ip)
 
 
 @cute.jit

@@ -123,7 +123,8 @@ class PoolForward(WindowSlots):
                                                  row0 + p * self.row_lanes, p, thr, chunk,
                                                  num_rows, num_tokens, num_seqs)
                     cute.arch.cp_async_commit_group()
-                for i in cutlass.range(rows_per_thread):
+            for i in cutlass.range(rows_per_thread):
+                if cutlass.const_expr(self.staged):
                     ahead = i + (P - 1)
                     if ahead < rows_per_thread:
                         walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
@@ -131,30 +132,19 @@ class PoolForward(WindowSlots):
                                                  chunk, num_rows, num_tokens, num_seqs)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(P - 1)
-                    row = row0 + i * self.row_lanes
-                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                    if row < num_rows:
-                        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                                       self.coff)
-                        for e in cutlass.range_constexpr(vec):
-                            acc[e] = Float32(0.0)
-                        if ok:
+                row = row0 + i * self.row_lanes
+                walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+                if row < num_rows:
+                    t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                   self.coff)
+                    for e in cutlass.range_constexpr(vec):
+                        acc[e] = Float32(0.0)
+                    if ok:
+                        if cutlass.const_expr(self.staged):
                             self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
                                              apef)
-                            self.pool_row(sf, vf, acc)
-                        res.store(acc.load().to(self.dtype))
-                        gOut[(None, (row, chunk))].store(res.load())
-            else:
-                for i in cutlass.range(rows_per_thread):
-                    row = row0 + i * self.row_lanes
-                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                    if row < num_rows:
-                        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                                       self.coff)
-                        for e in cutlass.range_constexpr(vec):
-                            acc[e] = Float32(0.0)
-                        if ok:
+                        else:
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                            self.pool_row(sf, vf, acc)
-                        res.store(acc.load().to(self.dtype))
-                        gOut[(None, (row, chunk))].store(res.load())
+                        self.pool_row(sf, vf, acc)
+                    res.store(acc.load().to(self.dtype))
+                    gOut[(None, (row, chunk))].store(res.load())
