@@ -20,7 +20,9 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   at 3x8192/512, also with 5 CTAs per SM; sweep at 8e6a9c5).
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
-  <= 128 registers a thread), at most the cap.
+  <= 128 registers a thread; fewer where the staging is larger), at most the cap.
+SMEM_PER_SM / SMEM_RESERVED_PER_CTA: shared memory of an SM on sm_90 and sm_100 (228 KB)
+  and what the driver reserves per CTA (1 KB, ncu "Driver Shared Memory Per Block").
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
 BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out);
@@ -52,6 +54,8 @@ FWD_STAGES = 3
 FWD_SMEM_PER_CTA = 48 * 1024
 FWD_TARGET_CTAS_PER_SM = 4
 FWD_MAX_ROWS_PER_THREAD = 64
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3

@@ -1,0 +1,65 @@
+"""Host-side launch schedules (CPU): every row and token is covered, the forward grid is one
+wave, and staging fits the SM. The kernels' index arithmetic mirrors these formulas."""
+
+import math
+
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+
+import torch  # noqa: E402
+
+from csa_compressor.kernels import config, launch  # noqa: E402
+from csa_compressor.kernels.pool_bwd import PoolBackward  # noqa: E402
+from csa_compressor.kernels.pool_fwd import PoolForward  # noqa: E402
+from csa_compressor.kernels.pool_long import LongPoolBackward  # noqa: E402
+
+SMS = 132  # H200
+FWD = [(cutlass.BFloat16, 4, 2, 512), (cutlass.BFloat16, 4, 2, 128), (cutlass.BFloat16, 2, 2, 512),
+       (cutlass.BFloat16, 4, 1, 65), (cutlass.Float32, 8, 2, 64), (cutlass.Float16, 1, 1, 8)]
+ROWS = [1, 7, 511, 2048, 6144, 24576, 10**6]
+
+
+@pytest.mark.parametrize("cfg", FWD, ids=[f"{c[0].__name__}-r{c[1]}-c{c[2]}-d{c[3]}" for c in FWD])
+@pytest.mark.parametrize("rows", ROWS)
+def test_forward_grid_covers_rows_in_one_wave(cfg, rows):
+    k = PoolForward(*cfg)
+    per = k.rows_per_thread(rows, SMS)
+    assert 1 <= per <= config.FWD_MAX_ROWS_PER_THREAD
+    grid_x = math.ceil(rows / (per * k.row_lanes))  # PoolForward.__call__
+    assert grid_x * per * k.row_lanes >= rows
+    if per < config.FWD_MAX_ROWS_PER_THREAD:
+        assert grid_x * k.col_groups <= SMS * k.ctas_per_sm()
+
+
+@pytest.mark.parametrize("cfg", FWD, ids=[f"{c[0].__name__}-r{c[1]}-c{c[2]}-d{c[3]}" for c in FWD])
+def test_forward_staging_fits_the_sm(cfg):
+    k = PoolForward(*cfg)
+    assert k.staged == (k.vec * cfg[0].width // 8 in (4, 8, 16))
+    if k.staged:
+        assert k.stages >= 2
+    assert k.ctas_per_sm() * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
+
+
+BWD = [(PoolBackward, cutlass.BFloat16, 4, 2, 512), (PoolBackward, cutlass.BFloat16, 4, 2, 128),
+       (PoolBackward, cutlass.BFloat16, 3, 1, 65), (LongPoolBackward, cutlass.BFloat16, 128, 1, 512),
+       (LongPoolBackward, cutlass.BFloat16, 16, 2, 64)]
+
+
+@pytest.mark.parametrize("cfg", BWD, ids=[f"{c[0].__name__}-r{c[2]}-c{c[3]}-d{c[4]}" for c in BWD])
+@pytest.mark.parametrize("rows,tokens", [(1, 4), (61, 300), (2048, 8192), (6144, 24576), (0, 5), (3, 10**5)])
+def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens):
+    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
+    cls, *args = cfg
+    k = cls(*args)
+    per_cta, row_ctas, zero_ctas = launch.backward_schedule(rows, tokens, k, torch.device("cuda", 0))
+    assert per_cta >= 1 and row_ctas * per_cta >= rows
+    # zero CTA b, row lane y walks tokens (b*row_lanes + y)*Z .. +Z-1 (pool_bwd/pool_long)
+    assert zero_ctas * k.row_lanes * config.ZERO_TOKENS_PER_THREAD >= tokens
+    assert (zero_ctas - 1) * k.row_lanes * config.ZERO_TOKENS_PER_THREAD < max(tokens, 1)
+
+
+@pytest.mark.parametrize("d", [128, 512])
+def test_production_forward_runs_the_measured_occupancy(d):
+    # BENCHMARKS.md's ratio-4 figures ran 4 CTAs per SM (ncu: shared-memory limit 4).
+    assert PoolForward(cutlass.BFloat16, 4, 2, d).ctas_per_sm() == config.FWD_TARGET_CTAS_PER_SM == 4
