@@ -104,4 +104,9 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     if torch.compiler.is_compiling():
         return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp,
                            ratio, coff)
+    if not (torch.is_grad_enabled() and (p.kv.requires_grad or p.score.requires_grad
+                                         or p.ape.requires_grad)):
+        # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on
+        # the CPU dev machine, a tenth of that for the check).
+        return _forward(p)
     return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p)
