@@ -29,7 +29,7 @@ def test_forward_grid_covers_rows_in_one_wave(cfg, rows):
     grid_x = math.ceil(rows / (per * k.row_lanes))  # PoolForward.__call__
     assert grid_x * per * k.row_lanes >= rows
     if per < config.FWD_MAX_ROWS_PER_THREAD:
-        assert grid_x * k.col_groups <= SMS * k.ctas_per_sm()
+        assert grid_x * k.col_groups <= SMS * k.target_ctas_per_sm
 
 
 @pytest.mark.parametrize("cfg", FWD, ids=[f"{c[0].__name__}-r{c[1]}-c{c[2]}-d{c[3]}" for c in FWD])
@@ -38,7 +38,7 @@ def test_forward_staging_fits_the_sm(cfg):
     assert k.staged == (k.vec * cfg[0].width // 8 in (4, 8, 16))
     if k.staged:
         assert k.stages >= 2
-    assert k.ctas_per_sm() * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
+    assert k.target_ctas_per_sm * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
 
 
 BWD = [(PoolBackward, cutlass.BFloat16, 4, 2, 512), (PoolBackward, cutlass.BFloat16, 4, 2, 128),
@@ -62,4 +62,4 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
     # BENCHMARKS.md's ratio-4 figures ran 4 CTAs per SM (ncu: shared-memory limit 4).
-    assert PoolForward(cutlass.BFloat16, 4, 2, d).ctas_per_sm() == config.FWD_TARGET_CTAS_PER_SM == 4
+    assert PoolForward(cutlass.BFloat16, 4, 2, d).target_ctas_per_sm == config.FWD_TARGET_CTAS_PER_SM == 4

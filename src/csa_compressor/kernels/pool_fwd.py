@@ -48,17 +48,15 @@ class PoolForward(WindowSlots):
         stage_bytes = self.window_stage_bytes()
         self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
-
-    def ctas_per_sm(self) -> int:
-        """FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many."""
+        # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-        return max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
+        self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
         FWD_TARGET_CTAS_PER_SM CTAs per SM (a partial second wave ran at a fraction of the
         occupancy), at most FWD_MAX_ROWS_PER_THREAD."""
-        ctas = max(1, sms * self.ctas_per_sm() // self.col_groups)
+        ctas = max(1, sms * self.target_ctas_per_sm // self.col_groups)
         per = -(-num_rows // (ctas * self.row_lanes))
         return max(1, min(config.FWD_MAX_ROWS_PER_THREAD, per))
 
