@@ -210,6 +210,20 @@ class WindowSlots:
     reads back only those, so ``cp.async.wait_group`` is all the synchronisation needed,
     and a warp's 8-byte vectors are consecutive in shared memory (no bank conflicts)."""
 
+    @cute.jit
+    def backward_registers(self):
+        """A backward thread's registers: window scores and values, its grad_out vector, and
+        its dape partial sums (zeroed)."""
+        CH, vec = self.chunk_slots, self.vec
+        sf = cute.make_rmem_tensor((CH, vec), Float32)
+        vf = cute.make_rmem_tensor((CH, vec), Float32)
+        gv = cute.make_rmem_tensor((vec,), Float32)
+        dacc = cute.make_rmem_tensor((CH, vec), Float32)
+        for kk in cutlass.range_constexpr(CH):
+            for e in cutlass.range_constexpr(vec):
+                dacc[kk, e] = Float32(0.0)
+        return sf, vf, gv, dacc
+
     def stageable(self) -> bool:
         return self.vec * self.dtype.width // 8 in (4, 8, 16)  # the cp.async sizes
 

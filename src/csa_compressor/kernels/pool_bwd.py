@@ -106,13 +106,7 @@ class PoolBackward(WindowSlots):
         chunk = by * self.lanes + tid
         if chunk < cpr:
             if bx < num_row_ctas:
-                sf = cute.make_rmem_tensor((CH, vec), Float32)
-                vf = cute.make_rmem_tensor((CH, vec), Float32)
-                gv = cute.make_rmem_tensor((vec,), Float32)
-                dacc = cute.make_rmem_tensor((CH, vec), Float32)
-                for kk in cutlass.range_constexpr(CH):
-                    for e in cutlass.range_constexpr(vec):
-                        dacc[kk, e] = Float32(0.0)
+                sf, vf, gv, dacc = self.backward_registers()
                 row0 = bx * rows_per_cta + ty
                 s = find_segment(mCuc, row0, num_seqs)
                 smem = cutlass.memory.SmemAllocator()
