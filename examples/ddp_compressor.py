@@ -15,6 +15,7 @@ import argparse
 import datetime
 import os
 import sys
+import threading
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
 
@@ -55,11 +56,19 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--ratio", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--init-method", default="env://",
+                    help="torch.distributed init method; env:// is what torchrun sets up, "
+                         "file:///path lets a launcher start the ranks itself")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     backend = "nccl" if args.device == "cuda" else "gloo"
     # A bounded timeout: a lost peer fails the run instead of hanging it.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    if args.init_method == "env://":
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    else:
+        dist.init_process_group(backend, init_method=args.init_method,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -107,8 +116,17 @@ def main():
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     dist.barrier()
+    code = 0 if flag.item() else 1
+    # The verdict is agreed; teardown must not turn it into a hang. destroy_process_group
+    # can hang now and then (pytorch/pytorch#75097; seen once in CI with gloo after PASS),
+    # so a watchdog ends the process with the agreed status if teardown stalls.
+    sys.stdout.flush()
+    watchdog = threading.Timer(30.0, os._exit, args=(code,))
+    watchdog.daemon = True
+    watchdog.start()
     dist.destroy_process_group()
-    sys.exit(0 if flag.item() else 1)
+    watchdog.cancel()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
