@@ -20,6 +20,13 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import compile as cc  # noqa: E402
+from csa_compressor.kernels import config  # noqa: E402
+
+# CSA_CONFIG="K=V,K=V": kernel-shaping constants to override (candidates behind a flag).
+for item in filter(None, os.environ.get("CSA_CONFIG", "").split(",")):
+    key, val = item.split("=")
+    assert hasattr(config, key), key
+    setattr(config, key, int(val))
 
 _orig = cute.compile
 
@@ -44,7 +51,7 @@ for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
 copies = {}
 for m in re.findall(r"cp\.async\.c[ag]\.shared(?:::cta)?\.global[^,]*,[^,]*,\s*(\d+)", ptx):
     copies[int(m)] = copies.get(int(m), 0) + 1
-print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),"arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
+print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),

@@ -27,6 +27,13 @@ BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row C
   several rows each to keep the partials (and their reduction) small.
 BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out);
   3 by analogy with the forward, not swept.
+BWD_CACHED_WALK / BWD_APE_REGS: candidates, off until a GPU run measures them: the
+  forward's v9 changes for the backward (row walks that keep their segment's span in
+  registers; the APE values of the thread's slots loaded once into registers). In the
+  forward together they took 3x8192/512 from 43.2 to 39.7 us. Same op order, so results
+  must be bitwise those of the default. ptxas (sm_90a, bf16 ratio 4 coff 2): 80 registers
+  a thread by default, 96 (d=512) / 104 (d=128) with both, which at d=128 (256-thread
+  CTAs) fits 2 CTAs per SM instead of 3: measure each on its own.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -59,13 +66,14 @@ SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
+BWD_CACHED_WALK = 0
+BWD_APE_REGS = 0
 ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
 LONG_BWD_CTA_THREADS = 256
-BWD_STAGES = 3
 LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
 

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32
 
 from . import config
 from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
-                     softmax_probs)
+                     softmax_probs, start_walk, walk_rows, walk_window)
 
 
 class PoolBackward(WindowSlots):
@@ -49,6 +49,10 @@ class PoolBackward(WindowSlots):
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
         self.staged = self.stageable()
+        # Candidates, off until measured on a GPU: the forward's v9 row walk and APE
+        # registers (config.BWD_CACHED_WALK, config.BWD_APE_REGS).
+        self.cached_walk = bool(config.BWD_CACHED_WALK)
+        self.ape_in_regs = bool(config.BWD_APE_REGS) and self.staged
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -73,14 +77,36 @@ class PoolBackward(WindowSlots):
     def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s, row, stage, thr, chunk,
                   num_rows, num_tokens, num_seqs):
         """Start the cp.async copies of row ``row``'s window and grad_out vector into
-        ``stage``; returns the issuing walk's segment. Rows that compute nothing copy nothing."""
-        s = advance_segment(mCuc, s, row, num_seqs)
-        t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
-                                            self.coff)
+        ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
+        s, t0, has_prev, real, ok = self.walk_to(mCu, mCuc, s, row, num_seqs, num_tokens)
         if (row < num_rows) & real & ok:
             self.copy_vec(atom, gGrad[(None, (row, chunk))], sG[(None, thr, stage)])
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
         return s
+
+    @cute.jit
+    def start(self, mCu, mCuc, row, num_seqs):
+        """A row walk starting at ``row``: a segment index, or with BWD_CACHED_WALK the
+        cached (segment, first row, end row, first token)."""
+        if cutlass.const_expr(self.cached_walk):
+            return start_walk(mCu, mCuc, row, num_seqs)
+        else:
+            return find_segment(mCuc, row, num_seqs)
+
+    @cute.jit
+    def walk_to(self, mCu, mCuc, walk, row, num_seqs, num_tokens):
+        """Advance a row walk to ``row`` (non-decreasing): (walk, first token, has previous
+        block, real row, in bounds)."""
+        if cutlass.const_expr(self.cached_walk):
+            walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
+            s, _, _, _ = walk
+            return walk, t0, has_prev, s < num_seqs, ok
+        else:
+            walk = advance_segment(mCuc, walk, row, num_seqs)
+            t0, has_prev, real, ok = row_window(mCu, mCuc, walk, row, num_seqs, num_tokens,
+                                                self.ratio, self.coff)
+            return walk, t0, has_prev, real, ok
 
     @cute.jit
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
@@ -108,7 +134,7 @@ class PoolBackward(WindowSlots):
             if bx < num_row_ctas:
                 sf, vf, gv, dacc = self.backward_registers()
                 row0 = bx * rows_per_cta + ty
-                s = find_segment(mCuc, row0, num_seqs)
+                s = self.start(mCu, mCuc, row0, num_seqs)
                 smem = cutlass.memory.SmemAllocator()
                 # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
                 mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
@@ -118,6 +144,10 @@ class PoolBackward(WindowSlots):
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
                     atom = self.copy_atom()
                     thr = ty * self.lanes + tid
+                    apef = None
+                    if cutlass.const_expr(self.ape_in_regs):
+                        apef = cute.make_rmem_tensor((CH, vec), Float32)
+                        self.load_ape(gApe, apef, chunk)
                     s_in = s
                     for p in cutlass.range_constexpr(P - 1):
                         if p < mine:
@@ -135,14 +165,14 @@ class PoolBackward(WindowSlots):
                                                   thr, chunk, num_rows, num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                         cute.arch.cp_async_wait_group(self.stages - 1)
-                    s = advance_segment(mCuc, s, row, num_seqs)
-                    t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens,
-                                                        ratio, self.coff)
+                    s, t0, has_prev, real, ok = self.walk_to(mCu, mCuc, s, row, num_seqs,
+                                                             num_tokens)
                     if (row < num_rows) & real & ok:
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
                             gv.store(sG[(None, thr, stage)].load().to(Float32))
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk)
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
+                                             apef)
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
