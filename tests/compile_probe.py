@@ -51,7 +51,8 @@ for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
 copies = {}
 for m in re.findall(r"cp\.async\.c[ag]\.shared(?:::cta)?\.global[^,]*,[^,]*,\s*(\d+)", ptx):
     copies[int(m)] = copies.get(int(m), 0) + 1
-print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
+print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),
+                  "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),

@@ -18,7 +18,8 @@ from packs import make_pack
 
 pytestmark = pytest.mark.gpu
 
-CANDIDATES = [dict(BWD_CACHED_WALK=1), dict(BWD_APE_REGS=1), dict(BWD_CACHED_WALK=1, BWD_APE_REGS=1)]
+CANDIDATES = [dict(BWD_CACHED_WALK=1), dict(BWD_APE_REGS=1), dict(WARP_SEGMENT_SEARCH=1),
+              dict(BWD_CACHED_WALK=1, BWD_APE_REGS=1, WARP_SEGMENT_SEARCH=1)]
 
 
 @contextlib.contextmanager
@@ -51,6 +52,8 @@ def _run(kv, score, ape, cu, cuc, N, ratio, coff, g):
 
 
 def _many_segments(seed, n=400, longest=60):
+    """n segments of 0..longest tokens: row walks cross segments inside a CTA, and the
+    segment searches need several rounds (2500: three of the warp search)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, longest + 1, (n,), generator=gen).tolist()
 
@@ -65,6 +68,8 @@ CASES = [  # (lens, head_dim, ratio, coff, dtype, extra rows: capacity padding o
     ("many", 64, 3, 2, torch.float16, 0),
     ("many", 128, 1, 1, torch.bfloat16, 4),
     ([8192, 1000, 3], 512, 4, 2, torch.bfloat16, 0),
+    ("many2500", 128, 4, 2, torch.bfloat16, 2),
+    ("many", 512, 128, 1, torch.bfloat16, 3),  # ratio 128: the slot-parallel kernels
 ]
 
 
@@ -73,7 +78,9 @@ CASES = [  # (lens, head_dim, ratio, coff, dtype, extra rows: capacity padding o
 def test_candidate_is_bitwise_the_default(candidate, case):
     lens, d, ratio, coff, dtype, extra = CASES[case]
     if lens == "many":
-        lens = _many_segments(case)
+        lens = _many_segments(case, longest=60 if ratio <= 8 else 400)
+    elif lens == "many2500":
+        lens = _many_segments(case, n=2500, longest=12)
     kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=dtype, device="cuda",
                                            pad_tokens=5, extra_rows=max(extra, 0), seed=case)
     N = max(0, N + min(extra, 0))

@@ -57,7 +57,7 @@ for s in "${expanded[@]}"; do
             --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out "$WORK/scale" ;;
         host) run_step host python3 tools/perf_probe.py host ;;
         sweep) run_step sweep python3 tools/perf_probe.py sweep "${SWEEP:?set SWEEP, e.g. BWD_CACHED_WALK=0;BWD_CACHED_WALK=1}" \
-            "${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2}" ;;
+            "${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}" ;;
         *) echo "unknown step $s" >>"$WORK/summary.txt" ;;
     esac
 done

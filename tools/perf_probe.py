@@ -63,7 +63,7 @@ def sweep():
                     for v in sys.argv[2].split(";")]
     base = {k: getattr(config, k) for v in variants for k in v}
     for v in variants:
-        for k, val in v.items():
+        for k, val in {**base, **v}.items():  # each variant from the defaults, not the last one
             setattr(config, k, val)
         cc._CACHE.clear()
         r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)

@@ -121,6 +121,32 @@ def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
 
 
 @cute.jit
+def find_segment_warp(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
+    """find_segment with the 32 lanes of a warp probing together: every lane must be active
+    and search the same ``x``. Each round the lanes probe 32 evenly spaced offsets of the
+    interval left and one ballot narrows it to one gap: ceil(log32(B)) + 1 dependent loads
+    at most instead of log2(B) (B = 6: 1 instead of 3; B = 2048: 3 instead of 11). The
+    upper bound for non-decreasing offsets; in [0, B] and terminating for any offsets
+    (tests/test_segment_search_cpu.py replays it)."""
+    lo = Int32(0)
+    hi = num_seqs
+    lane = cute.arch.lane_idx()
+    while hi > lo:
+        step = (hi - lo + 31) // 32
+        p = lo + 1 + lane * step
+        hit = (p <= hi) & (cu[cutlass.min(p, hi)] <= x)  # the clamped load is in [1, B]
+        k = cute.arch.popc(cute.arch.vote_ballot_sync(hit))
+        # Probes 0..k-1 hit, probe k (if in range) missed: the answer lies in
+        # [lo + 1 + (k-1)*step, lo + k*step] (or [lo, lo] when k = 0).
+        new_lo = lo
+        if k > 0:
+            new_lo = lo + 1 + (k - 1) * step
+        hi = cutlass.min(hi, lo + k * step)
+        lo = new_lo
+    return lo
+
+
+@cute.jit
 def row_window(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, row: Int32, num_seqs: Int32,
                num_tokens: Int32, ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
     """Geometry of output row ``row`` of segment ``s`` (``s == B``: past the true rows):
@@ -178,8 +204,14 @@ def walk_rows(cu: cute.Tensor, cuc: cute.Tensor, walk, row: Int32, num_seqs: Int
 
 
 @cute.jit
-def start_walk(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32):
-    s = find_segment(cuc, row, num_seqs)
+def start_walk(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32,
+               warp: cutlass.Constexpr[bool] = False):
+    """A cached row walk at ``row``; ``warp``: the whole warp starts at the same row (see
+    find_segment_warp)."""
+    if cutlass.const_expr(warp):
+        s = find_segment_warp(cuc, row, num_seqs)
+    else:
+        s = find_segment(cuc, row, num_seqs)
     r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
     return s, r0, r1, tok
 
@@ -209,6 +241,21 @@ class WindowSlots:
     Staging buffers are (vec, thread, slot, stage): each thread copies its own vectors and
     reads back only those, so ``cp.async.wait_group`` is all the synchronisation needed,
     and a warp's 8-byte vectors are consecutive in shared memory (no bank conflicts)."""
+
+    def warp_uniform(self) -> bool:
+        """True when every warp is 32 active column lanes of one row lane, so a search whose
+        key depends only on the row lane (or on the CTA) may run as a warp
+        (find_segment_warp). Candidate: config.WARP_SEGMENT_SEARCH."""
+        return (bool(config.WARP_SEGMENT_SEARCH) and self.lanes % 32 == 0
+                and self.cpr % self.lanes == 0)
+
+    @cute.jit
+    def search(self, cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
+        """find_segment, as a warp where warp_uniform() allowed it at construction."""
+        if cutlass.const_expr(self.warp_search):
+            return find_segment_warp(cu, x, num_seqs)
+        else:
+            return find_segment(cu, x, num_seqs)
 
     @cute.jit
     def backward_registers(self):

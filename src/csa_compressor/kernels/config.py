@@ -34,6 +34,11 @@ BWD_CACHED_WALK / BWD_APE_REGS: candidates, off until a GPU run measures them: t
   must be bitwise those of the default. ptxas (sm_90a, bf16 ratio 4 coff 2): 80 registers
   a thread by default, 96 (d=512) / 104 (d=128) with both, which at d=128 (256-thread
   CTAs) fits 2 CTAs per SM instead of 3: measure each on its own.
+WARP_SEGMENT_SEARCH: candidate, off until measured: where every warp is 32 active column
+  lanes of one row lane (common.WindowSlots.warp_uniform), the first segment search of a
+  walk runs as a 32-ary warp search (common.find_segment_warp): ceil(log32 B) + 1
+  dependent loads at most instead of log2 B. Aimed at latency-bound small packs and packs
+  of many sequences (2048x64: 3 dependent loads instead of 11 before the first copy).
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -68,6 +73,7 @@ BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 BWD_CACHED_WALK = 0
 BWD_APE_REGS = 0
+WARP_SEGMENT_SEARCH = 0
 ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8

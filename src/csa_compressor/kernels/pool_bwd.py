@@ -23,8 +23,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, find_segment, mul_rn, row_window,
-                     softmax_probs, start_walk, walk_rows, walk_window)
+from .common import (WindowSlots, advance_segment, mul_rn, row_window, softmax_probs,
+                     start_walk, walk_rows, walk_window)
 
 
 class PoolBackward(WindowSlots):
@@ -53,6 +53,7 @@ class PoolBackward(WindowSlots):
         # registers (config.BWD_CACHED_WALK, config.BWD_APE_REGS).
         self.cached_walk = bool(config.BWD_CACHED_WALK)
         self.ape_in_regs = bool(config.BWD_APE_REGS) and self.staged
+        self.warp_search = self.warp_uniform()
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -89,9 +90,9 @@ class PoolBackward(WindowSlots):
         """A row walk starting at ``row``: a segment index, or with BWD_CACHED_WALK the
         cached (segment, first row, end row, first token)."""
         if cutlass.const_expr(self.cached_walk):
-            return start_walk(mCu, mCuc, row, num_seqs)
+            return start_walk(mCu, mCuc, row, num_seqs, self.warp_search)
         else:
-            return find_segment(mCuc, row, num_seqs)
+            return self.search(mCuc, row, num_seqs)
 
     @cute.jit
     def walk_to(self, mCu, mCuc, walk, row, num_seqs, num_tokens):
@@ -233,7 +234,7 @@ class PoolBackward(WindowSlots):
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
-        s = find_segment(mCu, cutlass.min(t0, num_tokens), num_seqs)
+        s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
         for j in cutlass.range(config.ZERO_TOKENS_PER_THREAD):
             t = t0 + j

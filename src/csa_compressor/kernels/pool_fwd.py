@@ -51,6 +51,7 @@ class PoolForward(WindowSlots):
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
+        self.warp_search = self.warp_uniform()
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -112,7 +113,7 @@ class PoolForward(WindowSlots):
         res = cute.make_rmem_tensor((vec,), self.dtype)
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
-            walk = start_walk(mCu, mCuc, row0, num_seqs)
+            walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)

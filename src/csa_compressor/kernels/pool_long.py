@@ -15,8 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, divide_column, find_segment, max_nan, mul_rn,
-                     row_window)
+from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_rn, row_window)
 from .pool_bwd import PoolBackward
 
 
@@ -33,6 +32,8 @@ class _LongShape:
         self.cols = self.lanes * self.vec  # columns of one CTA
         # per-slot values, the group maxima, two per-column scalars
         self.smem_bytes = (self.slots + self.groups + 2) * self.cols * 4 + 64
+        # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
+        self.warp_search = self.warp_uniform()
 
     @cute.jit
     def shared(self):
@@ -104,7 +105,7 @@ class LongPoolForward(_LongShape, WindowSlots):
         buf, gmax, stat = self.shared()
         sf = cute.make_rmem_tensor((CH, vec), Float32)
         vf = cute.make_rmem_tensor((CH, vec), Float32)
-        s = find_segment(mCuc, row, num_seqs)
+        s = self.search(mCuc, row, num_seqs)
         t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
                                             self.coff)
         if ok:  # uniform over the CTA: barriers inside are reached by every thread
@@ -160,7 +161,7 @@ class LongPoolBackward(PoolBackward):
             buf, gmax, stat = self.shared()
             sf, vf, gv, dacc = self.backward_registers()
             row0 = bx * rows_per_cta
-            s = find_segment(mCuc, row0, num_seqs)
+            s = self.search(mCuc, row0, num_seqs)
             for r in cutlass.range(rows_per_cta):
                 row = row0 + r
                 s = advance_segment(mCuc, s, row, num_seqs)
