@@ -45,6 +45,39 @@ def min_nan(a, b, *, loc=None, ip=None) -> Float32:
     return _asm_f32("min.NaN.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
 
 
+def _asm_f32_of_b32(text, w, *, loc=None, ip=None) -> Float32:
+    return Float32(
+        llvm.inline_asm(T.f32(), [Int32(w).ir_value(loc=loc, ip=ip)], text, "=f,r",
+                        has_side_effects=False, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+    )
+
+
+@dsl_user_op
+def bf16_lo(w, *, loc=None, ip=None) -> Float32:
+    """The bf16 in the low half of a 32-bit word, as fp32 (exact: its bits, shifted up)."""
+    return _asm_f32_of_b32("shl.b32 $0, $1, 16;", w, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bf16_hi(w, *, loc=None, ip=None) -> Float32:
+    """The bf16 in the high half of a 32-bit word, as fp32 (exact: the low half cleared)."""
+    return _asm_f32_of_b32("and.b32 $0, $1, 0xFFFF0000;", w, loc=loc, ip=ip)
+
+
+@cute.jit
+def widen_bf16(src: cute.Tensor, vec: cutlass.Constexpr[int]):
+    """A bf16 vector (even length) as a list of fp32 values, one instruction an element.
+    The generic conversion extracts the high half first (PRMT, then a shift): three
+    instructions a pair instead of two."""
+    words = cute.recast_tensor(src, Int32).load()
+    vals = []
+    for i in cutlass.range_constexpr(vec // 2):
+        vals.append(bf16_lo(words[i]))
+        vals.append(bf16_hi(words[i]))
+    return vals
+
+
 @dsl_user_op
 def rcp_rn(b, *, loc=None, ip=None) -> Float32:
     """IEEE reciprocal, correctly rounded (the compiler's full-range expansion)."""
@@ -292,14 +325,46 @@ class WindowSlots:
         vl = cute.make_layout(((self.vec,), 1))
         cute.copy(atom, cute.make_tensor(src.iterator, vl), cute.make_tensor(dst.iterator, vl))
 
+    def slot_offset(self, k: int) -> int:
+        """Elements from window slot 0's vector to slot k's, same column chunk: a constant."""
+        own = self.coff == 2 and k >= self.ratio
+        return k * self.coff * self.d + (self.d if own else 0)
+
+    @cute.jit
+    def window_base(self, g: cute.Tensor, t0, chunk):
+        """Pointer to slot 0's vector of column chunk ``chunk`` (token t0 - ratio with
+        coff 2, t0 otherwise; it may lie before the tensor when that slot is empty, and is
+        then never read). One multiply-add and one 64-bit add a row: every slot is a
+        constant offset from it, which the copies take as an immediate (indexing each slot
+        cost a 64-bit address computation per copy, ~3 instructions)."""
+        first = t0
+        if cutlass.const_expr(self.coff == 2):
+            first = t0 - self.ratio
+        # Every term is a multiple of vec: say so, or the copies lose their alignment.
+        off = cute.assume(first * (self.coff * self.d) + chunk * self.vec, divby=self.vec)
+        return g.iterator + off
+
     @cute.jit
     def stage_window(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
         """Start the cp.async copies of a window's non-empty slots into ``stage``."""
-        for k in cutlass.range_constexpr(self.slots):
-            tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-            if valid:
-                self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
-                self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
+        if cutlass.const_expr(self.static_offsets):
+            vl = cute.make_layout(((self.vec,), 1))
+            bS = self.window_base(gSc, t0, chunk)
+            bV = self.window_base(gKV, t0, chunk)
+            for k in cutlass.range_constexpr(self.slots):
+                _, _, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+                if valid:
+                    off = self.slot_offset(k)
+                    cute.copy(atom, cute.make_tensor(bS + off, vl),
+                              cute.make_tensor(sS[(None, thr, k, stage)].iterator, vl))
+                    cute.copy(atom, cute.make_tensor(bV + off, vl),
+                              cute.make_tensor(sV[(None, thr, k, stage)].iterator, vl))
+        else:
+            for k in cutlass.range_constexpr(self.slots):
+                tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+                if valid:
+                    self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
+                    self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):
@@ -318,8 +383,12 @@ class WindowSlots:
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
-                s32 = sS[(None, thr, k, stage)].load().to(Float32)
-                v32 = sV[(None, thr, k, stage)].load().to(Float32)
+                if cutlass.const_expr(self.bf16_bits):
+                    s32 = widen_bf16(sS[(None, thr, k, stage)], self.vec)
+                    v32 = widen_bf16(sV[(None, thr, k, stage)], self.vec)
+                else:
+                    s32 = sS[(None, thr, k, stage)].load().to(Float32)
+                    v32 = sV[(None, thr, k, stage)].load().to(Float32)
                 if cutlass.const_expr(apef is None):
                     a32 = gApe[(None, (arow, colc))].load()
                     for e in cutlass.range_constexpr(self.vec):

@@ -39,6 +39,14 @@ WARP_SEGMENT_SEARCH: candidate, off until measured: where every warp is 32 activ
   walk runs as a 32-ary warp search (common.find_segment_warp): ceil(log32 B) + 1
   dependent loads at most instead of log2 B. Aimed at latency-bound small packs and packs
   of many sequences (2048x64: 3 dependent loads instead of 11 before the first copy).
+STATIC_SLOT_OFFSETS / BF16_BIT_WIDEN: candidates, off until measured: fewer instructions
+  for the same memory operations (the ratio-4 forward is issue-limited: ~1,000 warp
+  instructions a warp-row at 62% issue efficiency, ncu at 8e6a9c5). STATIC_SLOT_OFFSETS:
+  one base pointer a row for the window's copies and the backward's stores, each slot at a
+  constant offset, instead of a 64-bit address per copy. BF16_BIT_WIDEN: bf16 -> fp32 as
+  a shift or a mask of the 32-bit word (one instruction an element, not three a pair).
+  SASS (sm_90a, bf16 ratio 4 coff 2 d 512), whole kernel: forward 2000 -> 1904 / 1968 /
+  1880 (one, the other, both), of which about 32 + 32 in the row loop; backward 1616 -> 1456 / 1600 / 1440.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -74,6 +82,8 @@ BWD_STAGES = 3
 BWD_CACHED_WALK = 0
 BWD_APE_REGS = 0
 WARP_SEGMENT_SEARCH = 0
+STATIC_SLOT_OFFSETS = 0
+BF16_BIT_WIDEN = 0
 ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8

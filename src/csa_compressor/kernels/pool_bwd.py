@@ -54,6 +54,9 @@ class PoolBackward(WindowSlots):
         self.cached_walk = bool(config.BWD_CACHED_WALK)
         self.ape_in_regs = bool(config.BWD_APE_REGS) and self.staged
         self.warp_search = self.warp_uniform()
+        self.static_offsets = bool(config.STATIC_SLOT_OFFSETS)  # candidate
+        self.bf16_bits = (bool(config.BF16_BIT_WIDEN) and dtype.width == 16  # candidate
+                          and dtype is cutlass.BFloat16 and self.vec % 2 == 0)
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -113,11 +116,20 @@ class PoolBackward(WindowSlots):
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
         """Store dscore (in sf) and dkv (in vf) of the window's slots and add dscore to the
         thread's dape registers ``dacc``."""
+        if cutlass.const_expr(self.static_offsets):
+            vl = cute.make_layout((self.vec,))
+            bS = self.window_base(gDSc, t0, chunk)
+            bV = self.window_base(gDKV, t0, chunk)
         for kk in cutlass.range_constexpr(self.chunk_slots):
             tok, colc, arow, valid = self.slot_coords(Int32(kk), t0, has_prev, chunk)
             if valid:
-                gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
-                gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                if cutlass.const_expr(self.static_offsets):
+                    off = self.slot_offset(kk)
+                    cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(self.dtype))
+                    cute.make_tensor(bV + off, vl).store(vf[kk, None].load().to(self.dtype))
+                else:
+                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                    gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
                 for e in cutlass.range_constexpr(self.vec):
                     dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
