@@ -1,0 +1,46 @@
+"""Developer probe (runs on a CPU machine): compile one kernel and count its SASS
+instructions, whole kernel and by opcode, optionally with kernel-shaping constants
+overridden. The counts in kernels/config.py and docs/perf-notes.md come from here.
+
+    CUTE_DSL_ARCH=sm_90a python tools/sass_probe.py fwd bfloat16 4 2 512 [K=V ...] [--dump DIR]
+
+Needs nvdisasm on PATH (pip install nvidia-cuda-nvdisasm; it lands in
+site-packages/nvidia/cu13/bin).
+"""
+
+import collections
+import os
+import re
+import sys
+import tempfile
+
+args = [a for a in sys.argv[1:] if not a.startswith("--dump")]
+dump = tempfile.mkdtemp()
+if "--dump" in sys.argv:
+    dump = sys.argv[sys.argv.index("--dump") + 1]
+    args.remove(dump)
+direction, dtype, ratio, coff, d = args[0], args[1], *map(int, args[2:5])
+os.environ["CUTE_DSL_KEEP"] = "sass"
+os.environ["CUTE_DSL_DUMP_DIR"] = dump
+
+import torch  # noqa: E402
+
+from csa_compressor.kernels import compile as cc  # noqa: E402
+from csa_compressor.kernels import config  # noqa: E402
+
+for item in args[5:]:
+    key, val = item.split("=")
+    assert hasattr(config, key), key
+    setattr(config, key, int(val))
+cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+sass = [f for f in os.listdir(dump) if f.endswith(".sass")]
+if not sass:
+    sys.exit("no .sass written: is nvdisasm on PATH?")
+ops = collections.Counter()
+for line in open(os.path.join(dump, sass[0])):
+    m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+    if m:
+        ops[m.group(1).split(".")[0]] += 1
+print(f"{direction} {dtype} ratio {ratio} coff {coff} d {d} {' '.join(args[5:])}: "
+      f"{sum(ops.values())} instructions")
+print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
