@@ -93,3 +93,51 @@ def test_candidate_is_bitwise_the_default(candidate, case):
     for name, a, b in zip(("out", "dkv", "dscore", "dape"), default, cand):
         assert not torch.isnan(b).any(), f"{name}: elements left unwritten"
         assert torch.equal(a, b), f"{name}: differs from the default kernels"
+
+
+# Offsets a caller got wrong. Their contents are never read on the host (that would sync),
+# so the kernels must stay inside every buffer and terminate whatever they hold; the
+# results themselves are unspecified. T = 300 tokens, N = 40 rows.
+CORRUPT = [
+    ([0, 50, 20, 300], [0, 12, 17, 37]),  # decreasing token offsets
+    ([0, 40, 5000], [0, 10, 40]),  # past T
+    ([0, -30, 60], [0, 5, 20]),  # negative
+    ([0, 40, 300], [0, 30, 31]),  # more rows than segment 0 has tokens
+    ([0, 2**31 - 2, 2**31 - 1], [0, 0, 40]),  # t0 + ratio wraps around int32
+    ([10, 50, 300], [0, 10, 22]),  # cu_seqlens[0] != 0
+    ([0, 60, 300], [5, -7, 2**31 - 1]),  # garbage row offsets
+    ([-2**31, 0, 300], [-2**31, 0, 25]),
+]
+GUARD = 64  # rows of sentinel before and after every buffer the kernels write
+
+
+def _guarded(rows, width, dtype, fill):
+    buf = torch.full((rows + 2 * GUARD, width), fill, dtype=dtype, device="cuda")
+    return buf, buf[GUARD:GUARD + rows]
+
+
+@pytest.mark.parametrize("candidate", [{}, CANDIDATES[-1]], ids=["default", "all-candidates"])
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (1, 1), (3, 2), (128, 1)])
+@pytest.mark.parametrize("offsets", range(len(CORRUPT)))
+def test_corrupt_offsets_stay_in_bounds_and_terminate(candidate, ratio, coff, offsets):
+    T, N, d, dt = 300, 40, 64, torch.bfloat16
+    W = coff * d
+    gen = torch.Generator(device="cuda").manual_seed(offsets)
+    kv = torch.randn(T, W, device="cuda", generator=gen).to(dt)
+    score = torch.randn(T, W, device="cuda", generator=gen).to(dt)
+    ape = torch.randn(ratio, W, device="cuda", generator=gen)
+    cu = torch.tensor(CORRUPT[offsets][0], dtype=torch.int32, device="cuda")
+    cuc = torch.tensor(CORRUPT[offsets][1], dtype=torch.int32, device="cuda")
+    g = torch.randn(N, d, device="cuda", generator=gen).to(dt)
+    sentinel = 3.0
+    out_buf, out = _guarded(N, d, dt, sentinel)
+    dkv_buf, dkv = _guarded(T, W, dt, sentinel)
+    dsc_buf, dsc = _guarded(T, W, dt, sentinel)
+    dape = torch.empty_like(ape)
+    with overridden(**candidate):
+        pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+        pool_backward(kv, score, ape, cu, cuc, g, dkv, dsc, dape, ratio=ratio, coff=coff)
+        torch.cuda.synchronize()  # an illegal address or a hang would surface here
+    for name, buf in (("out", out_buf), ("dkv", dkv_buf), ("dscore", dsc_buf)):
+        for guard in (buf[:GUARD], buf[-GUARD:]):
+            assert (guard == sentinel).all(), f"{name}: a write landed outside the buffer"

@@ -19,6 +19,7 @@ dump = tempfile.mkdtemp()
 if "--dump" in sys.argv:
     dump = sys.argv[sys.argv.index("--dump") + 1]
     args.remove(dump)
+    os.makedirs(dump, exist_ok=True)  # the DSL does not create it
 direction, dtype, ratio, coff, d = args[0], args[1], *map(int, args[2:5])
 os.environ["CUTE_DSL_KEEP"] = "sass"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump

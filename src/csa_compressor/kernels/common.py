@@ -180,6 +180,19 @@ def find_segment_warp(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
 
 
 @cute.jit
+def in_bounds(t0: Int32, has_prev, num_tokens: Int32, ratio: cutlass.Constexpr[int],
+              coff: cutlass.Constexpr[int]):
+    """The window of first token ``t0`` lies in [0, T). Written so that nothing overflows:
+    offsets are not read on the host, so t0 can be anything an int32 holds, and
+    ``t0 + ratio <= T`` wrapped to a negative for t0 near 2^31 and let such a window
+    through (out-of-bounds reads and writes)."""
+    ok = (t0 >= 0) & (t0 <= num_tokens - ratio)
+    if cutlass.const_expr(coff == 2):
+        ok = ok & ((~has_prev) | (t0 >= ratio))
+    return ok
+
+
+@cute.jit
 def row_window(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, row: Int32, num_seqs: Int32,
                num_tokens: Int32, ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
     """Geometry of output row ``row`` of segment ``s`` (``s == B``: past the true rows):
@@ -196,9 +209,7 @@ def row_window(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, row: Int32, num_seqs
         i = row - cuc[s]
         t0 = cu[s] + i * ratio
     has_prev = i > 0
-    ok = (t0 >= 0) & (t0 + ratio <= num_tokens)
-    if cutlass.const_expr(coff == 2):
-        ok = ok & ((~has_prev) | (t0 >= ratio))
+    ok = in_bounds(t0, has_prev, num_tokens, ratio, coff)
     return t0, has_prev, real, ok
 
 
@@ -260,9 +271,7 @@ def walk_window(walk, row: Int32, num_seqs: Int32, num_tokens: Int32,
         i = row - r0
         t0 = tok + i * ratio
     has_prev = i > 0
-    ok = (t0 >= 0) & (t0 + ratio <= num_tokens)
-    if cutlass.const_expr(coff == 2):
-        ok = ok & ((~has_prev) | (t0 >= ratio))
+    ok = in_bounds(t0, has_prev, num_tokens, ratio, coff)
     return t0, has_prev, ok
 
 
