@@ -10,7 +10,9 @@
 # Steps (default: check):
 #   info      package, torch, DSL and GPUs
 #   tests     python -m pytest -q -m gpu tests (the two-GPU tests run where 2 GPUs are seen)
-#   sanitize  compute-sanitizer memcheck over tools/sanitize_probe.py (every kernel family)
+#   sanitize  compute-sanitizer memcheck over tools/sanitize_probe.py (every kernel family,
+#             corrupt offsets too)
+#   sanitize_candidates  the same with every kernel candidate of config.py switched on
 #   bench     python -m csa_compressor bench (default shapes, eager / compile / fused)
 #   scale     fused and eager on 2048x64 vs 1x131072 and the other EXTRA shapes
 #   host      tools/perf_probe.py host (wall clock of each layer of a call, outside graphs)
@@ -52,6 +54,9 @@ for s in "${expanded[@]}"; do
         tests) run_step tests python3 -m pytest -q -m gpu tests -rs ;;
         sanitize) run_step sanitize compute-sanitizer --tool memcheck --report-api-errors no \
             python3 tools/sanitize_probe.py ;;
+        sanitize_candidates) run_step sanitize_candidates env \
+            CSA_CONFIG=BWD_CACHED_WALK=1,BWD_APE_REGS=1,WARP_SEGMENT_SEARCH=1,STATIC_SLOT_OFFSETS=1,BF16_BIT_WIDEN=1 \
+            compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py ;;
         bench) run_step bench python3 -m csa_compressor bench --out "$WORK/bench" ;;
         scale) run_step scale python3 -m csa_compressor bench --impls eager,fused \
             --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out "$WORK/scale" ;;
