@@ -284,6 +284,14 @@ class WindowSlots:
     reads back only those, so ``cp.async.wait_group`` is all the synchronisation needed,
     and a warp's 8-byte vectors are consecutive in shared memory (no bank conflicts)."""
 
+    def read_candidates(self):
+        """The kernel candidates of config.py (off until a GPU run measures them), read once at
+        construction; the compile cache is not keyed by them (tests and sweeps clear it)."""
+        self.warp_search = self.warp_uniform()
+        self.static_offsets = bool(config.STATIC_SLOT_OFFSETS)
+        self.bf16_bits = (bool(config.BF16_BIT_WIDEN) and self.dtype is cutlass.BFloat16
+                          and self.vec % 2 == 0)
+
     def warp_uniform(self) -> bool:
         """True when every warp is 32 active column lanes of one row lane, so a search whose
         key depends only on the row lane (or on the CTA) may run as a warp

@@ -49,14 +49,10 @@ class PoolBackward(WindowSlots):
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
         self.staged = self.stageable()
-        # Candidates, off until measured on a GPU: the forward's v9 row walk and APE
-        # registers (config.BWD_CACHED_WALK, config.BWD_APE_REGS).
+        self.read_candidates()
+        # Backward-only candidates: the forward's v9 row walk and APE registers.
         self.cached_walk = bool(config.BWD_CACHED_WALK)
         self.ape_in_regs = bool(config.BWD_APE_REGS) and self.staged
-        self.warp_search = self.warp_uniform()
-        self.static_offsets = bool(config.STATIC_SLOT_OFFSETS)  # candidate
-        self.bf16_bits = (bool(config.BF16_BIT_WIDEN) and dtype.width == 16  # candidate
-                          and dtype is cutlass.BFloat16 and self.vec % 2 == 0)
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8

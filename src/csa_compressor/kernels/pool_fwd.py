@@ -51,10 +51,7 @@ class PoolForward(WindowSlots):
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
-        self.warp_search = self.warp_uniform()
-        self.static_offsets = bool(config.STATIC_SLOT_OFFSETS)  # candidate
-        self.bf16_bits = (bool(config.BF16_BIT_WIDEN) and dtype.width == 16  # candidate
-                          and dtype is cutlass.BFloat16 and self.vec % 2 == 0)
+        self.read_candidates()
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of

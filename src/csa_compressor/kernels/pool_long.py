@@ -33,7 +33,7 @@ class _LongShape:
         # per-slot values, the group maxima, two per-column scalars
         self.smem_bytes = (self.slots + self.groups + 2) * self.cols * 4 + 64
         # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
-        self.warp_search = self.warp_uniform()
+        self.read_candidates()
 
     @cute.jit
     def shared(self):
