@@ -19,9 +19,9 @@ from packs import make_pack
 pytestmark = pytest.mark.gpu
 
 CANDIDATES = [dict(BWD_CACHED_WALK=1), dict(BWD_APE_REGS=1), dict(WARP_SEGMENT_SEARCH=1),
-              dict(STATIC_SLOT_OFFSETS=1), dict(BF16_BIT_WIDEN=1),
+              dict(STATIC_SLOT_OFFSETS=1), dict(BF16_BIT_WIDEN=1), dict(BWD_FIT_SMEM=1),
               dict(BWD_CACHED_WALK=1, BWD_APE_REGS=1, WARP_SEGMENT_SEARCH=1,
-                   STATIC_SLOT_OFFSETS=1, BF16_BIT_WIDEN=1)]
+                   STATIC_SLOT_OFFSETS=1, BF16_BIT_WIDEN=1, BWD_FIT_SMEM=1)]
 
 
 @contextlib.contextmanager

@@ -63,3 +63,17 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
 def test_production_forward_runs_the_measured_occupancy(d):
     # BENCHMARKS.md's ratio-4 figures ran 4 CTAs per SM (ncu: shared-memory limit 4).
     assert PoolForward(cutlass.BFloat16, 4, 2, d).target_ctas_per_sm == config.FWD_TARGET_CTAS_PER_SM == 4
+
+
+@pytest.mark.parametrize("d", [128, 512])
+def test_backward_fit_candidate_sizes_the_grid_for_resident_ctas(monkeypatch, d):
+    """BWD_FIT_SMEM (candidate): the backward's row CTAs fit in one wave of the CTAs whose
+    shared memory an SM holds."""
+    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
+    monkeypatch.setattr(config, "BWD_FIT_SMEM", 1)
+    k = PoolBackward(cutlass.BFloat16, 4, 2, d)
+    fit = config.SMEM_PER_SM // (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+    assert 1 <= k.target_ctas_per_sm <= min(fit, config.BWD_TARGET_CTAS_PER_SM)
+    for rows in (2048, 6144, 24576):
+        _, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, k, torch.device("cuda", 0))
+        assert row_ctas * k.col_groups <= SMS * fit

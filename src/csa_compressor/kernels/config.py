@@ -26,7 +26,13 @@ SMEM_PER_SM / SMEM_RESERVED_PER_CTA: shared memory of an SM on sm_90 and sm_100 
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
   several rows each to keep the partials (and their reduction) small.
 BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out);
-  3 by analogy with the forward, not swept.
+  3 by analogy with the forward, not swept. A backward thread does half the forward's
+  columns a row (4-byte vectors), so 2 rows ahead is about half the forward's lead time
+  on the same memory latency: sweep 5 and 6.
+BWD_FIT_SMEM: candidate, off until measured: size the backward grid for the CTAs whose
+  shared memory fits an SM, as the forward does since f1b9dcf. At d=128 (256-thread CTAs,
+  68.6 KB of staging and reduction buffers) only 3 fit, so a grid sized for
+  BWD_TARGET_CTAS_PER_SM = 4 runs 1.3 waves (1x8192/128: 512 row CTAs for 396 slots).
 BWD_CACHED_WALK / BWD_APE_REGS: candidates, off until a GPU run measures them: the
   forward's v9 changes for the backward (row walks that keep their segment's span in
   registers; the APE values of the thread's slots loaded once into registers). In the
@@ -84,6 +90,7 @@ BWD_APE_REGS = 0
 WARP_SEGMENT_SEARCH = 0
 STATIC_SLOT_OFFSETS = 0
 BF16_BIT_WIDEN = 0
+BWD_FIT_SMEM = 0
 ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8

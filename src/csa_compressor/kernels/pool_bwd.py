@@ -57,6 +57,9 @@ class PoolBackward(WindowSlots):
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
         self.smem_bytes = self.red_bytes + (self.stages * stage_bytes if self.staged else 0)
+        if config.BWD_FIT_SMEM:  # candidate: size the grid for the CTAs that fit
+            fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+            self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, fit))
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
