@@ -10,13 +10,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from . import config
 
 
-def _asm_f32(text, constraints, *args, volatile=False, loc=None, ip=None) -> Float32:
-    """One fp32 result from inline PTX. ``volatile`` keeps the compiler from speculating or
-    moving it (e.g. out of a rarely taken branch)."""
+def _asm_f32(text, constraints, *args, volatile=False, operand=Float32, loc=None,
+             ip=None) -> Float32:
+    """One fp32 result from inline PTX on ``operand``-typed inputs. ``volatile`` keeps the
+    compiler from speculating or moving it (e.g. out of a rarely taken branch)."""
     return Float32(
         llvm.inline_asm(
             T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip) for a in args],
+            [operand(a).ir_value(loc=loc, ip=ip) for a in args],
             text,
             constraints,
             has_side_effects=volatile,
@@ -45,24 +46,16 @@ def min_nan(a, b, *, loc=None, ip=None) -> Float32:
     return _asm_f32("min.NaN.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
 
 
-def _asm_f32_of_b32(text, w, *, loc=None, ip=None) -> Float32:
-    return Float32(
-        llvm.inline_asm(T.f32(), [Int32(w).ir_value(loc=loc, ip=ip)], text, "=f,r",
-                        has_side_effects=False, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
-    )
-
-
 @dsl_user_op
 def bf16_lo(w, *, loc=None, ip=None) -> Float32:
     """The bf16 in the low half of a 32-bit word, as fp32 (exact: its bits, shifted up)."""
-    return _asm_f32_of_b32("shl.b32 $0, $1, 16;", w, loc=loc, ip=ip)
+    return _asm_f32("shl.b32 $0, $1, 16;", "=f,r", w, operand=Int32, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def bf16_hi(w, *, loc=None, ip=None) -> Float32:
     """The bf16 in the high half of a 32-bit word, as fp32 (exact: the low half cleared)."""
-    return _asm_f32_of_b32("and.b32 $0, $1, 0xFFFF0000;", w, loc=loc, ip=ip)
+    return _asm_f32("and.b32 $0, $1, 0xFFFF0000;", "=f,r", w, operand=Int32, loc=loc, ip=ip)
 
 
 @cute.jit
@@ -286,7 +279,8 @@ class WindowSlots:
 
     def read_candidates(self):
         """The kernel candidates of config.py (off until a GPU run measures them), read once at
-        construction; the compile cache is not keyed by them (tests and sweeps clear it)."""
+        construction. The compile cache is not keyed by them: the GPU tests keep one cache
+        per override set, the sweep clears it for each variant."""
         self.warp_search = self.warp_uniform()
         self.static_offsets = bool(config.STATIC_SLOT_OFFSETS)
         self.bf16_bits = (bool(config.BF16_BIT_WIDEN) and self.dtype is cutlass.BFloat16
@@ -321,6 +315,10 @@ class WindowSlots:
                 dacc[kk, e] = Float32(0.0)
         return sf, vf, gv, dacc
 
+    def ctas_fitting_smem(self) -> int:
+        """CTAs of this kernel whose shared memory (``smem_bytes``) one SM holds."""
+        return config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+
     def stageable(self) -> bool:
         return self.vec * self.dtype.width // 8 in (4, 8, 16)  # the cp.async sizes
 
@@ -338,9 +336,10 @@ class WindowSlots:
 
     @cute.jit
     def copy_vec(self, atom, src, dst):
-        """One ``vec``-element cp.async: both sides as a single atom-sized vector."""
+        """One ``vec``-element cp.async from pointer ``src`` to pointer ``dst``, both sides
+        as a single atom-sized vector."""
         vl = cute.make_layout(((self.vec,), 1))
-        cute.copy(atom, cute.make_tensor(src.iterator, vl), cute.make_tensor(dst.iterator, vl))
+        cute.copy(atom, cute.make_tensor(src, vl), cute.make_tensor(dst, vl))
 
     def slot_offset(self, k: int) -> int:
         """Elements from window slot 0's vector to slot k's, same column chunk: a constant."""
@@ -365,23 +364,18 @@ class WindowSlots:
     def stage_window(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
         """Start the cp.async copies of a window's non-empty slots into ``stage``."""
         if cutlass.const_expr(self.static_offsets):
-            vl = cute.make_layout(((self.vec,), 1))
             bS = self.window_base(gSc, t0, chunk)
             bV = self.window_base(gKV, t0, chunk)
-            for k in cutlass.range_constexpr(self.slots):
-                _, _, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-                if valid:
-                    off = self.slot_offset(k)
-                    cute.copy(atom, cute.make_tensor(bS + off, vl),
-                              cute.make_tensor(sS[(None, thr, k, stage)].iterator, vl))
-                    cute.copy(atom, cute.make_tensor(bV + off, vl),
-                              cute.make_tensor(sV[(None, thr, k, stage)].iterator, vl))
-        else:
-            for k in cutlass.range_constexpr(self.slots):
-                tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-                if valid:
-                    self.copy_vec(atom, gSc[(None, (tok, colc))], sS[(None, thr, k, stage)])
-                    self.copy_vec(atom, gKV[(None, (tok, colc))], sV[(None, thr, k, stage)])
+        for k in cutlass.range_constexpr(self.slots):
+            tok, colc, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            if valid:
+                dS, dV = sS[(None, thr, k, stage)].iterator, sV[(None, thr, k, stage)].iterator
+                if cutlass.const_expr(self.static_offsets):
+                    self.copy_vec(atom, bS + self.slot_offset(k), dS)
+                    self.copy_vec(atom, bV + self.slot_offset(k), dV)
+                else:
+                    self.copy_vec(atom, gSc[(None, (tok, colc))].iterator, dS)
+                    self.copy_vec(atom, gKV[(None, (tok, colc))].iterator, dV)
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):

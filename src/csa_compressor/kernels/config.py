@@ -51,8 +51,9 @@ STATIC_SLOT_OFFSETS / BF16_BIT_WIDEN: candidates, off until measured: fewer inst
   one base pointer a row for the window's copies and the backward's stores, each slot at a
   constant offset, instead of a 64-bit address per copy. BF16_BIT_WIDEN: bf16 -> fp32 as
   a shift or a mask of the 32-bit word (one instruction an element, not three a pair).
-  SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4 coff 2 d 512), whole kernel: forward 2000 -> 1904 / 1968 /
-  1880 (one, the other, both), of which about 32 + 32 in the row loop; backward 1616 -> 1456 / 1600 / 1440.
+  SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4 coff 2 d 512), whole kernel: forward
+  2000 -> 1904 / 1968 / 1880 (one, the other, both), of which about 32 + 32 in the row
+  loop; backward 1616 -> 1456 / 1600 / 1440.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows

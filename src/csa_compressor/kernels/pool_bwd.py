@@ -58,7 +58,7 @@ class PoolBackward(WindowSlots):
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
         self.smem_bytes = self.red_bytes + (self.stages * stage_bytes if self.staged else 0)
         if config.BWD_FIT_SMEM:  # candidate: size the grid for the CTAs that fit
-            fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+            fit = self.ctas_fitting_smem()
             self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, fit))
 
     @cute.jit
@@ -83,7 +83,8 @@ class PoolBackward(WindowSlots):
         ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
         s, t0, has_prev, real, ok = self.walk_to(mCu, mCuc, s, row, num_seqs, num_tokens)
         if (row < num_rows) & real & ok:
-            self.copy_vec(atom, gGrad[(None, (row, chunk))], sG[(None, thr, stage)])
+            self.copy_vec(atom, gGrad[(None, (row, chunk))].iterator,
+                          sG[(None, thr, stage)].iterator)
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
         return s
 

@@ -49,7 +49,7 @@ class PoolForward(WindowSlots):
         self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
-        fit = config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+        fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
         self.read_candidates()
 
