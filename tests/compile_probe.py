@@ -23,10 +23,7 @@ from csa_compressor.kernels import compile as cc  # noqa: E402
 from csa_compressor.kernels import config  # noqa: E402
 
 # CSA_CONFIG="K=V,K=V": kernel-shaping constants to override (candidates behind a flag).
-for item in filter(None, os.environ.get("CSA_CONFIG", "").split(",")):
-    key, val = item.split("=")
-    assert hasattr(config, key), key
-    setattr(config, key, int(val))
+config.override(os.environ.get("CSA_CONFIG", ""))
 
 _orig = cute.compile
 

@@ -18,9 +18,8 @@ from packs import make_pack
 
 pytestmark = pytest.mark.gpu
 
-SINGLE = [dict(BWD_CACHED_WALK=1), dict(BWD_APE_REGS=1), dict(WARP_SEGMENT_SEARCH=1),
-          dict(STATIC_SLOT_OFFSETS=1), dict(BF16_BIT_WIDEN=1), dict(BWD_FIT_SMEM=1)]
-ALL_ON = {k: v for c in SINGLE for k, v in c.items()}
+SINGLE = [{name: 1} for name in config.CANDIDATES]
+ALL_ON = {name: 1 for name in config.CANDIDATES}
 
 _caches: dict = {}  # compiled kernels per override set, so each compiles once a process
 

@@ -67,8 +67,9 @@ def test_candidates_compile_without_spills(arch, cfg):
     """The kernel candidates behind config flags (tests/test_candidates_gpu.py checks them
     on a GPU) must stay compilable, spill-free and with their copies as designed."""
     base = probe(arch, cfg)
-    info = probe(arch, cfg, "BWD_CACHED_WALK=1,BWD_APE_REGS=1,WARP_SEGMENT_SEARCH=1,"
-                            "STATIC_SLOT_OFFSETS=1,BF16_BIT_WIDEN=1")
+    from csa_compressor.kernels import config
+
+    info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and all(s == 0 for s in info["stack"]), info
     assert info["local"] == 0, info
     # Same staging as the default: only the walks and where APE lives change.

@@ -59,8 +59,8 @@ for s in "${expanded[@]}"; do
         tests) run_step tests python3 -m pytest -q -m gpu tests -rs --durations=15 ;;
         sanitize) run_step sanitize compute-sanitizer --tool memcheck --report-api-errors no \
             python3 tools/sanitize_probe.py ;;
-        sanitize_candidates) run_step sanitize_candidates env \
-            CSA_CONFIG=BWD_CACHED_WALK=1,BWD_APE_REGS=1,WARP_SEGMENT_SEARCH=1,STATIC_SLOT_OFFSETS=1,BF16_BIT_WIDEN=1,BWD_FIT_SMEM=1 \
+        sanitize_candidates) run_step sanitize_candidates env CSA_CONFIG="$(python3 -c \
+            'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')" \
             compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py ;;
         bench) run_step bench python3 -m csa_compressor bench --out "$WORK/bench" ;;
         scale) run_step scale python3 -m csa_compressor bench --impls eager,fused \

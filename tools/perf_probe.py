@@ -59,8 +59,7 @@ def sweep():
                 dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=4, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=16, FWD_TARGET_CTAS_PER_SM=2)]
     if len(sys.argv) > 2:  # e.g. 'FWD_STAGES=2,FWD_MAX_ROWS_PER_THREAD=4;FWD_STAGES=3'
-        variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(","))
-                    for v in sys.argv[2].split(";")]
+        variants = [config.parse_overrides(v) for v in sys.argv[2].split(";")]
     base = {k: getattr(config, k) for v in variants for k in v}
     for v in variants:
         for k, val in {**base, **v}.items():  # each variant from the defaults, not the last one

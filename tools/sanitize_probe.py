@@ -12,9 +12,7 @@ import csa_compressor as C
 from csa_compressor.bench import make_inputs, parse_shape
 from csa_compressor.kernels import config
 
-for item in filter(None, os.environ.get("CSA_CONFIG", "").split(",")):
-    key, val = item.split("=")
-    setattr(config, key, int(val))
+config.override(os.environ.get("CSA_CONFIG", ""))
 
 for spec, extra in (("37+0+3+64+129+1:128:4:2", 3), ("37+0+3+64+129+1:65:3:1", 2),
                     ("300+0+127+259:64:128:1", 2), ("300+5+260:64:128:2", 1), ("2:64:4:2", 2),

@@ -29,10 +29,7 @@ import torch  # noqa: E402
 from csa_compressor.kernels import compile as cc  # noqa: E402
 from csa_compressor.kernels import config  # noqa: E402
 
-for item in args[5:]:
-    key, val = item.split("=")
-    assert hasattr(config, key), key
-    setattr(config, key, int(val))
+config.override(",".join(args[5:]))
 cc._build(direction, getattr(torch, dtype), ratio, coff, d)
 sass = [f for f in os.listdir(dump) if f.endswith(".sass")]
 if not sass:

@@ -38,7 +38,7 @@ BWD_CACHED_WALK / BWD_APE_REGS: candidates, off until a GPU run measures them: t
   registers; the APE values of the thread's slots loaded once into registers). In the
   forward together they took 3x8192/512 from 43.2 to 39.7 us. Same op order, so results
   must be bitwise those of the default. ptxas (sm_90a, bf16 ratio 4 coff 2): 80 registers
-  a thread by default, 96 (d=512) / 104 (d=128) with both, which at d=128 (256-thread
+  a thread by default, 96 (d=512) / 105 (d=128) with both, which at d=128 (256-thread
   CTAs) fits 2 CTAs per SM instead of 3: measure each on its own.
 WARP_SEGMENT_SEARCH: candidate, off until measured: where every warp is 32 active column
   lanes of one row lane (common.WindowSlots.warp_uniform), the first segment search of a
@@ -52,7 +52,7 @@ STATIC_SLOT_OFFSETS / BF16_BIT_WIDEN: candidates, off until measured: fewer inst
   constant offset, instead of a 64-bit address per copy. BF16_BIT_WIDEN: bf16 -> fp32 as
   a shift or a mask of the 32-bit word (one instruction an element, not three a pair).
   SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4 coff 2 d 512), whole kernel: forward
-  2000 -> 1904 / 1968 / 1880 (one, the other, both), of which about 32 + 32 in the row
+  2000 -> 1904 / 1968 / 1872 (one, the other, both), of which about 32 + 32 in the row
   loop; backward 1616 -> 1456 / 1600 / 1440.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
@@ -100,6 +100,25 @@ LONG_CTA_THREADS = 512
 LONG_BWD_CTA_THREADS = 256
 LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
+# The flags above that switch an unmeasured candidate on (tests/test_candidates_gpu.py).
+CANDIDATES = ("BWD_CACHED_WALK", "BWD_APE_REGS", "WARP_SEGMENT_SEARCH", "STATIC_SLOT_OFFSETS",
+              "BF16_BIT_WIDEN", "BWD_FIT_SMEM")
+
+
+def parse_overrides(spec: str) -> dict:
+    """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, val = item.split("=")
+        if key not in globals() or not key.isupper():
+            raise KeyError(f"config has no constant {key!r}")
+        out[key] = int(val)
+    return out
+
+
+def override(spec: str) -> None:
+    """Set the constants of ``spec`` (see parse_overrides) for this process."""
+    globals().update(parse_overrides(spec))
 
 
 def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int | None = None) -> int:
