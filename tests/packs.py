@@ -22,3 +22,19 @@ def make_pack(lens, d, ratio, coff, dtype=torch.float32, device="cpu", pad_token
     cuc = compressed_cu_seqlens(cu, ratio)
     n_true = sum(n // ratio for n in lens)
     return kv, score, ape, cu, cuc, n_true + extra_rows
+
+
+# (cu_seqlens, cu_seqlens_comp) a caller got wrong, for T = 300 tokens and N = 40 rows.
+# Their contents are never read on the host (that would sync), so the kernels must stay
+# inside every buffer and terminate whatever they hold; the results are unspecified.
+# Used by tests/test_candidates_gpu.py and tools/sanitize_probe.py.
+CORRUPT_OFFSETS = [
+    ([0, 50, 20, 300], [0, 12, 17, 37]),  # decreasing token offsets
+    ([0, 40, 5000], [0, 10, 40]),  # past T
+    ([0, -30, 60], [0, 5, 20]),  # negative
+    ([0, 40, 300], [0, 30, 31]),  # more rows than segment 0 has tokens
+    ([0, 2**31 - 2, 2**31 - 1], [0, 0, 40]),  # t0 + ratio wraps around int32
+    ([10, 50, 300], [0, 10, 22]),  # cu_seqlens[0] != 0
+    ([0, 60, 300], [5, -7, 2**31 - 1]),  # garbage row offsets
+    ([-2**31, 0, 300], [-2**31, 0, 25]),
+]

@@ -14,7 +14,7 @@ import torch
 from csa_compressor import pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import config
-from packs import make_pack
+from packs import CORRUPT_OFFSETS, make_pack
 
 pytestmark = pytest.mark.gpu
 
@@ -112,19 +112,8 @@ def test_each_candidate_is_bitwise_the_default(candidate, case):
     _check_case(candidate, case)
 
 
-# Offsets a caller got wrong. Their contents are never read on the host (that would sync),
-# so the kernels must stay inside every buffer and terminate whatever they hold; the
-# results themselves are unspecified. T = 300 tokens, N = 40 rows.
-CORRUPT = [
-    ([0, 50, 20, 300], [0, 12, 17, 37]),  # decreasing token offsets
-    ([0, 40, 5000], [0, 10, 40]),  # past T
-    ([0, -30, 60], [0, 5, 20]),  # negative
-    ([0, 40, 300], [0, 30, 31]),  # more rows than segment 0 has tokens
-    ([0, 2**31 - 2, 2**31 - 1], [0, 0, 40]),  # t0 + ratio wraps around int32
-    ([10, 50, 300], [0, 10, 22]),  # cu_seqlens[0] != 0
-    ([0, 60, 300], [5, -7, 2**31 - 1]),  # garbage row offsets
-    ([-2**31, 0, 300], [-2**31, 0, 25]),
-]
+# Offsets a caller got wrong (packs.CORRUPT_OFFSETS): only staying in bounds and
+# terminating count. T = 300 tokens, N = 40 rows.
 GUARD = 64  # rows of sentinel before and after every buffer the kernels write
 
 
@@ -135,7 +124,7 @@ def _guarded(rows, width, dtype, fill):
 
 @pytest.mark.parametrize("candidate", [{}, ALL_ON], ids=["default", "all-candidates"])
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (1, 1), (3, 2), (128, 1)])
-@pytest.mark.parametrize("offsets", range(len(CORRUPT)))
+@pytest.mark.parametrize("offsets", range(len(CORRUPT_OFFSETS)))
 def test_corrupt_offsets_stay_in_bounds_and_terminate(candidate, ratio, coff, offsets):
     T, N, d, dt = 300, 40, 64, torch.bfloat16
     W = coff * d
@@ -143,8 +132,8 @@ def test_corrupt_offsets_stay_in_bounds_and_terminate(candidate, ratio, coff, of
     kv = torch.randn(T, W, device="cuda", generator=gen).to(dt)
     score = torch.randn(T, W, device="cuda", generator=gen).to(dt)
     ape = torch.randn(ratio, W, device="cuda", generator=gen)
-    cu = torch.tensor(CORRUPT[offsets][0], dtype=torch.int32, device="cuda")
-    cuc = torch.tensor(CORRUPT[offsets][1], dtype=torch.int32, device="cuda")
+    cu = torch.tensor(CORRUPT_OFFSETS[offsets][0], dtype=torch.int32, device="cuda")
+    cuc = torch.tensor(CORRUPT_OFFSETS[offsets][1], dtype=torch.int32, device="cuda")
     g = torch.randn(N, d, device="cuda", generator=gen).to(dt)
     sentinel = 3.0
     out_buf, out = _guarded(N, d, dt, sentinel)

@@ -1,16 +1,20 @@
 """Small ragged packs through every kernel family, for compute-sanitizer (memcheck):
 short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim), long-window fwd/bwd
 (ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
-caller got wrong (tests/test_candidates_gpu.py CORRUPT), where only staying in bounds
+caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
 counts. CSA_CONFIG="K=V,..." runs it with kernel candidates switched on."""
 
 import os
+import sys
 
 import torch
 
 import csa_compressor as C
 from csa_compressor.bench import make_inputs, parse_shape
 from csa_compressor.kernels import config
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from packs import CORRUPT_OFFSETS  # noqa: E402
 
 config.override(os.environ.get("CSA_CONFIG", ""))
 
@@ -26,16 +30,12 @@ for spec, extra in (("37+0+3+64+129+1:128:4:2", 3), ("37+0+3+64+129+1:65:3:1", 2
     torch.cuda.synchronize()
     print(spec, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
 
-corrupt = [([0, 50, 20, 300], [0, 12, 17, 37]), ([0, 40, 5000], [0, 10, 40]),
-           ([0, -30, 60], [0, 5, 20]), ([0, 40, 300], [0, 30, 31]),
-           ([0, 2**31 - 2, 2**31 - 1], [0, 0, 40]), ([10, 50, 300], [0, 10, 22]),
-           ([0, 60, 300], [5, -7, 2**31 - 1]), ([-2**31, 0, 300], [-2**31, 0, 25])]
 for ratio, coff in ((4, 2), (1, 1), (128, 1)):
     W = coff * 64
     kv = torch.randn(300, W, device="cuda").to(torch.bfloat16)
     score = torch.randn_like(kv)
     ape = torch.randn(ratio, W, device="cuda")
-    for cu_l, cuc_l in corrupt:
+    for cu_l, cuc_l in CORRUPT_OFFSETS:
         cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
         cuc = torch.tensor(cuc_l, dtype=torch.int32, device="cuda")
         out = torch.empty(40, 64, dtype=torch.bfloat16, device="cuda")
