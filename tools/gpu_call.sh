@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call that does as much as fits: the correctness runs side by side (they
+# share the GPU, and compiles are CPU-bound on 16 cores), then the timing runs one at a
+# time on a quiet GPU, each bounded by what is left of DEADLINE seconds. Logs collect in
+# $WORK and are packed into $OUT/logs.tgz at the end (the device tool returns at most 8
+# files); $OUT/progress.txt grows as steps finish, so a killed call still says how far
+# it got.
+#   source .device/env.sh && CSA_COMMIT=<hash> DEADLINE=560 bash tools/gpu_call.sh \
+#       "par:tests_cand,tests_fused,tests_rest,sanitize,sanitize_candidates" "seq:host,bench,scale"
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_call}
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
+END=$((SECONDS + ${DEADLINE:-560}))
+CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
+
+cmd_of() {
+    case $1 in
+        info) echo "nvidia-smi -L; python3 -m csa_compressor info" ;;
+        tests_cand) echo "python3 -m pytest -q -m gpu tests/test_candidates_gpu.py -rs --durations=10" ;;
+        tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
+        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_candidates_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
+        tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
+        sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
+        sanitize_candidates) echo "CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
+        bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
+        scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
+        host) echo "python3 tools/perf_probe.py host" ;;
+        sweep*) echo "python3 tools/perf_probe.py sweep \"\${SWEEP_${1#sweep}:?}\" \"${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}\"" ;;
+        *) echo "echo unknown step $1; false" ;;
+    esac
+}
+
+step() {
+    local name=$1 t0=$SECONDS left=$((END - SECONDS))
+    if [ $left -le 5 ]; then echo "$name skipped (deadline)" >>"$OUT/progress.txt"; return; fi
+    local c; c=$(cmd_of "$name")
+    echo "== $name: $c" >"$WORK/$name.log"
+    timeout $left bash -c "$c" >>"$WORK/$name.log" 2>&1
+    echo "$name rc=$? $((SECONDS - t0))s" >>"$OUT/progress.txt"
+}
+
+for group in "$@"; do
+    mode=${group%%:*}; IFS=, read -ra names <<<"${group#*:}"
+    if [ "$mode" = par ]; then
+        for n in "${names[@]}"; do step "$n" & done; wait
+    else
+        for n in "${names[@]}"; do step "$n"; done
+    fi
+done
+tar czf "$OUT/logs.tgz" -C "$WORK" .
+cat "$OUT/progress.txt"
+for f in "$WORK"/*.log; do echo "######## $(basename "$f")"; tail -n 25 "$f"; done
