@@ -22,7 +22,7 @@ import cutlass.cute as cute  # noqa: E402
 from csa_compressor.kernels import compile as cc  # noqa: E402
 from csa_compressor.kernels import config  # noqa: E402
 
-# CSA_CONFIG="K=V,K=V": kernel-shaping constants to override (candidates behind a flag).
+# CSA_CONFIG="K=V,K=V": kernel-shaping constants to override (a sweep variant).
 config.override(os.environ.get("CSA_CONFIG", ""))
 
 _orig = cute.compile

@@ -27,7 +27,7 @@ def make_pack(lens, d, ratio, coff, dtype=torch.float32, device="cpu", pad_token
 # (cu_seqlens, cu_seqlens_comp) a caller got wrong, for T = 300 tokens and N = 40 rows.
 # Their contents are never read on the host (that would sync), so the kernels must stay
 # inside every buffer and terminate whatever they hold; the results are unspecified.
-# Used by tests/test_candidates_gpu.py and tools/sanitize_probe.py.
+# Used by tests/test_bounds_gpu.py and tools/sanitize_probe.py.
 CORRUPT_OFFSETS = [
     ([0, 50, 20, 300], [0, 12, 17, 37]),  # decreasing token offsets
     ([0, 40, 5000], [0, 10, 40]),  # past T

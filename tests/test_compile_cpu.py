@@ -55,23 +55,8 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     if ratio > 8:
         designed = config.LONG_VEC_BYTES
     assert width == designed, info  # head_dim 512/128 bf16 allow the designed width
-
-
-CANDIDATE_CONFIGS = [("bwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
-                     ("fwd", "bfloat16", 4, 2, 512), ("fwd", "bfloat16", 128, 1, 512)]
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("cfg", CANDIDATE_CONFIGS, ids=["-".join(map(str, c)) for c in CANDIDATE_CONFIGS])
-def test_candidates_compile_without_spills(arch, cfg):
-    """The kernel candidates behind config flags (tests/test_candidates_gpu.py checks them
-    on a GPU) must stay compilable, spill-free and with their copies as designed."""
-    base = probe(arch, cfg)
-    from csa_compressor.kernels import config
-
-    info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
-    assert all(s == 0 for s in info["spills"]) and all(s == 0 for s in info["stack"]), info
-    assert info["local"] == 0, info
-    # Same staging as the default: only the walks and where APE lives change.
-    assert info["async_copies_by_bytes"] == base["async_copies_by_bytes"], (base, info)
-    assert info["ballots"] >= 1, info  # every probed kernel qualifies for the warp search
+    # The short-window kernels' warps are 32 column lanes of one row, so the first segment
+    # search of a walk is the warp-wide one (common.find_segment_warp). (The long backward's
+    # slot groups are 16 lanes wide: binary search there.)
+    if staged:
+        assert info["ballots"] >= 1, info

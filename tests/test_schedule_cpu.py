@@ -66,11 +66,10 @@ def test_production_forward_runs_the_measured_occupancy(d):
 
 
 @pytest.mark.parametrize("d", [128, 512])
-def test_backward_fit_candidate_sizes_the_grid_for_resident_ctas(monkeypatch, d):
-    """BWD_FIT_SMEM (candidate): the backward's row CTAs fit in one wave of the CTAs whose
-    shared memory an SM holds."""
+def test_backward_grid_fits_one_wave_of_resident_ctas(monkeypatch, d):
+    """The backward's row CTAs fit in one wave of the CTAs whose shared memory an SM holds
+    (at d=128 three, where BWD_TARGET_CTAS_PER_SM is 4)."""
     monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
-    monkeypatch.setattr(config, "BWD_FIT_SMEM", 1)
     k = PoolBackward(cutlass.BFloat16, 4, 2, d)
     fit = config.SMEM_PER_SM // (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
     assert 1 <= k.target_ctas_per_sm <= min(fit, config.BWD_TARGET_CTAS_PER_SM)

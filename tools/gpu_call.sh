@@ -6,27 +6,29 @@
 # files); $OUT/progress.txt grows as steps finish, so a killed call still says how far
 # it got.
 #   source .device/env.sh && CSA_COMMIT=<hash> DEADLINE=560 bash tools/gpu_call.sh \
-#       "par:tests_cand,tests_fused,tests_rest,sanitize,sanitize_candidates" "seq:host,bench,scale"
+#       "par:info,tests_bounds,tests_fused,tests_rest,sanitize" "seq:host,bench,scale" \
+#       "seq:ncu_1x8192:128:4:2"
+# ncu_<shape>: ncu of the forward, backward and dape reduction of one bench shape (the
+# probe runs 4 steps, the first two are skipped).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_call}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
 END=$((SECONDS + ${DEADLINE:-560}))
-CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
 
 cmd_of() {
     case $1 in
         info) echo "nvidia-smi -L; python3 -m csa_compressor info" ;;
-        tests_cand) echo "python3 -m pytest -q -m gpu tests/test_candidates_gpu.py -rs --durations=10" ;;
+        tests_bounds) echo "python3 -m pytest -q -m gpu tests/test_bounds_gpu.py -rs --durations=10" ;;
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
-        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_candidates_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
+        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
-        sanitize_candidates) echo "CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
         host) echo "python3 tools/perf_probe.py host" ;;
+        ncu_*) echo "ncu --clock-control none -k regex:'Pool|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
         sweep*) echo "python3 tools/perf_probe.py sweep \"\${SWEEP_${1#sweep}:?}\" \"${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}\"" ;;
         *) echo "echo unknown step $1; false" ;;
     esac

@@ -13,7 +13,6 @@
 #   tests     python -m pytest -q -m gpu tests (the two-GPU tests run where 2 GPUs are seen)
 #   sanitize  compute-sanitizer memcheck over tools/sanitize_probe.py (every kernel family,
 #             corrupt offsets too)
-#   sanitize_candidates  the same with every kernel candidate of config.py switched on
 #   bench     python -m csa_compressor bench (default shapes, eager / compile / fused)
 #   scale     fused and eager on 2048x64 vs 1x131072 and the other EXTRA shapes
 #   host      tools/perf_probe.py host (wall clock of each layer of a call, outside graphs)
@@ -59,9 +58,6 @@ for s in "${expanded[@]}"; do
         tests) run_step tests python3 -m pytest -q -m gpu tests -rs --durations=15 ;;
         sanitize) run_step sanitize compute-sanitizer --tool memcheck --report-api-errors no \
             python3 tools/sanitize_probe.py ;;
-        sanitize_candidates) run_step sanitize_candidates env CSA_CONFIG="$(python3 -c \
-            'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')" \
-            compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py ;;
         bench) run_step bench python3 -m csa_compressor bench --out "$WORK/bench" ;;
         scale) run_step scale python3 -m csa_compressor bench --impls eager,fused \
             --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out "$WORK/scale" ;;

@@ -2,7 +2,7 @@
 short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim), long-window fwd/bwd
 (ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
 caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
-counts. CSA_CONFIG="K=V,..." runs it with kernel candidates switched on."""
+counts. CSA_CONFIG="K=V,..." runs it with kernels/config.py constants overridden."""
 
 import os
 import sys

@@ -20,40 +20,28 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   at 3x8192/512, also with 5 CTAs per SM; sweep at 8e6a9c5).
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
-  <= 128 registers a thread; fewer where the staging is larger), at most the cap.
+  <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
+  (2 rows a thread at 1x8192/128) measured slower: forward 8.4 vs 7.6 us at 1x8192/128,
+  73.4 vs 59.4 at 2048x64 (sweep at eada763).
 SMEM_PER_SM / SMEM_RESERVED_PER_CTA: shared memory of an SM on sm_90 and sm_100 (228 KB)
   and what the driver reserves per CTA (1 KB, ncu "Driver Shared Memory Per Block").
 BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
-  several rows each to keep the partials (and their reduction) small.
-BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out);
-  3 by analogy with the forward, not swept. A backward thread does half the forward's
-  columns a row (4-byte vectors), so 2 rows ahead is about half the forward's lead time
-  on the same memory latency: sweep 5 and 6.
-BWD_FIT_SMEM: candidate, off until measured: size the backward grid for the CTAs whose
-  shared memory fits an SM, as the forward does since f1b9dcf. At d=128 (256-thread CTAs,
-  68.6 KB of staging and reduction buffers) only 3 fit, so a grid sized for
-  BWD_TARGET_CTAS_PER_SM = 4 runs 1.3 waves (1x8192/128: 512 row CTAs for 396 slots).
-BWD_CACHED_WALK / BWD_APE_REGS: candidates, off until a GPU run measures them: the
-  forward's v9 changes for the backward (row walks that keep their segment's span in
-  registers; the APE values of the thread's slots loaded once into registers). In the
-  forward together they took 3x8192/512 from 43.2 to 39.7 us. Same op order, so results
-  must be bitwise those of the default. ptxas (sm_90a, bf16 ratio 4 coff 2): 80 registers
-  a thread by default, 96 (d=512) / 105 (d=128) with both, which at d=128 (256-thread
-  CTAs) fits 2 CTAs per SM instead of 3: measure each on its own.
-WARP_SEGMENT_SEARCH: candidate, off until measured: where every warp is 32 active column
-  lanes of one row lane (common.WindowSlots.warp_uniform), the first segment search of a
-  walk runs as a 32-ary warp search (common.find_segment_warp): ceil(log32 B) + 1
-  dependent loads at most instead of log2 B. Aimed at latency-bound small packs and packs
-  of many sequences (2048x64: 3 dependent loads instead of 11 before the first copy).
-STATIC_SLOT_OFFSETS / BF16_BIT_WIDEN: candidates, off until measured: fewer instructions
-  for the same memory operations (the ratio-4 forward is issue-limited: ~1,000 warp
-  instructions a warp-row at 62% issue efficiency, ncu at 8e6a9c5). STATIC_SLOT_OFFSETS:
-  one base pointer a row for the window's copies and the backward's stores, each slot at a
-  constant offset, instead of a 64-bit address per copy. BF16_BIT_WIDEN: bf16 -> fp32 as
-  a shift or a mask of the 32-bit word (one instruction an element, not three a pair).
-  SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4 coff 2 d 512), whole kernel: forward
-  2000 -> 1904 / 1968 / 1872 (one, the other, both), of which about 32 + 32 in the row
-  loop; backward 1616 -> 1456 / 1600 / 1440.
+  several rows each to keep the partials (and their reduction) small. 8 (more, smaller row
+  CTAs) measured no better: 3x8192/512 fwd+bwd 138.7 vs 133.6 us (sweep at eada763).
+BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out).
+  3 measured best (H200, perf_probe sweep at eada763, fwd+bwd µs, 3 / 5 / 6 stages):
+  1x8192/128 27.9 / 29.9 / 31.7, 3x8192/512 133.6 / 137.7 / 132.4, 2048x64 187 / 194 / 231.
+  The backward's grid is sized for the CTAs whose shared memory fits an SM (pool_bwd.py).
+Adopted from that sweep (were flags until measured, each bitwise equal to the code before
+  in out/dkv/dscore on 11 packs; dape partials follow the grid): static slot offsets (one
+  base pointer a row, constant offsets, common.WindowSlots.window_base), bf16 widened by
+  shift or mask, the 32-ary warp segment search (common.find_segment_warp), the
+  forward's cached row walk in the backward, and the smem-fitted backward grid. Forward /
+  fwd+bwd µs, before -> with all of them: 3x8192/512 40.0/133.6 -> 36.7/125.1, 1x8192/128
+  7.6/27.9 -> 7.6/25.5, 2048x64 59.4/187 -> 56.4/170.5. Measured and dropped: the APE
+  values in backward registers (105 registers at d=128, 2 CTAs an SM instead of 3:
+  1x8192/128 fwd+bwd 29.3 vs 27.9 us). SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4
+  coff 2 d 512): forward 2000 -> 1872, backward 1616 -> 1440 instructions.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -86,12 +74,6 @@ SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
-BWD_CACHED_WALK = 0
-BWD_APE_REGS = 0
-WARP_SEGMENT_SEARCH = 0
-STATIC_SLOT_OFFSETS = 0
-BF16_BIT_WIDEN = 0
-BWD_FIT_SMEM = 0
 ZERO_TOKENS_PER_THREAD = 32
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
@@ -100,10 +82,6 @@ LONG_CTA_THREADS = 512
 LONG_BWD_CTA_THREADS = 256
 LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
-# The flags above that switch an unmeasured candidate on (tests/test_candidates_gpu.py).
-CANDIDATES = ("BWD_CACHED_WALK", "BWD_APE_REGS", "WARP_SEGMENT_SEARCH", "STATIC_SLOT_OFFSETS",
-              "BF16_BIT_WIDEN", "BWD_FIT_SMEM")
-
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""

@@ -23,8 +23,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, mul_rn, row_window, softmax_probs,
-                     start_walk, walk_rows, walk_window)
+from .common import (WindowSlots, advance_segment, mul_rn, softmax_probs, start_walk, walk_rows,
+                     walk_window)
 
 
 class PoolBackward(WindowSlots):
@@ -49,17 +49,14 @@ class PoolBackward(WindowSlots):
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
         self.staged = self.stageable()
-        self.read_candidates()
-        # Backward-only candidates: the forward's v9 row walk and APE registers.
-        self.cached_walk = bool(config.BWD_CACHED_WALK)
-        self.ape_in_regs = bool(config.BWD_APE_REGS) and self.staged
+        self.specialise()
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
         self.smem_bytes = self.red_bytes + (self.stages * stage_bytes if self.staged else 0)
-        if config.BWD_FIT_SMEM:  # candidate: size the grid for the CTAs that fit
-            fit = self.ctas_fitting_smem()
-            self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, fit))
+        # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
+        # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
+        self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -77,59 +74,37 @@ class PoolBackward(WindowSlots):
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
 
     @cute.jit
-    def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s, row, stage, thr, chunk,
+    def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, walk, row, stage, thr, chunk,
                   num_rows, num_tokens, num_seqs):
         """Start the cp.async copies of row ``row``'s window and grad_out vector into
         ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
-        s, t0, has_prev, real, ok = self.walk_to(mCu, mCuc, s, row, num_seqs, num_tokens)
-        if (row < num_rows) & real & ok:
+        walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
+        if (row < num_rows) & self.real(walk, num_seqs) & ok:
             self.copy_vec(atom, gGrad[(None, (row, chunk))].iterator,
                           sG[(None, thr, stage)].iterator)
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-        return s
+        return walk
 
     @cute.jit
-    def start(self, mCu, mCuc, row, num_seqs):
-        """A row walk starting at ``row``: a segment index, or with BWD_CACHED_WALK the
-        cached (segment, first row, end row, first token)."""
-        if cutlass.const_expr(self.cached_walk):
-            return start_walk(mCu, mCuc, row, num_seqs, self.warp_search)
-        else:
-            return self.search(mCuc, row, num_seqs)
-
-    @cute.jit
-    def walk_to(self, mCu, mCuc, walk, row, num_seqs, num_tokens):
-        """Advance a row walk to ``row`` (non-decreasing): (walk, first token, has previous
-        block, real row, in bounds)."""
-        if cutlass.const_expr(self.cached_walk):
-            walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
-            s, _, _, _ = walk
-            return walk, t0, has_prev, s < num_seqs, ok
-        else:
-            walk = advance_segment(mCuc, walk, row, num_seqs)
-            t0, has_prev, real, ok = row_window(mCu, mCuc, walk, row, num_seqs, num_tokens,
-                                                self.ratio, self.coff)
-            return walk, t0, has_prev, real, ok
+    def real(self, walk, num_seqs):
+        """The walk is on a true segment (not past the last: padding rows have no gradient)."""
+        s, _, _, _ = walk
+        return s < num_seqs
 
     @cute.jit
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
         """Store dscore (in sf) and dkv (in vf) of the window's slots and add dscore to the
         thread's dape registers ``dacc``."""
-        if cutlass.const_expr(self.static_offsets):
-            vl = cute.make_layout((self.vec,))
-            bS = self.window_base(gDSc, t0, chunk)
-            bV = self.window_base(gDKV, t0, chunk)
+        vl = cute.make_layout((self.vec,))
+        bS = self.window_base(gDSc, t0, chunk)
+        bV = self.window_base(gDKV, t0, chunk)
         for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(Int32(kk), t0, has_prev, chunk)
+            _, _, _, valid = self.slot_coords(Int32(kk), t0, has_prev, chunk)
             if valid:
-                if cutlass.const_expr(self.static_offsets):
-                    off = self.slot_offset(kk)
-                    cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(self.dtype))
-                    cute.make_tensor(bV + off, vl).store(vf[kk, None].load().to(self.dtype))
-                else:
-                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
-                    gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                off = self.slot_offset(kk)
+                cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(self.dtype))
+                cute.make_tensor(bV + off, vl).store(vf[kk, None].load().to(self.dtype))
                 for e in cutlass.range_constexpr(self.vec):
                     dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
@@ -147,7 +122,7 @@ class PoolBackward(WindowSlots):
             if bx < num_row_ctas:
                 sf, vf, gv, dacc = self.backward_registers()
                 row0 = bx * rows_per_cta + ty
-                s = self.start(mCu, mCuc, row0, num_seqs)
+                walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
                 smem = cutlass.memory.SmemAllocator()
                 # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
                 mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
@@ -157,35 +132,32 @@ class PoolBackward(WindowSlots):
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
                     atom = self.copy_atom()
                     thr = ty * self.lanes + tid
-                    apef = None
-                    if cutlass.const_expr(self.ape_in_regs):
-                        apef = cute.make_rmem_tensor((CH, vec), Float32)
-                        self.load_ape(gApe, apef, chunk)
-                    s_in = s
+                    walk_in = walk
                     for p in cutlass.range_constexpr(P - 1):
                         if p < mine:
-                            s_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s_in,
-                                                  row0 + p * self.row_lanes, p, thr, chunk,
-                                                  num_rows, num_tokens, num_seqs)
+                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
+                                                     walk_in, row0 + p * self.row_lanes, p, thr,
+                                                     chunk, num_rows, num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
                         ahead = i + (self.stages - 1)
                         if ahead < mine:
-                            s_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, s_in,
-                                                  row0 + ahead * self.row_lanes, ahead % self.stages,
-                                                  thr, chunk, num_rows, num_tokens, num_seqs)
+                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
+                                                     walk_in, row0 + ahead * self.row_lanes,
+                                                     ahead % self.stages, thr, chunk, num_rows,
+                                                     num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                         cute.arch.cp_async_wait_group(self.stages - 1)
-                    s, t0, has_prev, real, ok = self.walk_to(mCu, mCuc, s, row, num_seqs,
-                                                             num_tokens)
-                    if (row < num_rows) & real & ok:
+                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+                    t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                   self.coff)
+                    if (row < num_rows) & self.real(walk, num_seqs) & ok:
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
                             gv.store(sG[(None, thr, stage)].load().to(Float32))
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
-                                             apef)
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk)
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)

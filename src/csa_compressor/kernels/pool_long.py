@@ -33,7 +33,7 @@ class _LongShape:
         # per-slot values, the group maxima, two per-column scalars
         self.smem_bytes = (self.slots + self.groups + 2) * self.cols * 4 + 64
         # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
-        self.read_candidates()
+        self.specialise()
 
     @cute.jit
     def shared(self):
