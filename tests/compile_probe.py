@@ -53,4 +53,4 @@ print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
-                  "slots": kernel.slots, "ptx_bytes": len(ptx)}))
+                  "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx)}))

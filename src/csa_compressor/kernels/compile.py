@@ -2,6 +2,8 @@
 
 A kernel is specialised on (device, dtype, ratio, coff, head_dim); token count, row count,
 batch size and the workspace size stay symbolic, so packs change without recompiling.
+Directions: "fwd", "bwd", and "dape" (the backward's partial-sum reduction, fp32, one per
+(ratio, coff, head_dim) whatever the dtype).
 Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 """
 
@@ -52,6 +54,7 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     from cutlass import Int32
 
     from . import config
+    from .dape_reduce import DapeReduce
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
     from .pool_long import LongPoolBackward, LongPoolForward
@@ -64,7 +67,12 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     long = config.long_window(coff * ratio)
-    if direction == "fwd":
+    if direction == "dape":
+        kernel = DapeReduce(ratio * W)
+        fn = cute.compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
+                          _fake(cutlass.Float32, (1, ratio * W), 16), stream,
+                          options="--enable-tvm-ffi")
+    elif direction == "fwd":
         kernel = (LongPoolForward if long else PoolForward)(cdt, ratio, coff, head_dim)
         out = _fake(cdt, (N, head_dim), 16)
         fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
@@ -86,6 +94,8 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record
     and can invalidate the capture, so a miss during capture raises instead.
     """
+    if direction == "dape":
+        dtype = torch.float32  # the partials are fp32 whatever the inputs are
     key = (direction, device.type, device.index, dtype, ratio, coff, head_dim)
     hit = _CACHE.get(key)
     if hit is not None:
@@ -113,10 +123,12 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
                directions=("fwd", "bwd")) -> None:
-    """Compile ahead of time (e.g. before CUDA-graph capture)."""
+    """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape"."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     for direction in directions:
         get_kernel(direction, device, dtype, ratio, coff, head_dim)
+        if direction == "bwd":
+            get_kernel("dape", device, dtype, ratio, coff, head_dim)
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,6 +54,11 @@ DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal divisi
   (common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
   take a true division.
+REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
+  (dape_reduce.py): a CTA of 8 column lanes (16-byte vectors: 32 columns) by 64 row lanes,
+  so a 1024-column partial (1x8192/128) spreads over 32 CTAs and a 4096-column one
+  (3x8192/512) over 128, each thread summing P / 64 rows with 4 loads in flight. Chosen
+  by that arithmetic, not swept.
 ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
   (one segment search, then registers). 2 tokens a thread with a search each made 25k
   zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%); 32 brought it to 88.7 us.
@@ -75,6 +80,9 @@ BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 32
+REDUCE_COL_LANES = 8
+REDUCE_ROW_LANES = 64
+REDUCE_UNROLL = 4
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

@@ -1,0 +1,62 @@
+"""Fixed-order sum of the backward's per-CTA dape partials: (P, C) fp32 -> (1, C) fp32.
+
+``torch.sum`` over dim 0 of the partials ran one thread per column, each walking all P
+rows one dependent load after another: 8 CTAs and 15.0 us at 1x8192/128, 32 CTAs and 12.5
+us at 3x8192/512 (ncu, H200, 69f7321), longer than the backward kernel itself at the
+small shape. Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
+lane y sums rows y, y + row_lanes, ... (independent loads, unrolled, so many are in
+flight), then row lane 0 adds the lanes' sums in lane order from shared memory. The order
+depends only on P and the constants in config.py, so the result is bitwise reproducible
+(tests/test_dape_reduce_gpu.py replays it with torch on the CPU).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import config
+
+
+class DapeReduce:
+    def __init__(self, cols: int):
+        self.cols = cols
+        self.vec = next(v for v in (4, 2, 1) if cols % v == 0)  # 16-byte loads where C allows
+        self.cpr = cols // self.vec
+        self.col_lanes = min(config.REDUCE_COL_LANES, self.cpr)
+        self.row_lanes = config.REDUCE_ROW_LANES
+        self.smem_bytes = self.row_lanes * self.col_lanes * self.vec * 4
+
+    @cute.jit
+    def __call__(self, mWork: cute.Tensor, mOut: cute.Tensor, stream):
+        tiler = (1, self.vec)
+        grid_x = (self.cpr + self.col_lanes - 1) // self.col_lanes
+        self.kernel(cute.zipped_divide(mWork, tiler), cute.zipped_divide(mOut, tiler),
+                    mWork.shape[0]).launch(grid=[grid_x, 1, 1],
+                                           block=[self.col_lanes, self.row_lanes, 1],
+                                           smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, gW: cute.Tensor, gO: cute.Tensor, rows: Int32):
+        tid, ty, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        vec = self.vec
+        chunk = bx * self.col_lanes + tid
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32, cute.make_layout((vec, self.col_lanes, self.row_lanes)), 16)
+        acc = cute.make_rmem_tensor((vec,), Float32)
+        for e in cutlass.range_constexpr(vec):
+            acc[e] = Float32(0.0)
+        if chunk < self.cpr:
+            for r in cutlass.range(ty, rows, self.row_lanes, unroll=config.REDUCE_UNROLL):
+                v = gW[(None, (r, chunk))].load()
+                for e in cutlass.range_constexpr(vec):
+                    acc[e] = acc[e] + v[e]
+        for e in cutlass.range_constexpr(vec):
+            red[e, tid, ty] = acc[e]
+        cute.arch.barrier()
+        if (ty == 0) & (chunk < self.cpr):
+            for y in cutlass.range_constexpr(1, self.row_lanes):
+                for e in cutlass.range_constexpr(vec):
+                    acc[e] = acc[e] + red[e, tid, y]
+            gO[(None, (0, chunk))].store(acc.load())
