@@ -60,3 +60,11 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     # slot groups are 16 lanes wide: binary search there.)
     if staged:
         assert info["ballots"] >= 1, info
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_dape_reduction_compiles_with_wide_loads(arch):
+    """The partials' reduction: no spills, and 16-byte loads, unrolled (C = 4*2*512)."""
+    info = probe(arch, ("dape", "float32", 4, 2, 512))
+    assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
+    assert info["vec"] == 4 and info["loads_by_bytes"].get("16", 0) >= 2, info
