@@ -28,7 +28,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
         host) echo "python3 tools/perf_probe.py host" ;;
-        ncu_*) echo "ncu --clock-control none -k regex:'Pool|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
+        ncu_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
         sweep*) echo "python3 tools/perf_probe.py sweep \"\${SWEEP_${1#sweep}:?}\" \"${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}\"" ;;
         *) echo "echo unknown step $1; false" ;;
     esac
