@@ -76,3 +76,15 @@ def test_backward_grid_fits_one_wave_of_resident_ctas(monkeypatch, d):
     for rows in (2048, 6144, 24576):
         _, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, k, torch.device("cuda", 0))
         assert row_ctas * k.col_groups <= SMS * fit
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_backward_grid_order(monkeypatch, flag):
+    """BWD_INTERLEAVE_COL_GROUPS (candidate): column groups become the fastest index of a
+    1-D grid; kernels with one column group keep their grid either way."""
+    monkeypatch.setattr(config, "BWD_INTERLEAVE_COL_GROUPS", flag)
+    wide = PoolBackward(cutlass.BFloat16, 4, 2, 512)
+    assert wide.col_groups == 2
+    assert wide.grid(1000) == ([2000, 1, 1] if flag else [1000, 2, 1])
+    narrow = PoolBackward(cutlass.BFloat16, 4, 2, 128)
+    assert narrow.col_groups == 1 and narrow.grid(1000) == [1000, 1, 1]

@@ -42,6 +42,12 @@ Adopted from that sweep (were flags until measured, each bitwise equal to the co
   values in backward registers (105 registers at d=128, 2 CTAs an SM instead of 3:
   1x8192/128 fwd+bwd 29.3 vs 27.9 us). SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4
   coff 2 d 512): forward 2000 -> 1872, backward 1616 -> 1440 instructions.
+BWD_INTERLEAVE_COL_GROUPS: candidate, off until measured: the backward's column groups
+  (d=512 bf16: 2) become the fastest index of a 1-D grid, so that all row CTAs start
+  before the zero-fill CTAs. Today group 1's 256 row CTAs queue behind group 0's 768 zero
+  CTAs at 3x8192/512 (grid.y order), and the row CTAs are the kernel's long pole (24 rows
+  a thread in sequence). Prediction: backward -2 to -5 µs at 3x8192/512 and 1x8192/512,
+  no change at d=128 (one group). pool_bwd.PoolBackward.grid().
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -79,6 +85,7 @@ SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
+BWD_INTERLEAVE_COL_GROUPS = 0
 ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64

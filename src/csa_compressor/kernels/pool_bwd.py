@@ -28,6 +28,7 @@ from .common import (WindowSlots, advance_segment, mul_rn, softmax_probs, start_
 
 
 class PoolBackward(WindowSlots):
+    interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
         self.ratio = ratio
@@ -50,6 +51,8 @@ class PoolBackward(WindowSlots):
                           if self.row_lanes > 1 else 0)
         self.staged = self.stageable()
         self.specialise()
+        # Candidate, off until measured: see grid(). Only d > 128 (bf16) has column groups.
+        self.interleave = bool(config.BWD_INTERLEAVE_COL_GROUPS) and self.col_groups > 1
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -70,8 +73,27 @@ class PoolBackward(WindowSlots):
             cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
             cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
             num_row_ctas,
-        ).launch(grid=[num_row_ctas + num_zero_ctas, self.col_groups, 1],
+        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
+
+    def grid(self, ctas):
+        """``ctas`` row and zero CTAs for each column group. With BWD_INTERLEAVE_COL_GROUPS
+        the groups are the fastest-varying index of a 1-D grid, so every row CTA (of all
+        groups) is dispatched before any zero CTA; otherwise group 1's row CTAs queue
+        behind group 0's zero CTAs (grid.y). 1-D also keeps grid.y's 65,535 limit out of
+        the way."""
+        if self.interleave:
+            return [ctas * self.col_groups, 1, 1]
+        return [ctas, self.col_groups, 1]
+
+    @cute.jit
+    def cta_coords(self):
+        """(row or zero CTA index, column group) of this CTA; see grid()."""
+        bx, by, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.interleave):
+            by = bx % self.col_groups
+            bx = bx // self.col_groups
+        return bx, by
 
     @cute.jit
     def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, walk, row, stage, thr, chunk,
@@ -114,7 +136,7 @@ class PoolBackward(WindowSlots):
                gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
                num_row_ctas: Int32):
         tid, ty, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by = self.cta_coords()
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
