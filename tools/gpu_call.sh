@@ -23,6 +23,7 @@ cmd_of() {
         tests_bounds) echo "python3 -m pytest -q -m gpu tests/test_bounds_gpu.py -rs --durations=10" ;;
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
+        tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
