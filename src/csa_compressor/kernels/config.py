@@ -25,9 +25,13 @@ FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as m
   73.4 vs 59.4 at 2048x64 (sweep at eada763).
 SMEM_PER_SM / SMEM_RESERVED_PER_CTA: shared memory of an SM on sm_90 and sm_100 (228 KB)
   and what the driver reserves per CTA (1 KB, ncu "Driver Shared Memory Per Block").
-BWD_TARGET_CTAS_PER_SM: the backward carries per-CTA dape partials, so its row CTAs walk
-  several rows each to keep the partials (and their reduction) small. 8 (more, smaller row
-  CTAs) measured no better: 3x8192/512 fwd+bwd 138.7 vs 133.6 us (sweep at eada763).
+BWD_TARGET_CTAS_PER_SM: row CTAs per SM the backward's grid is sized for (each walks
+  several rows; fewer where shared memory fits fewer, see pool_bwd.py). 6 is what 80
+  registers x 128 threads leave resident at d=512: with the column groups interleaved
+  (pool_bwd.PoolBackward.grid) every row CTA then runs in one wave. H200 sweeps, fwd+bwd
+  µs at 3x8192/512: 4 -> 121.8-123.5, 6 with interleaving 109.4, 4 with interleaving
+  128.2 (39ce8aa); 8 without it 138.7 (eada763). 6 without interleaving was not run.
+  1x8192/512 and d=128 unchanged (45.5-45.9, 19.9-20.1).
 BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out).
   3 measured best (H200, perf_probe sweep at eada763, fwd+bwd µs, 3 / 5 / 6 stages):
   1x8192/128 27.9 / 29.9 / 31.7, 3x8192/512 133.6 / 137.7 / 132.4, 2048x64 187 / 194 / 231.
@@ -42,12 +46,6 @@ Adopted from that sweep (were flags until measured, each bitwise equal to the co
   values in backward registers (105 registers at d=128, 2 CTAs an SM instead of 3:
   1x8192/128 fwd+bwd 29.3 vs 27.9 us). SASS (tools/sass_probe.py, sm_90a, bf16 ratio 4
   coff 2 d 512): forward 2000 -> 1872, backward 1616 -> 1440 instructions.
-BWD_INTERLEAVE_COL_GROUPS: candidate, off until measured: the backward's column groups
-  (d=512 bf16: 2) become the fastest index of a 1-D grid, so that all row CTAs start
-  before the zero-fill CTAs. Today group 1's 256 row CTAs queue behind group 0's 768 zero
-  CTAs at 3x8192/512 (grid.y order), and the row CTAs are the kernel's long pole (24 rows
-  a thread in sequence). Prediction: backward -2 to -5 µs at 3x8192/512 and 1x8192/512,
-  no change at d=128 (one group). pool_bwd.PoolBackward.grid().
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
 LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
@@ -82,10 +80,9 @@ FWD_TARGET_CTAS_PER_SM = 4
 FWD_MAX_ROWS_PER_THREAD = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
-BWD_TARGET_CTAS_PER_SM = 4
+BWD_TARGET_CTAS_PER_SM = 6
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
-BWD_INTERLEAVE_COL_GROUPS = 0
 ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
