@@ -17,9 +17,10 @@ INT32_MAX = 2**31 - 1
 KERNEL_ALIGN_BYTES = 16
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Problem:
-    """A validated call: 2-D views of the inputs and the sizes that shape the work."""
+    """A validated call: 2-D views of the inputs and the sizes that shape the work.
+    (Slots, not frozen: a frozen dataclass took 0.9 µs to build, every call.)"""
 
     kv: torch.Tensor  # (T, coff*d)
     score: torch.Tensor  # (T, coff*d)
