@@ -68,3 +68,13 @@ def test_dape_reduction_compiles_with_wide_loads(arch):
     info = probe(arch, ("dape", "float32", 4, 2, 512))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["vec"] == 4 and info["loads_by_bytes"].get("16", 0) >= 2, info
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 128)],
+                         ids=["dape", "bwd"])
+def test_dape_pdl_candidate_compiles(arch, cfg):
+    """DAPE_PDL (candidate, config.py): the backward and the dape reduction with
+    programmatic dependent launch compile spill-free."""
+    info = probe(arch, cfg, "DAPE_PDL=1")
+    assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info

@@ -63,6 +63,10 @@ REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
   so a 1024-column partial (1x8192/128) spreads over 32 CTAs and a 4096-column one
   (3x8192/512) over 128, each thread summing P / 64 rows with 4 loads in flight. Chosen
   by that arithmetic, not swept.
+DAPE_PDL: candidate, off until measured: the dape reduction launched as a programmatic
+  dependent of the backward (dape_reduce.py). Prediction: -0.5 to -1.5 µs a backward,
+  the launch latency between the two kernels; most visible at 1x8192/128 (fwd+bwd 20 µs).
+  Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
 ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
   (one segment search, then registers). 2 tokens a thread with a search each made 25k
   zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%); 32 brought it to 88.7 us.
@@ -87,6 +91,7 @@ ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
+DAPE_PDL = 0
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
