@@ -132,6 +132,45 @@ def test_non_default_device():
     assert got.device == torch.device("cuda:1") and torch.equal(got.cpu(), want.cpu())
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_devices_alternate_in_one_process():
+    """Issue 6: forward + backward on cuda:0 and cuda:1 in turn, each with the other device
+    current and on a side stream of its own device: a kernel compiled and cached per
+    device, launched on the tensors' device and its current stream, results bitwise those
+    of cuda:0 alone. ratio 128 too: the slot-parallel kernels and their own schedule."""
+    from csa_compressor.kernels import compile as cc
+
+    for ratio, coff in ((4, 2), (128, 1)):
+        kv, score, ape, cu, cuc, N = make_pack([3 * ratio + 5, 0, 2 * ratio, 61], 128, ratio,
+                                               coff, dtype=torch.bfloat16, device="cuda:0",
+                                               extra_rows=2, seed=ratio)
+        g = torch.randn(N, 128, device="cuda:0").to(torch.bfloat16)
+
+        def call(*a):
+            return C.compress_thd_fused(*a, ratio=ratio, coff=coff)
+
+        want = [t.cpu() for t in fwd_bwd(call, kv, score, ape, cu, cuc, N, g)]
+        for step in range(4):
+            dev = torch.device("cuda", step % 2)
+            args = [t.to(dev) for t in (kv, score, ape, cu, cuc)]
+            gd = g.to(dev)
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            # Stream first: entering a stream context makes its device current.
+            with torch.cuda.stream(side), torch.cuda.device(1 - dev.index):
+                assert torch.cuda.current_device() != dev.index
+                assert torch.cuda.current_stream(dev) == side
+                got = fwd_bwd(call, *args, N, gd)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            for a, b in zip(got, want):
+                assert a.device == dev and torch.equal(a.cpu(), b)
+        for index in (0, 1):
+            for direction in ("fwd", "bwd", "dape"):
+                dtype = torch.float32 if direction == "dape" else torch.bfloat16
+                assert (direction, "cuda", index, dtype, ratio, coff, 128) in cc._CACHE
+
+
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_module_fused_matches_reference_pooling(ratio):
     torch.manual_seed(0)
