@@ -70,11 +70,19 @@ def test_dape_reduction_compiles_with_wide_loads(arch):
     assert info["vec"] == 4 and info["loads_by_bytes"].get("16", 0) >= 2, info
 
 
+CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 512),
+                     ("fwd", "bfloat16", 4, 2, 128)]
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("cfg", [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 128)],
-                         ids=["dape", "bwd"])
-def test_dape_pdl_candidate_compiles(arch, cfg):
-    """DAPE_PDL (candidate, config.py): the backward and the dape reduction with
-    programmatic dependent launch compile spill-free."""
-    info = probe(arch, cfg, "DAPE_PDL=1")
+@pytest.mark.parametrize("cfg", CANDIDATE_CONFIGS, ids=["-".join(map(str, c)) for c in CANDIDATE_CONFIGS])
+def test_candidates_compile_without_spills(arch, cfg):
+    """The candidates behind config flags (config.CANDIDATES), all on, compile spill-free
+    with the copies as designed; a GPU session measures them."""
+    from csa_compressor.kernels import config
+
+    base = probe(arch, cfg)
+    info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
+    assert info["async_copies_by_bytes"] == base["async_copies_by_bytes"], (base, info)
+    assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)

@@ -76,3 +76,70 @@ def test_any_offsets_stay_in_range_and_terminate(seed):
         for x in [rng.randrange(-10, 6000) for _ in range(50)]:
             got, _, _ = find_segment_warp(cu, x)
             assert 0 <= got <= B
+
+
+INT32_MAX = 2**31 - 1
+
+
+def segment_rows(cu, cuc, s):
+    """common.segment_rows: (first row, end row, first token) of segment s."""
+    B = len(cuc) - 1
+    return (cuc[s], cuc[s + 1], cu[s]) if s < B else (0, INT32_MAX, 0)
+
+
+def start_walk_warp(cu, cuc, x):
+    """common.start_walk_warp, the 32 lanes simulated: (s, first row, end row, first token)
+    and the indices it loaded."""
+    B = len(cuc) - 1
+    lo, hi = 0, B
+    reads = {0}
+    r0, tok, r1 = cuc[0], cu[0], INT32_MAX
+    rounds = 0
+    while hi > lo:
+        step = (hi - lo + 31) // 32
+        v, u, hit = [], [], []
+        for lane in range(32):
+            p = lo + 1 + lane * step
+            q = min(p, hi)
+            assert 1 <= q <= B
+            reads.add(q)
+            v.append(cuc[q])
+            u.append(cu[q])
+            hit.append(p <= hi and cuc[q] <= x)
+        k = sum(hit)
+        v_miss, v_hit, u_hit = v[min(k, 31)], v[max(k - 1, 0)], u[max(k - 1, 0)]
+        new_hi = lo + k * step
+        if new_hi < hi:
+            hi, r1 = new_hi, v_miss
+        if k > 0:
+            lo, r0, tok = lo + 1 + (k - 1) * step, v_hit, u_hit
+        rounds += 1
+        assert rounds <= 64, "no termination"
+    if lo >= B:
+        r0, r1, tok = 0, INT32_MAX, 0
+    return (lo, r0, r1, tok), reads
+
+
+def _offset_pairs(rng):
+    for cuc in _packs(rng):  # rows: sorted; tokens: a multiple of the rows plus tails
+        cu = [0]
+        for a, b in zip(cuc, cuc[1:]):
+            cu.append(cu[-1] + 4 * (b - a) + rng.randrange(4))
+        yield cu, cuc
+    for B in (1, 3, 32, 33, 500, 3000):  # anything at all: caller errors
+        yield ([rng.randrange(-50, 5000) for _ in range(B + 1)],
+               [rng.randrange(-50, 5000) for _ in range(B + 1)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_walk_start_is_search_then_segment_rows(seed):
+    """start_walk_warp returns exactly find_segment_warp + segment_rows, for any offsets,
+    and reads only indices 0..B."""
+    rng = random.Random(200 + seed)
+    for cu, cuc in _offset_pairs(rng):
+        xs = {0, cuc[-1], cuc[-1] + 5, -3} | {rng.randrange(-10, max(cuc) + 10) for _ in range(100)}
+        for x in xs:
+            s, _, _ = find_segment_warp(cuc, x)
+            got, reads = start_walk_warp(cu, cuc, x)
+            assert got == (s, *segment_rows(cu, cuc, s)), (len(cuc) - 1, x)
+            assert min(reads) >= 0 and max(reads) <= len(cuc) - 1

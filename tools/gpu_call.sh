@@ -16,6 +16,8 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
 END=$((SECONDS + ${DEADLINE:-560}))
+# Every candidate flag of kernels/config.py on, for the *_candidates steps.
+CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
 
 cmd_of() {
     case $1 in
@@ -25,6 +27,8 @@ cmd_of() {
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
+        tests_candidates) echo "CSA_CONFIG=$CAND python3 -m pytest -q -m gpu tests -rs --durations=10" ;;
+        sanitize_candidates) echo "CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;

@@ -69,6 +69,11 @@ DAPE_PDL: candidate, off until measured: the dape reduction launched as a progra
   dependent of the backward (dape_reduce.py). Prediction: -0.5 to -1.5 µs a backward,
   the launch latency between the two kernels; most visible at 1x8192/128 (fwd+bwd 20 µs).
   Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
+WARP_WALK_SHUFFLE: candidate, off until measured: a warp's row walk starts with the
+  segment search and the segment's rows and first token in one pass of loads
+  (common.start_walk_warp), one dependent round of loads fewer than the search followed by
+  segment_rows. Prediction: -0.3 to -0.8 µs on each kernel where a thread walks few rows
+  (1x8192/128, the ragged pack), nothing at 3x8192/512.
 ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
   (one segment search, then registers). 2 tokens a thread with a search each made 25k
   zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%); 32 brought it to 88.7 us.
@@ -94,6 +99,10 @@ REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
 DAPE_PDL = 0
+WARP_WALK_SHUFFLE = 0
+# The flags above that switch an unmeasured candidate on. The next GPU session runs the
+# suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
+CANDIDATES = ("DAPE_PDL", "WARP_WALK_SHUFFLE")
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
