@@ -8,8 +8,18 @@
 #   source .device/env.sh && CSA_COMMIT=<hash> DEADLINE=560 bash tools/gpu_call.sh \
 #       "par:info,tests_bounds,tests_fused,tests_rest,sanitize" "seq:host,bench,scale" \
 #       "seq:ncu_1x8192:128:4:2"
-# ncu_<shape>: ncu of the forward, backward and dape reduction of one bench shape (the
-# probe runs 4 steps, the first two are skipped).
+# Steps:
+#   info                 GPUs, torch, DSL, package
+#   tests                the whole GPU suite; tests_bounds / tests_fused / tests_rest are its
+#                        three shards (run them side by side), tests_fused_k a -k "$TESTS_K" subset
+#   tests_candidates     the whole GPU suite with every config.CANDIDATES flag on
+#   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py;
+#                        sanitize_candidates the same with the candidates on
+#   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
+#   host                 tools/perf_probe.py host (events, then perf_counter per layer)
+#   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES
+#   ncu_<shape>          ncu of the forward, backward and dape reduction of one bench shape
+#                        (the probe runs 4 steps, the first two are skipped)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_call}
 mkdir -p "$OUT"
