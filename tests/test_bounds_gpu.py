@@ -11,22 +11,11 @@ and the cases check the kernels against the fp32 reference instead.
 import pytest
 import torch
 
-from csa_compressor import pool_backward, pool_forward, reference
+from csa_compressor import pool_backward, pool_forward
 from packs import CORRUPT_OFFSETS, make_pack
-from test_fused_gpu import assert_forward_contract
+from test_fused_gpu import _grads, _kernel_level, _ref, assert_forward_contract
 
 pytestmark = pytest.mark.gpu
-
-
-def _run(kv, score, ape, cu, cuc, N, ratio, coff, g):
-    d = kv.shape[1] // coff
-    nan = float("nan")
-    out = torch.full((N, d), nan, dtype=kv.dtype, device="cuda")
-    pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
-    dkv, dsc, dape = torch.full_like(kv, nan), torch.full_like(score, nan), torch.full_like(ape, nan)
-    pool_backward(kv, score, ape, cu, cuc, g, dkv, dsc, dape, ratio=ratio, coff=coff)
-    torch.cuda.synchronize()
-    return out, dkv, dsc, dape
 
 
 def _many_segments(seed, n=400, longest=60):
@@ -51,14 +40,6 @@ CASES = [  # (lens, head_dim, ratio, coff, dtype, extra rows: capacity padding o
 ]
 
 
-def _reference(kv, score, ape, cu, cuc, N, ratio, coff, g):
-    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
-    out = reference.compress_thd(*leaves, cu, cuc, N, ratio=ratio, coff=coff, mode="fp32")
-    out.backward(g)
-    return (out.detach(),) + tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                   for t in leaves)
-
-
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_many_segment_packs_match_the_reference(case):
     lens, d, ratio, coff, dtype, extra = CASES[case]
@@ -70,8 +51,8 @@ def test_many_segment_packs_match_the_reference(case):
                                            pad_tokens=5, extra_rows=max(extra, 0), seed=case)
     N = max(0, N + min(extra, 0))
     g = torch.randn(N, d, device="cuda").to(dtype)
-    fused = _run(kv, score, ape, cu, cuc, N, ratio, coff, g)
-    ref = _reference(kv, score, ape, cu, cuc, N, ratio, coff, g)
+    fused = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, float("nan"))
+    ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
     for name, f in zip(("out", "dkv", "dscore", "dape"), fused):
         assert not torch.isnan(f).any(), f"{name}: elements left unwritten"
     assert_forward_contract(fused[0], ref[0])

@@ -16,42 +16,17 @@ from csa_compressor.kernels import config
 from csa_compressor.validation import validate
 
 
-def host():
-    shape = bench.parse_shape("1x8192:128:4:2")
-    kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
-    out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
-    pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)
-    _, fn = cc.get_kernel("fwd", kv.device, torch.bfloat16, 4, 2, 128)
-    raw = fn.__tvm_ffi_object__()
-    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
-    cases = {
-        "validate(for_kernel)": lambda: validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2, for_kernel=True),
-        "compiled fn (kwargs wrapper)": lambda: fn(kv, score, ape, cu, cuc, out, 1),
-        "raw tvm_ffi.Function": lambda: raw(kv, score, ape, cu, cuc, out, 1),
-        "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
-        "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
-        "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
-        "empty kernel-free: torch.empty": lambda: torch.empty(N, 128, dtype=torch.bfloat16, device="cuda"),
-    }
-    print("CUDA events around each call (the issue's wall-clock method), 1x8192:128:4:2:")
-    for name, f in cases.items():
-        print(f"{name:40s} {bench.wall_clock(f, reps=200):8.1f} µs")
-    host_loop()
-
-
-def host_loop():
-    """Host time per call of each layer: perf_counter over back-to-back calls, one sync at
-    the end. A 64-row pack keeps each kernel (~2-3 µs) shorter than the host path, so the
-    GPU does not pace the loop; an event pair costs nothing here."""
-    import time
-
+def _host_cases(spec):
+    """Each layer of a forward call on pack ``spec`` (bf16, d=128, ratio 4, coff 2), from a
+    bare allocation up to compress_thd_fused with grad, as zero-argument calls."""
     from csa_compressor.kernels.launch import _on_device
     from csa_compressor.validation import check_out
 
-    shape = bench.parse_shape("1x256:128:4:2")
-    kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
+    shape = bench.parse_shape(spec)
+    kv, score, ape, cu, cuc, N, _ = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
     out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
     dev = kv.device
+    pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)  # compiles
     _, fn = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
     raw = fn.__tvm_ffi_object__()
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
@@ -60,8 +35,8 @@ def host_loop():
         with _on_device(dev):
             pass
 
-    cases = {
-        "torch.empty": lambda: torch.empty(N, 128, dtype=torch.bfloat16, device="cuda"),
+    return {
+        "torch.empty (no kernel)": lambda: torch.empty(N, 128, dtype=torch.bfloat16, device="cuda"),
         "validate(for_kernel)": lambda: validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2, for_kernel=True),
         "check_out": lambda: check_out("out", out, (N, 128), torch.bfloat16, dev),
         "get_kernel (cache hit)": lambda: cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128),
@@ -72,8 +47,23 @@ def host_loop():
         "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
         "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
     }
+
+
+def host():
+    print("CUDA events around each call (the issue's wall-clock method), 1x8192:128:4:2:")
+    for name, f in _host_cases("1x8192:128:4:2").items():
+        print(f"{name:40s} {bench.wall_clock(f, reps=200):8.1f} µs")
+    host_loop()
+
+
+def host_loop():
+    """Host time per call of each layer: perf_counter over back-to-back calls, one sync at
+    the end. A 64-row pack keeps each kernel (~2-3 µs) shorter than the host path, so the
+    GPU does not pace the loop; an event pair costs nothing here."""
+    import time
+
     print("host µs per call, perf_counter over 2000 back-to-back calls, 1x256:128:4:2:")
-    for name, f in cases.items():
+    for name, f in _host_cases("1x256:128:4:2").items():
         for _ in range(50):
             f()
         torch.cuda.synchronize()
