@@ -52,6 +52,9 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     from csa_compressor.kernels import config
 
     designed = config.VEC_BYTES if direction == "fwd" else config.BWD_VEC_BYTES
+    if direction == "fwd" and d == 128:
+        # 32 chunks of 8 B a row: halved to 64 chunks (config.FWD_MIN_CHUNKS_PER_ROW).
+        designed = config.FWD_MIN_VEC_BYTES
     if ratio > 8:
         designed = config.LONG_VEC_BYTES
     assert width == designed, info  # head_dim 512/128 bf16 allow the designed width
@@ -81,6 +84,8 @@ def test_candidates_compile_without_spills(arch, cfg):
     with the copies as designed; a GPU session measures them."""
     from csa_compressor.kernels import config
 
+    if not config.CANDIDATES:
+        pytest.skip("no candidate behind a flag in config.CANDIDATES")
     base = probe(arch, cfg)
     info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info

@@ -95,3 +95,16 @@ def test_backward_row_ctas_fit_one_wave_at_d512(monkeypatch):
     assert k.target_ctas_per_sm == 6
     _, row_ctas, _ = launch.backward_schedule(6144, 24576, k, torch.device("cuda", 0))
     assert row_ctas * k.col_groups <= SMS * 6
+
+
+@pytest.mark.parametrize("dtype,d,want_bytes", [
+    (cutlass.BFloat16, 512, 8), (cutlass.BFloat16, 256, 8), (cutlass.BFloat16, 128, 4),
+    (cutlass.BFloat16, 64, 4), (cutlass.BFloat16, 32, 2), (cutlass.BFloat16, 65, 2),
+    (cutlass.Float32, 128, 8), (cutlass.Float32, 64, 4), (cutlass.Float16, 128, 4)])
+def test_forward_vector_width_follows_chunks_per_row(dtype, d, want_bytes):
+    """The forward's vector: 8 B where a row still has 64 chunks, halved towards 64 chunks
+    but not below 4 B (cp.async), and below that only where head_dim forces it (d=65) or a
+    warp would not be filled by one row (d=32: MIN_CHUNKS_PER_ROW)."""
+    k = PoolForward(dtype, 4, 2, d)
+    assert k.vec * dtype.width // 8 == want_bytes
+    assert d % k.vec == 0

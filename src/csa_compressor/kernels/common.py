@@ -241,59 +241,16 @@ def walk_rows(cu: cute.Tensor, cuc: cute.Tensor, walk, row: Int32, num_seqs: Int
 
 
 @cute.jit
-def start_walk_warp(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32):
-    """find_segment_warp on ``cuc`` and segment_rows in one pass, for the whole warp: each
-    round's lanes also load ``cu`` at their probe, and the lanes that bracket the answer
-    hand over cuc[s], cu[s] and cuc[s+1] by shuffle, so no dependent round of loads
-    follows the search (segment_rows after the search was one). cuc[0] and cu[0] load up
-    front, beside the first round. Returns exactly what find_segment_warp + segment_rows
-    return, for any offsets (tests/test_segment_search_cpu.py replays it). Candidate:
-    config.WARP_WALK_SHUFFLE."""
-    lo = Int32(0)
-    hi = num_seqs
-    lane = cute.arch.lane_idx()
-    r0 = cuc[0]  # cuc[lo]
-    tok = cu[0]  # cu[lo]
-    r1 = Int32(2**31 - 1)  # cuc[hi + 1] once hi < num_seqs
-    while hi > lo:
-        step = (hi - lo + 31) // 32
-        p = lo + 1 + lane * step
-        q = cutlass.min(p, hi)  # in [1, B]
-        v = cuc[q]
-        u = cu[q]
-        k = cute.arch.popc(cute.arch.vote_ballot_sync((p <= hi) & (v <= row)))
-        v_miss = cute.arch.shuffle_sync(v, cutlass.min(k, 31))  # probe k: cuc[new hi + 1]
-        v_hit = cute.arch.shuffle_sync(v, cutlass.max(k - 1, 0))  # probe k-1: cuc[new lo]
-        u_hit = cute.arch.shuffle_sync(u, cutlass.max(k - 1, 0))
-        new_hi = lo + k * step
-        if new_hi < hi:  # k < 32, and probe k = new_hi + 1 <= hi was loaded as such
-            hi = new_hi
-            r1 = v_miss
-        if k > 0:
-            lo = lo + 1 + (k - 1) * step
-            r0 = v_hit
-            tok = u_hit
-    if lo >= num_seqs:  # past the last segment: an endless span (segment_rows)
-        r0 = Int32(0)
-        r1 = Int32(2**31 - 1)
-        tok = Int32(0)
-    return lo, r0, r1, tok
-
-
-@cute.jit
 def start_walk(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32,
                warp: cutlass.Constexpr[bool] = False):
     """A cached row walk at ``row``; ``warp``: the whole warp starts at the same row (see
     find_segment_warp)."""
-    if cutlass.const_expr(warp and config.WARP_WALK_SHUFFLE):
-        return start_walk_warp(cu, cuc, row, num_seqs)
+    if cutlass.const_expr(warp):
+        s = find_segment_warp(cuc, row, num_seqs)
     else:
-        if cutlass.const_expr(warp):
-            s = find_segment_warp(cuc, row, num_seqs)
-        else:
-            s = find_segment(cuc, row, num_seqs)
-        r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
-        return s, r0, r1, tok
+        s = find_segment(cuc, row, num_seqs)
+    r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
+    return s, r0, r1, tok
 
 
 @cute.jit

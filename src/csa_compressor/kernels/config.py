@@ -3,11 +3,18 @@
 VEC_BYTES / BWD_VEC_BYTES: bytes one thread moves per tensor row and slot in the forward
   and backward. The vector shrinks (never below one element) until it divides head_dim.
   Forward at 3x8192/512 (H200, tools/perf_probe.py sweep at 8e6a9c5): 8 B 43.1 us, 16 B
-  55.0, 4 B 53.2; at 1x8192/128 4 B was faster (7.1 vs 8.5 us), not yet used. The
+  55.0, 4 B 53.2; at d=128 4 B is faster (FWD_MIN_CHUNKS_PER_ROW below). The
   backward holds three window-sized register arrays (scores, values, dape partials), so it
   uses narrower vectors and more threads.
 MIN_CHUNKS_PER_ROW: shrink the vector further while a row would have fewer chunks than
-  this, so that one row still fills a warp (d=128 bf16 -> 4-element vectors, 32 lanes).
+  this, so that one row still fills a warp (d=64 bf16 -> 2-element vectors, 32 lanes).
+FWD_MIN_CHUNKS_PER_ROW / FWD_MIN_VEC_BYTES: the forward shrinks its vector further while a
+  row has fewer chunks than this, but not below 4 bytes (cp.async's smallest copy). Twice
+  the threads for the same bytes paid at d=128 and not at d=512 (H200 sweep at 0fe2952,
+  forward us, 8 B vs 4 B vectors: 1x8192/128 7.7 vs 6.7, 3x8192/128 15.0 vs 13.2, ragged
+  7.2 vs 5.8, 2048x64 56.0 vs 52.3; 3x8192/512 36.3 vs 39.5): d=128 bf16 has 32 chunks of
+  8 B and takes 4 B, d=512 has 128 and keeps 8 B. 2 B (not staged, 8 CTAs an SM) was
+  slower everywhere but the ragged pack (3x8192/128 16.4, 3x8192/512 57.5).
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split into column groups (grid.y,
   or interleaved in a 1-D grid in the backward).
 MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once
@@ -65,15 +72,10 @@ REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
   (3x8192/512) over 128, each thread summing P / 64 rows with 4 loads in flight. Chosen
   by that arithmetic; a sweep at 47849f5 (64 x 8, 32 x 16, 128 x 4, unroll 8) found no
   difference beyond noise (fwd+bwd 20.0-20.9 µs at 1x8192/128, 122.2-123.2 at 3x8192/512).
-DAPE_PDL: candidate, off until measured: the dape reduction launched as a programmatic
-  dependent of the backward (dape_reduce.py). Prediction: -0.5 to -1.5 µs a backward,
-  the launch latency between the two kernels; most visible at 1x8192/128 (fwd+bwd 20 µs).
-  Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
-WARP_WALK_SHUFFLE: candidate, off until measured: a warp's row walk starts with the
-  segment search and the segment's rows and first token in one pass of loads
-  (common.start_walk_warp), one dependent round of loads fewer than the search followed by
-  segment_rows. Prediction: -0.3 to -0.8 µs on each kernel where a thread walks few rows
-  (1x8192/128, the ragged pack), nothing at 3x8192/512.
+Measured and dropped at 0fe2952 (H200 sweep, fwd+bwd us at 1x8192/128 / ragged / 3x8192/512):
+  WARP_WALK_SHUFFLE, the segment search and the segment's bounds in one pass of loads
+  (20.5 / 15.8 / 108.6 against 20.3 / 15.8 / 109.0 without; predicted -0.3 to -0.8). The
+  dape sum's programmatic dependent launch (then DAPE_PDL) was adopted: dape_reduce.py.
 ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill CTA walks
   (one segment search, then registers). 2 tokens a thread with a search each made 25k
   zero CTAs at 3x8192/512 (ncu: backward 104.5 us, DRAM 38%); 32 brought it to 88.7 us.
@@ -82,6 +84,8 @@ ZERO_TOKENS_PER_THREAD: consecutive tokens each thread of a gradient zero-fill C
 VEC_BYTES = 8
 BWD_VEC_BYTES = 4
 MIN_CHUNKS_PER_ROW = 32
+FWD_MIN_CHUNKS_PER_ROW = 64
+FWD_MIN_VEC_BYTES = 4
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 FWD_CTA_THREADS = 128
@@ -98,11 +102,9 @@ ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
-DAPE_PDL = 0
-WARP_WALK_SHUFFLE = 0
-# The flags above that switch an unmeasured candidate on. The next GPU session runs the
+# The flags above that switch an unmeasured candidate on (none now). A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ("DAPE_PDL", "WARP_WALK_SHUFFLE")
+CANDIDATES = ()
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
@@ -131,6 +133,16 @@ def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int | None = None) -
     # Read at call time (not as a default argument) so a probe can override VEC_BYTES.
     vec = max(1, (VEC_BYTES if vec_bytes is None else vec_bytes) // elem_bytes)
     while vec > 1 and (head_dim % vec or head_dim // vec < MIN_CHUNKS_PER_ROW):
+        vec //= 2
+    return vec
+
+
+def forward_vector_elems(head_dim: int, elem_bytes: int) -> int:
+    """vector_elems, then halved while a row has fewer than FWD_MIN_CHUNKS_PER_ROW chunks
+    and the half is still FWD_MIN_VEC_BYTES or more."""
+    vec = vector_elems(head_dim, elem_bytes)
+    while (head_dim // vec < FWD_MIN_CHUNKS_PER_ROW and vec % 2 == 0
+           and (vec // 2) * elem_bytes >= FWD_MIN_VEC_BYTES):
         vec //= 2
     return vec
 

@@ -138,8 +138,9 @@ class PoolBackward(WindowSlots):
                num_row_ctas: Int32):
         tid, ty, _ = cute.arch.thread_idx()
         bx, by = self.cta_coords()
-        if cutlass.const_expr(config.DAPE_PDL):
-            cute.arch.griddepcontrol_launch_dependents()  # see dape_reduce.DapeReduce
+        # Lets the dape sum (dape_reduce.DapeReduce) be scheduled before this grid ends;
+        # it waits for this grid's completion and memory flush before reading.
+        cute.arch.griddepcontrol_launch_dependents()
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
