@@ -28,7 +28,6 @@ def _host_cases(spec):
     dev = kv.device
     pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)  # compiles
     _, fn = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
-    raw = fn.__tvm_ffi_object__()
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
 
     def guard():
@@ -41,8 +40,7 @@ def _host_cases(spec):
         "check_out": lambda: check_out("out", out, (N, 128), torch.bfloat16, dev),
         "get_kernel (cache hit)": lambda: cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128),
         "device guard (current device)": guard,
-        "raw tvm_ffi.Function": lambda: raw(kv, score, ape, cu, cuc, out, 1),
-        "compiled fn (kwargs wrapper)": lambda: fn(kv, score, ape, cu, cuc, out, 1),
+        "launch (get_kernel's tvm_ffi.Function)": lambda: fn(kv, score, ape, cu, cuc, out, 1),
         "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
         "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
         "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),

@@ -25,7 +25,11 @@ FWD_CTA_THREADS: forward CTAs stack row lanes on top of the column lanes up to t
 FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.async
   (pool_fwd.py), fewer when a stage would push the CTA's shared memory past the budget
   (never fewer than 2, or nothing overlaps). 2 and 3 stages measured equal (43.0-43.4 us
-  at 3x8192/512, also with 5 CTAs per SM; sweep at 8e6a9c5).
+  at 3x8192/512, also with 5 CTAs per SM; sweep at 8e6a9c5). Since then 2 is faster
+  (H200 sweep at 5d264c3, forward us, 2 vs 3 stages: 3x8192/512 34.3 vs 36.4-37.0 over
+  the sweep's other variants, 3x8192/128 12.3 vs 13.1-13.7, 2048x64 51.8 vs 52.3-52.8,
+  1x8192/128 and the ragged pack equal). Why is not measured; one stage less is 16 KB
+  less shared memory a CTA at d=512.
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
@@ -89,7 +93,7 @@ FWD_MIN_VEC_BYTES = 4
 MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 FWD_CTA_THREADS = 128
-FWD_STAGES = 3
+FWD_STAGES = 2
 FWD_SMEM_PER_CTA = 48 * 1024
 FWD_TARGET_CTAS_PER_SM = 4
 FWD_MAX_ROWS_PER_THREAD = 64
