@@ -4,6 +4,7 @@ kernel-shaping constants. Not part of the package; results go to docs/perf-notes
     python tools/perf_probe.py host
     python tools/perf_probe.py validate
     python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
+    python tools/perf_probe.py floor
 """
 
 import sys
@@ -87,6 +88,22 @@ def validate_cost():
     print(f"validate (CPU tensors) {min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6:.1f} µs")
 
 
+def floor():
+    """The fixed cost under the bench's method: graphs of 20 calls of 1-3 one-element
+    kernels (what any launch costs there), then the fused op on packs with almost no work
+    (what our kernels cost before bytes matter)."""
+    x = torch.zeros(1, device="cuda")
+    for k in (1, 2, 3):
+        def step(_, k=k):
+            for _ in range(k):
+                x.add_(1.0)
+        print(f"{k} one-element kernel(s) a call: {bench.time_graph(step, 1):6.2f} µs")
+    shapes = [bench.parse_shape(s) for s in ("1x4:128:4:2", "1x64:128:4:2", "1x1024:128:4:2")]
+    for row in bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)["rows"]:
+        print(row["shape"], f"fwd {row.get('fwd_us', float('nan')):.2f} µs "
+              f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.2f} µs", row.get("error", ""))
+
+
 def sweep():
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
         "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
@@ -112,4 +129,4 @@ def sweep():
 
 
 if __name__ == "__main__":
-    {"host": host, "sweep": sweep, "validate": validate_cost}[sys.argv[1]]()
+    {"host": host, "sweep": sweep, "validate": validate_cost, "floor": floor}[sys.argv[1]]()
