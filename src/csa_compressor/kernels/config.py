@@ -76,6 +76,16 @@ REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
   (3x8192/512) over 128, each thread summing P / 64 rows with 4 loads in flight. Chosen
   by that arithmetic; a sweep at 47849f5 (64 x 8, 32 x 16, 128 x 4, unroll 8) found no
   difference beyond noise (fwd+bwd 20.0-20.9 µs at 1x8192/128, 122.2-123.2 at 3x8192/512).
+PDL_WAIT_FIRST: candidate, off until measured: the short-window forward and backward
+  launched as programmatic dependents (use_pdl), with griddepcontrol.wait as their first
+  statement, so nothing is read or written before the previous kernel in the stream has
+  completed and flushed (any predecessor may produce our inputs or still read our
+  outputs' memory). What overlaps is the launch and CTA start-up with the predecessor's
+  tail. tools/perf_probe.py floor at 99250bb: a one-element kernel costs 1.04 us a call in
+  the bench's graphs, 2 kernels 1.90, 3 kernels 2.74; our forward with one row 3.54 and
+  forward + backward 8.64. Prediction: -0.3 to -0.8 us a kernel boundary at the small
+  shapes (1x8192/128 fwd 6.5 -> ~6.0, fwd+bwd 18.1 -> ~17), nothing measurable at
+  3x8192/512. Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
 Measured and dropped at 0fe2952 (H200 sweep, fwd+bwd us at 1x8192/128 / ragged / 3x8192/512):
   WARP_WALK_SHUFFLE, the segment search and the segment's bounds in one pass of loads
   (20.5 / 15.8 / 108.6 against 20.3 / 15.8 / 109.0 without; predicted -0.3 to -0.8). The
@@ -106,9 +116,10 @@ ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
-# The flags above that switch an unmeasured candidate on (none now). A GPU session runs the
-# suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ()
+PDL_WAIT_FIRST = 0
+# The flags above that switch an unmeasured candidate on. A GPU session runs the suite
+# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
+CANDIDATES = ("PDL_WAIT_FIRST",)
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

@@ -29,6 +29,9 @@ from .common import (WindowSlots, advance_segment, mul_rn, softmax_probs, start_
 
 class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
+    # Candidate (config.PDL_WAIT_FIRST): launched as a programmatic dependent, waiting first.
+    # Off for pool_long.LongPoolBackward, which shares __call__ but not kernel().
+    pdl = False
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
@@ -53,6 +56,7 @@ class PoolBackward(WindowSlots):
         self.staged = self.stageable()
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
+        self.pdl = bool(config.PDL_WAIT_FIRST)
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -74,7 +78,8 @@ class PoolBackward(WindowSlots):
             cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
             num_row_ctas,
         ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
-                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream)
+                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
+                 use_pdl=self.pdl)
 
     def grid(self, ctas):
         """``ctas`` row and zero CTAs for each column group. Where there are several groups
@@ -141,6 +146,8 @@ class PoolBackward(WindowSlots):
         # Lets the dape sum (dape_reduce.DapeReduce) be scheduled before this grid ends;
         # it waits for this grid's completion and memory flush before reading.
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # before any read or write, as in the forward
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid

@@ -52,6 +52,7 @@ class PoolForward(WindowSlots):
         fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
         self.specialise()
+        self.pdl = bool(config.PDL_WAIT_FIRST)  # candidate, see config.PDL_WAIT_FIRST
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -74,7 +75,7 @@ class PoolForward(WindowSlots):
         grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
             grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
-            smem=self.smem_bytes, stream=stream)
+            smem=self.smem_bytes, stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, walk, row, stage, thr, chunk, num_rows,
@@ -101,6 +102,10 @@ class PoolForward(WindowSlots):
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
                rows_per_thread: Int32):
+        if cutlass.const_expr(self.pdl):
+            # Launched as a programmatic dependent: nothing is read or written before the
+            # previous kernel in the stream has completed and flushed.
+            cute.arch.griddepcontrol_wait()
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, P = self.vec, self.slots, self.stages

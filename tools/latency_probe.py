@@ -1,0 +1,72 @@
+"""Developer probe (H200): what a launch costs under the bench's method before any bytes
+matter, to split our kernels' fixed cost into launch, dependent memory rounds and the rest.
+
+    python tools/latency_probe.py
+
+Each row is µs per call of a CUDA graph of 20 calls (bench.time_graph), data L2-resident:
+- chain<k>: a CuTe kernel of one 128-thread CTA whose threads make k dependent loads
+  (i = a[i], a[i] = i) and store the result: launch + k L2 round trips;
+- ours fwd / fwd+bwd at 1x4:128:4:2 (one row, the kernel-level API, preallocated
+  buffers): our kernels with nothing to do.
+The difference between ours and chain<3> (our forward's dependent rounds: segment search,
+segment bounds, window) is what is neither launch nor memory latency.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+from csa_compressor import bench, pool_backward, pool_forward
+from csa_compressor.kernels import compile as cc
+
+
+class Chain:
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mOut: cute.Tensor, stream):
+        self.kernel(mA, mOut).launch(grid=[1, 1, 1], block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mOut: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        i = Int32(tid)
+        for _ in cutlass.range_constexpr(self.rounds):
+            i = mA[i]
+        mOut[tid] = i
+
+
+def compile_chain(rounds: int):
+    n = cute.sym_int32()
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fn = cute.compile(Chain(rounds), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
+                      stream, options="--enable-tvm-ffi")
+    return cc._direct(fn), fn
+
+
+def main():
+    dev = torch.device("cuda")
+    a = torch.arange(128, dtype=torch.int32, device=dev)
+    out = torch.empty_like(a)
+    for k in range(4):
+        run, keep = compile_chain(k)
+        print(f"chain{k} (launch + {k} dependent L2 loads) {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
+    kv, score, ape, cu, cuc, N, g = bench.make_inputs(bench.parse_shape("1x4:128:4:2"), torch.bfloat16, dev)
+    o = torch.empty(N, 128, dtype=torch.bfloat16, device=dev)
+    dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+
+    def fwd(_):
+        pool_forward(kv, score, ape, cu, cuc, o, ratio=4, coff=2)
+
+    def fwdbwd(_):
+        fwd(_)
+        pool_backward(kv, score, ape, cu, cuc, g, dkv, dsc, dape, ratio=4, coff=2)
+
+    print(f"ours fwd, 1x4:128:4:2, kernel-level     {bench.time_graph(fwd, 1):7.2f} µs")
+    print(f"ours fwd+bwd, 1x4:128:4:2, kernel-level {bench.time_graph(fwdbwd, 1):7.2f} µs")
+
+
+if __name__ == "__main__":
+    main()
