@@ -86,6 +86,12 @@ PDL_WAIT_FIRST: candidate, off until measured: the short-window forward and back
   forward + backward 8.64. Prediction: -0.3 to -0.8 us a kernel boundary at the small
   shapes (1x8192/128 fwd 6.5 -> ~6.0, fwd+bwd 18.1 -> ~17), nothing measurable at
   3x8192/512. Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
+SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
+  array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
+  sizes it per kernel (so consecutive kernels of one step can ask for different splits).
+  A sweep knob for the fixed-cost work (docs/perf-notes.md), not yet measured: 100 makes
+  the three kernels' splits equal at the cost of L1 (two forward stages, i.e. less shared
+  memory, measured faster at 3x8192/512, v14).
 Measured and dropped at 0fe2952 (H200 sweep, fwd+bwd us at 1x8192/128 / ragged / 3x8192/512):
   WARP_WALK_SHUFFLE, the segment search and the segment's bounds in one pass of loads
   (20.5 / 15.8 / 108.6 against 20.3 / 15.8 / 109.0 without; predicted -0.3 to -0.8). The
@@ -117,6 +123,7 @@ REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
 PDL_WAIT_FIRST = 0
+SMEM_CARVEOUT = -1
 # The flags above that switch an unmeasured candidate on. A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
 CANDIDATES = ("PDL_WAIT_FIRST",)
@@ -160,6 +167,10 @@ def forward_vector_elems(head_dim: int, elem_bytes: int) -> int:
            and (vec // 2) * elem_bytes >= FWD_MIN_VEC_BYTES):
         vec //= 2
     return vec
+
+
+def smem_carveout() -> int | None:
+    return None if SMEM_CARVEOUT < 0 else SMEM_CARVEOUT
 
 
 def long_window(num_slots: int) -> bool:

@@ -40,7 +40,8 @@ class DapeReduce:
                     mWork.shape[0]).launch(grid=[grid_x, 1, 1],
                                            block=[self.col_lanes, self.row_lanes, 1],
                                            smem=self.smem_bytes, stream=stream,
-                                           use_pdl=True)
+                                           use_pdl=True,
+                                           preferred_smem_carveout=config.smem_carveout())
 
     @cute.kernel
     def kernel(self, gW: cute.Tensor, gO: cute.Tensor, rows: Int32):

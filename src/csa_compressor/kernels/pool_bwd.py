@@ -79,7 +79,7 @@ class PoolBackward(WindowSlots):
             num_row_ctas,
         ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=self.pdl)
+                 use_pdl=self.pdl, preferred_smem_carveout=config.smem_carveout())
 
     def grid(self, ctas):
         """``ctas`` row and zero CTAs for each column group. Where there are several groups

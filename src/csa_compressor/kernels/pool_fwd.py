@@ -75,7 +75,8 @@ class PoolForward(WindowSlots):
         grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
             grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
-            smem=self.smem_bytes, stream=stream, use_pdl=self.pdl)
+            smem=self.smem_bytes, stream=stream, use_pdl=self.pdl,
+            preferred_smem_carveout=config.smem_carveout())
 
     @cute.jit
     def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, walk, row, stage, thr, chunk, num_rows,
