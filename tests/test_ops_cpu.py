@@ -39,3 +39,37 @@ def test_grad_inputs_go_through_autograd(monkeypatch):
     with torch.no_grad():
         out = ops.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
     assert len(calls) == 2 and out.grad_fn is None
+
+
+def test_direct_launch_unwraps_only_what_converts():
+    """compile._direct calls the compiled function's tvm_ffi.Function where the TVM-FFI
+    protocol gives one, and the DSL object itself otherwise (never None)."""
+    from csa_compressor.kernels.compile import _direct
+
+    class Converts:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __tvm_ffi_object__(self):
+            return self.inner
+
+    raw, plain = object(), object()
+    assert _direct(Converts(raw)) is raw
+    wrapped_none = Converts(None)
+    assert _direct(wrapped_none) is wrapped_none
+    assert _direct(plain) is plain
+
+
+def test_device_guard_is_skipped_with_one_gpu(monkeypatch):
+    """With one visible GPU the launch takes no device guard and does not even ask for the
+    current device; with several it guards only a non-current device."""
+    from csa_compressor.kernels import launch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: ("guard", dev))
+    monkeypatch.setattr(launch, "_ONE_GPU", [True])
+    assert launch._on_device(torch.device("cuda", 0)).guard is None and not asked
+    monkeypatch.setattr(launch, "_ONE_GPU", [False])
+    assert launch._on_device(torch.device("cuda", 0)).guard is None and asked
+    assert launch._on_device(torch.device("cuda", 1)).guard == ("guard", torch.device("cuda", 1))
