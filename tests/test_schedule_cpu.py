@@ -108,3 +108,20 @@ def test_forward_vector_width_follows_chunks_per_row(dtype, d, want_bytes):
     k = PoolForward(dtype, 4, 2, d)
     assert k.vec * dtype.width // 8 == want_bytes
     assert d % k.vec == 0
+
+
+@pytest.mark.parametrize("arch_major,sms", [(9, 132), (10, 148)])
+def test_register_bound_candidate_gives_one_row_a_thread_at_1x8192_d128(monkeypatch, arch_major, sms):
+    """config.FWD_REG_BOUND: the 4-byte forward at d=128 is bounded to the arch's CTAs an SM,
+    sized for them (one row a thread for 2,048 rows in one wave), and holds its staging in
+    the carveout; 8-byte forwards (d=512) are left alone."""
+    monkeypatch.setattr(config, "FWD_REG_BOUND", 1)
+    k = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
+    assert k.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major] == k.target_ctas_per_sm
+    assert k.rows_per_thread(2048, sms) == 1
+    assert math.ceil(2048 / k.row_lanes) <= sms * k.min_ctas  # one wave
+    assert k.carveout * config.SMEM_PER_SM / 100 >= k.min_ctas * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+    wide = PoolForward(cutlass.BFloat16, 4, 2, 512, arch_major)
+    assert wide.min_ctas == 0 and wide.carveout is None
+    monkeypatch.setattr(config, "FWD_REG_BOUND", 0)
+    assert PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major).min_ctas == 0

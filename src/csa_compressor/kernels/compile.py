@@ -10,6 +10,8 @@ Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
 
 import torch
@@ -48,6 +50,16 @@ def _fake(dtype, shape, align):
     return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
 
+def _target_major() -> int:
+    """Compute-capability major the DSL compiles for: its CUTE_DSL_ARCH override (sm_90a,
+    sm_100a: the compile-only checks), else the current device's."""
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    digits = re.search(r"sm_(\d+)", arch)
+    if digits:
+        return int(digits.group(1)) // 10
+    return torch.cuda.get_device_capability()[0]
+
+
 def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int):
     import cutlass
     import cutlass.cute as cute
@@ -73,7 +85,8 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
                           _fake(cutlass.Float32, (1, ratio * W), 16), stream,
                           options="--enable-tvm-ffi")
     elif direction == "fwd":
-        kernel = (LongPoolForward if long else PoolForward)(cdt, ratio, coff, head_dim)
+        kernel = (LongPoolForward(cdt, ratio, coff, head_dim) if long
+                  else PoolForward(cdt, ratio, coff, head_dim, _target_major()))
         out = _fake(cdt, (N, head_dim), 16)
         fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
                           options="--enable-tvm-ffi")

@@ -86,6 +86,16 @@ PDL_WAIT_FIRST: candidate, off until measured: the short-window forward and back
   forward + backward 8.64. Prediction: -0.3 to -0.8 us a kernel boundary at the small
   shapes (1x8192/128 fwd 6.5 -> ~6.0, fwd+bwd 18.1 -> ~17), nothing measurable at
   3x8192/512. Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
+FWD_REG_BOUND / FWD_BOUND_CTAS_PER_SM: candidate, off until measured: forwards with vectors
+  of 4 bytes or less (d=128 bf16 since 5d264c3) compiled with a launch bound of 8 CTAs an
+  SM on sm_90 (64 registers instead of 79, no spills; 7 on sm_100, see the constant) and
+  sized for it, so 1x8192/128 runs one row a
+  thread in one wave (4 CTAs and 2 rows a thread now; FWD_TARGET_CTAS_PER_SM=8 without
+  the bound ran 1.3 waves and was slower, 6.9 vs 6.6 us, v14). At eada763 one row a
+  thread beat two by 0.8 us there (FWD_TARGET 4 vs 2 at 8 B). Prediction: 1x8192/128
+  forward -0.5 to -1.0 us, the ragged pack unchanged (one row a thread already), 2048x64
+  and 3x8192/128 within +-1 us, d=512 untouched (8-byte vectors). Compiles spill-free for
+  sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -123,10 +133,16 @@ REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
 PDL_WAIT_FIRST = 0
+FWD_REG_BOUND = 0
+# By compute capability major: what one wave of one row a thread needs at 1x8192/128
+# (1,024 CTAs: 132 SMs x 8 on the H200, 148 x 7 on a B200) and still compiles spill-free.
+# ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
+# unbounded, 72 at 7, 64 with 32 B of spills at 8.
+FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # The flags above that switch an unmeasured candidate on. A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ("PDL_WAIT_FIRST",)
+CANDIDATES = ("PDL_WAIT_FIRST", "FWD_REG_BOUND")
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
@@ -142,6 +158,8 @@ def parse_overrides(spec: str) -> dict:
         key, val = item.split("=")
         if key not in globals() or not key.isupper():
             raise KeyError(f"config has no constant {key!r}")
+        if isinstance(globals()[key], dict):
+            raise KeyError(f"config constant {key!r} is a table, not a sweep knob")
         out[key] = int(val)
     return out
 

@@ -29,7 +29,7 @@ from .common import (WindowSlots, softmax_probs, start_walk, walk_rows, walk_win
 
 
 class PoolForward(WindowSlots):
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9):
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
@@ -51,6 +51,18 @@ class PoolForward(WindowSlots):
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
+        # Candidate (config.FWD_REG_BOUND): narrow-vector forwards compiled for
+        # FWD_BOUND_CTAS_PER_SM[arch] resident CTAs and sized for that many, with a carveout
+        # that holds their staging (the DSL needs one set to compile the bound without a GPU).
+        self.min_ctas = 0
+        self.carveout = config.smem_carveout()
+        bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
+        if config.FWD_REG_BOUND and bound and self.vec * elem_bytes <= 4:
+            self.min_ctas = max(1, min(bound, fit))
+            self.target_ctas_per_sm = self.min_ctas
+            if self.carveout is None:
+                need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
         self.specialise()
         self.pdl = bool(config.PDL_WAIT_FIRST)  # candidate, see config.PDL_WAIT_FIRST
 
@@ -76,7 +88,7 @@ class PoolForward(WindowSlots):
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
             grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
             smem=self.smem_bytes, stream=stream, use_pdl=self.pdl,
-            preferred_smem_carveout=config.smem_carveout())
+            preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
     @cute.jit
     def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, walk, row, stage, thr, chunk, num_rows,
