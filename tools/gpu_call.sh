@@ -19,7 +19,8 @@
 #   host                 tools/perf_probe.py host (events, then perf_counter per layer)
 #   floor                tools/perf_probe.py floor (1-3 empty kernels a call; near-empty packs)
 #   latency              tools/latency_probe.py (launch + k dependent loads against our kernels at 1x4)
-#   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES
+#   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES_<N>, else
+#                        $SWEEP_SHAPES, else the 5 default shapes
 #   ncu_<shape>          ncu of the forward, backward and dape reduction of one bench shape
 #                        (the probe runs 4 steps, the first two are skipped)
 set -uo pipefail
@@ -48,7 +49,8 @@ cmd_of() {
         floor) echo "python3 tools/perf_probe.py floor" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
         ncu_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
-        sweep*) echo "python3 tools/perf_probe.py sweep \"\${SWEEP_${1#sweep}:?}\" \"${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}\"" ;;
+        sweep*) local n=${1#sweep} v="SWEEP_SHAPES_${1#sweep}"
+                echo "python3 tools/perf_probe.py sweep \"\${SWEEP_$n:?}\" \"${!v:-${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}}\"" ;;
         *) echo "echo unknown step $1; false" ;;
     esac
 }

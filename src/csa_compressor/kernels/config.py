@@ -30,6 +30,11 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   the sweep's other variants, 3x8192/128 12.3 vs 13.1-13.7, 2048x64 51.8 vs 52.3-52.8,
   1x8192/128 and the ragged pack equal). Why is not measured; one stage less is 16 KB
   less shared memory a CTA at d=512.
+FWD_STAGES_NARROW: the same for forwards of 4-byte vectors or narrower (d=128 bf16), a
+  sweep knob, equal to FWD_STAGES until measured. Why it may differ: at 4 B and 2 stages a
+  thread has 2 x 64 B of window in flight, a third of the 8 B / 3 stage design, ~64 KB an SM
+  at 4 CTAs; 1x131072/128 was the one shape slower at 435b5d0 (forward 46.1 -> 49.0 us,
+  BENCHMARKS.md) and has the most rows a thread (32).
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
@@ -120,6 +125,7 @@ MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 FWD_CTA_THREADS = 128
 FWD_STAGES = 2
+FWD_STAGES_NARROW = 2
 FWD_SMEM_PER_CTA = 48 * 1024
 FWD_TARGET_CTAS_PER_SM = 4
 FWD_MAX_ROWS_PER_THREAD = 64

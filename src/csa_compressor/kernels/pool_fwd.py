@@ -46,7 +46,8 @@ class PoolForward(WindowSlots):
         self.threads = self.lanes * self.row_lanes
         self.staged = self.stageable()
         stage_bytes = self.window_stage_bytes()
-        self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
+        stages = config.FWD_STAGES_NARROW if self.vec * elem_bytes <= 4 else config.FWD_STAGES
+        self.stages = max(2, min(stages, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
