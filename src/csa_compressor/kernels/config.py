@@ -101,6 +101,16 @@ FWD_REG_BOUND / FWD_BOUND_CTAS_PER_SM: candidate, off until measured: forwards w
   forward -0.5 to -1.0 us, the ragged pack unchanged (one row a thread already), 2048x64
   and 3x8192/128 within +-1 us, d=512 untouched (8-byte vectors). Compiles spill-free for
   sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
+ZERO_SKIP_READ: candidate, off until measured: a zero-fill thread whose
+  ZERO_TOKENS_PER_THREAD tokens all lie inside one segment's computed blocks (no element
+  to zero) skips its per-token walk after the one segment search (pool_bwd.all_read); in a
+  pack of full sequences that is almost every zero CTA. At 3x8192/512 the 1,536 zero CTAs
+  start when the row CTAs leave the first wave, about two waves of them at the end of the
+  backward, each thread walking 32 tokens of branches. ZERO_TOKENS_PER_THREAD=64 (half the
+  CTAs, twice the walk) was slower (v14), so the walk is on the critical path. Prediction:
+  backward -1 to -2 us at 3x8192/512 and 1x131072, nothing where segments are short
+  (2048x64, the ragged pack: their ranges cross segment ends and still walk). Compiles for
+  sm_90a and sm_100a; not yet run.
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -140,6 +150,7 @@ REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
 PDL_WAIT_FIRST = 0
 FWD_REG_BOUND = 0
+ZERO_SKIP_READ = 0
 # By compute capability major: what one wave of one row a thread needs at 1x8192/128
 # (1,024 CTAs: 132 SMs x 8 on the H200, 148 x 7 on a B200) and still compiles spill-free.
 # ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
@@ -148,7 +159,7 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # The flags above that switch an unmeasured candidate on. A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ("PDL_WAIT_FIRST", "FWD_REG_BOUND")
+CANDIDATES = ("PDL_WAIT_FIRST", "FWD_REG_BOUND", "ZERO_SKIP_READ")
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

@@ -253,6 +253,36 @@ class PoolBackward(WindowSlots):
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
+        Z = config.ZERO_TOKENS_PER_THREAD
+        scan = True
+        if cutlass.const_expr(config.ZERO_SKIP_READ):
+            scan = ~self.all_read(t0, Z, start, end, nb, rowb, num_rows, num_tokens)
+        if scan:
+            self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs,
+                             zero, own_col, s, start, end, nb, rowb)
+
+    @cute.jit
+    def all_read(self, t0, Z: int, start, end, nb, rowb, num_rows, num_tokens):
+        """Every element of tokens t0 .. t0 + Z - 1 is read by a computed row, so
+        zero_tokens would store nothing. Candidate (config.ZERO_SKIP_READ). The range lies
+        in one segment ([start, end), nb blocks from row rowb) and below num_tokens; a
+        token's block and row only grow with the token, so the last token decides: its
+        own block (columns d..2d with coff 2, all of them with coff 1) is a computed row's
+        current block, and (coff 2) the next block, whose row reads the first d columns as
+        its previous block, is one too. Corrupt offsets (end < start, nb < 0) fail it."""
+        t_last = t0 + (Z - 1)
+        blk = (t_last - start) // self.ratio
+        ok = (t0 >= start) & (t_last < end) & (t_last < num_tokens)
+        ok = ok & (blk < nb) & (rowb + blk < num_rows)
+        if cutlass.const_expr(self.coff == 2):
+            ok = ok & (blk + 1 < nb) & (rowb + blk + 1 < num_rows)
+        return ok
+
+    @cute.jit
+    def zero_tokens(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
+                    own_col, s, start, end, nb, rowb):
+        """zero_unread's walk over its tokens, from segment ``s``'s span."""
+        ratio = self.ratio
         for j in cutlass.range(config.ZERO_TOKENS_PER_THREAD):
             t = t0 + j
             if t < num_tokens:

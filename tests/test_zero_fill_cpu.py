@@ -1,0 +1,105 @@
+"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and its candidate
+shortcut (all_read, config.ZERO_SKIP_READ) replayed in Python: wherever the shortcut skips
+a thread's tokens, the walk would have stored nothing, for valid packs (short, empty and
+tail segments, tokens past cu_seqlens[B], rows cut off by total_comp) and corrupt offsets
+alike; and on a pack of full sequences it does skip almost every thread."""
+
+import random
+
+import pytest
+
+from test_segment_search_cpu import find_segment
+
+INT32_MAX = 2**31 - 1
+
+
+def span(cu, cuc, s, ratio):
+    """PoolBackward.segment_span."""
+    B = len(cu) - 1
+    if s < B:
+        return cu[s], cu[s + 1], (cu[s + 1] - cu[s]) // ratio, cuc[s]
+    return 0, INT32_MAX, 0, 0
+
+
+def advance(cu, s, x):
+    """common.advance_segment."""
+    B = len(cu) - 1
+    while s < B and cu[min(s + 1, B)] <= x:
+        s += 1
+    return s
+
+
+def walk_stores(cu, cuc, t0, Z, ratio, coff, num_rows, T):
+    """zero_tokens: the (token, half) pairs it zeroes ("own" columns, "prev" columns)."""
+    s = find_segment(cu, min(t0, T))
+    start, end, nb, rowb = span(cu, cuc, s, ratio)
+    stores = set()
+    for t in range(t0, t0 + Z):
+        if t < T:
+            if t >= end:
+                s = advance(cu, s, t)
+                start, end, nb, rowb = span(cu, cuc, s, ratio)
+            blk = (t - start) // ratio
+            row = rowb + blk
+            if not (blk < nb and row < num_rows):
+                stores.add((t, "own"))
+            if coff == 2 and not (blk + 1 < nb and row + 1 < num_rows):
+                stores.add((t, "prev"))
+    return stores
+
+
+def all_read(cu, cuc, t0, Z, ratio, coff, num_rows, T):
+    """PoolBackward.all_read after zero_unread's one search."""
+    s = find_segment(cu, min(t0, T))
+    start, end, nb, rowb = span(cu, cuc, s, ratio)
+    t_last = t0 + Z - 1
+    blk = (t_last - start) // ratio
+    ok = t0 >= start and t_last < end and t_last < T and blk < nb and rowb + blk < num_rows
+    if coff == 2:
+        ok = ok and blk + 1 < nb and rowb + blk + 1 < num_rows
+    return ok
+
+
+def _valid_pack(rng, ratio):
+    lens = [rng.choice([0, 1, ratio - 1, ratio, ratio + 1, 2 * ratio + 3, rng.randrange(200)])
+            for _ in range(rng.randrange(1, 8))]
+    cu, cuc = [0], [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+        cuc.append(cuc[-1] + n // ratio)
+    T = cu[-1] + rng.choice([0, 0, 3, 40])  # tokens past cu_seqlens[B]
+    N = max(0, cuc[-1] - rng.choice([0, 0, 1, 5]))  # rows cut off by total_comp
+    return cu, cuc, T, N
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 8, 128])
+def test_skipped_threads_would_store_nothing(ratio, coff):
+    rng = random.Random(1000 * ratio + coff)
+    for trial in range(150):
+        if trial % 5 == 4:  # corrupt offsets: anything at all
+            B = rng.randrange(1, 6)
+            cu = [rng.randrange(-20, 300) for _ in range(B + 1)]
+            cuc = [rng.randrange(-20, 80) for _ in range(B + 1)]
+            T, N = rng.randrange(0, 300), rng.randrange(0, 80)
+        else:
+            cu, cuc, T, N = _valid_pack(rng, ratio)
+        for Z in (1, 4, 7, 32):
+            for t0 in sorted({*range(0, T + Z, Z), *(rng.randrange(T + 5) for _ in range(5))}):
+                if all_read(cu, cuc, t0, Z, ratio, coff, N, T):
+                    assert not walk_stores(cu, cuc, t0, Z, ratio, coff, N, T), (cu, cuc, T, N, t0, Z)
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+def test_full_sequences_skip_almost_every_thread(coff):
+    """3x8192, ratio 4, 32 tokens a thread: only the threads at a segment's last block
+    (coff 2: its first d columns are nobody's previous block) still walk."""
+    ratio, Z = 4, 32
+    cu = [0, 8192, 16384, 24576]
+    cuc = [0, 2048, 4096, 6144]
+    T, N = 24576, 6144
+    starts = range(0, T, Z)
+    walked = [t0 for t0 in starts if not all_read(cu, cuc, t0, Z, ratio, coff, N, T)]
+    assert len(walked) == (3 if coff == 2 else 0), walked
+    for t0 in walked:
+        assert walk_stores(cu, cuc, t0, Z, ratio, coff, N, T)
