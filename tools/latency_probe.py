@@ -6,6 +6,8 @@ matter, to split our kernels' fixed cost into launch, dependent memory rounds an
 Each row is µs per call of a CUDA graph of 20 calls (bench.time_graph), data L2-resident:
 - chain<k>: a CuTe kernel of one 128-thread CTA whose threads make k dependent loads
   (i = a[i], a[i] = i) and store the result: launch + k L2 round trips;
+- chain0 + chain0 asking S KB: two launches a call, the second asking for S KB of shared
+  memory (a different L1/shared split from the first when S > 0);
 - ours fwd / fwd+bwd at 1x4:128:4:2 (one row, the kernel-level API, preallocated
   buffers): our kernels with nothing to do.
 The difference between ours and chain<3> (our forward's dependent rounds: segment search,
@@ -22,12 +24,14 @@ from csa_compressor.kernels import compile as cc
 
 
 class Chain:
-    def __init__(self, rounds: int):
+    def __init__(self, rounds: int, smem_bytes: int = 0):
         self.rounds = rounds
+        self.smem_bytes = smem_bytes  # dynamic shared memory asked for, never touched
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mOut: cute.Tensor, stream):
-        self.kernel(mA, mOut).launch(grid=[1, 1, 1], block=[128, 1, 1], stream=stream)
+        self.kernel(mA, mOut).launch(grid=[1, 1, 1], block=[128, 1, 1], smem=self.smem_bytes,
+                                     stream=stream)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mOut: cute.Tensor):
@@ -38,10 +42,10 @@ class Chain:
         mOut[tid] = i
 
 
-def compile_chain(rounds: int):
+def compile_chain(rounds: int, smem_bytes: int = 0):
     n = cute.sym_int32()
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = cute.compile(Chain(rounds), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
+    fn = cute.compile(Chain(rounds, smem_bytes), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
                       stream, options="--enable-tvm-ffi")
     return cc._direct(fn), fn
 
@@ -53,6 +57,17 @@ def main():
     for k in range(4):
         run, keep = compile_chain(k)
         print(f"chain{k} (launch + {k} dependent L2 loads) {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
+    # Two kernels a call, alike or asking for different shared memory (the forward stages
+    # 16 KB a CTA at d=128, the backward 68 KB): does an L1/shared split change between
+    # consecutive kernels cost time? (config.SMEM_CARVEOUT)
+    plain, keep0 = compile_chain(0)
+    for smem in (0, 16 * 1024, 68 * 1024):
+        big, keep1 = compile_chain(0, smem)
+
+        def pair(_):
+            plain(a, out)
+            big(a, out)
+        print(f"chain0 + chain0 asking {smem // 1024:3d} KB shared      {bench.time_graph(pair, 1):7.2f} µs")
     kv, score, ape, cu, cuc, N, g = bench.make_inputs(bench.parse_shape("1x4:128:4:2"), torch.bfloat16, dev)
     o = torch.empty(N, 128, dtype=torch.bfloat16, device=dev)
     dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
