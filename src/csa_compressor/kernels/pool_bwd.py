@@ -247,7 +247,7 @@ class PoolBackward(WindowSlots):
         computed row reads. One segment search, then the segment's span stays in registers
         until a token crosses its end (a search per token made this pass a chain of
         dependent loads and ~40% of the backward at 3x8192/512)."""
-        ratio, cpr = self.ratio, self.cpr
+        cpr = self.cpr
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
@@ -273,10 +273,17 @@ class PoolBackward(WindowSlots):
         t_last = t0 + (Z - 1)
         blk = (t_last - start) // self.ratio
         ok = (t0 >= start) & (t_last < end) & (t_last < num_tokens)
-        ok = ok & (blk < nb) & (rowb + blk < num_rows)
+        ok = ok & self.block_read(blk, rowb + blk, nb, num_rows)
         if cutlass.const_expr(self.coff == 2):
-            ok = ok & (blk + 1 < nb) & (rowb + blk + 1 < num_rows)
+            ok = ok & self.block_read(blk + 1, rowb + blk + 1, nb, num_rows)
         return ok
+
+    @cute.jit
+    def block_read(self, blk, row, nb, num_rows):
+        """Block ``blk`` of a segment of ``nb`` blocks is a computed row's (``row``) current
+        block. A token's own columns are read iff its block is; with coff 2 its first d
+        columns iff the next block is (as that row's previous block)."""
+        return (blk < nb) & (row < num_rows)
 
     @cute.jit
     def zero_tokens(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
@@ -291,12 +298,12 @@ class PoolBackward(WindowSlots):
                     start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
                 blk = (t - start) // ratio
                 row = rowb + blk
-                own_read = (blk < nb) & (row < num_rows)
+                own_read = self.block_read(blk, row, nb, num_rows)
                 if ~own_read:
                     gDKV[(None, (t, own_col))].store(zero.load())
                     gDSc[(None, (t, own_col))].store(zero.load())
                 if cutlass.const_expr(self.coff == 2):
-                    prev_read = (blk + 1 < nb) & (row + 1 < num_rows)
+                    prev_read = self.block_read(blk + 1, row + 1, nb, num_rows)
                     if ~prev_read:
                         gDKV[(None, (t, chunk))].store(zero.load())
                         gDSc[(None, (t, chunk))].store(zero.load())

@@ -46,7 +46,8 @@ class PoolForward(WindowSlots):
         self.threads = self.lanes * self.row_lanes
         self.staged = self.stageable()
         stage_bytes = self.window_stage_bytes()
-        stages = config.FWD_STAGES_NARROW if self.vec * elem_bytes <= 4 else config.FWD_STAGES
+        narrow = self.vec * elem_bytes <= 4  # 4-byte vectors or less (d=128 bf16)
+        stages = config.FWD_STAGES_NARROW if narrow else config.FWD_STAGES
         self.stages = max(2, min(stages, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
@@ -58,7 +59,7 @@ class PoolForward(WindowSlots):
         self.min_ctas = 0
         self.carveout = config.smem_carveout()
         bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
-        if config.FWD_REG_BOUND and bound and self.vec * elem_bytes <= 4:
+        if config.FWD_REG_BOUND and bound and narrow:
             self.min_ctas = max(1, min(bound, fit))
             self.target_ctas_per_sm = self.min_ctas
             if self.carveout is None:
