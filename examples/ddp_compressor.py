@@ -32,7 +32,11 @@ class Model(nn.Module):
     def __init__(self, ratio, dtype, device):
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN, dtype=dtype, device=device)
-        self.comp = Compressor(HIDDEN, HEAD_DIM, ratio, rope_dim=16, dtype=dtype, device=device)
+        # On GPUs the fused kernels are demanded, not merely allowed: a silent fallback to
+        # the reference pooling would make the check vacuous for the kernels.
+        pooling = "fused" if torch.device(device).type == "cuda" else "reference"
+        self.comp = Compressor(HIDDEN, HEAD_DIM, ratio, rope_dim=16, dtype=dtype, device=device,
+                               pooling=pooling)
 
     def forward(self, x, cu, max_seqlen):
         y, _ = self.comp(torch.tanh(self.inp(x)), cu, max_seqlen=max_seqlen)
@@ -106,7 +110,7 @@ def main():
         except AssertionError as exc:
             ok = False
             print(f"FAIL: {exc}", flush=True)
-        pooling = "fused" if device.type == "cuda" else "reference"
+        pooling = model.comp.pooling
         print(f"{'PASS' if ok else 'FAIL'}: world {world}, {backend}, {args.dtype}, ratio {r}, "
               f"pooling {pooling}: loss {mean_loss.item():.6f} vs one process {ref_loss.item():.6f}; "
               f"{sum(1 for _ in model.parameters())} parameter gradients compared", flush=True)

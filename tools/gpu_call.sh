@@ -15,6 +15,10 @@
 #   tests_candidates     the whole GPU suite with every config.CANDIDATES flag on
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py;
 #                        sanitize_candidates the same with the candidates on
+#                        (the *_candidates steps take the last GPU, so on a two-GPU machine
+#                        they run beside the plain suite without sharing its GPU)
+#   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
+#                        NVLink multicast off)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
 #   host                 tools/perf_probe.py host (events, then perf_counter per layer)
 #   floor                tools/perf_probe.py floor (1-3 empty kernels a call; near-empty packs)
@@ -30,6 +34,8 @@ WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
 END=$((SECONDS + ${DEADLINE:-560}))
 # Every candidate flag of kernels/config.py on, for the *_candidates steps.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+LAST_GPU="CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? NGPU - 1 : 0 ))"
 CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
 
 cmd_of() {
@@ -40,11 +46,12 @@ cmd_of() {
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
-        tests_candidates) echo "CSA_CONFIG=$CAND python3 -m pytest -q -m gpu tests -rs --durations=10" ;;
-        sanitize_candidates) echo "CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
+        tests_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND python3 -m pytest -q -m gpu tests -rs --durations=10" ;;
+        sanitize_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
+        ddp) echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; for r in 4 128; do python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/ddp_compressor.py --device cuda --ratio \$r || exit 1; done" ;;
         host) echo "python3 tools/perf_probe.py host" ;;
         floor) echo "python3 tools/perf_probe.py floor" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
