@@ -61,8 +61,11 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
 
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
-    # BENCHMARKS.md's ratio-4 figures ran 4 CTAs per SM (ncu: shared-memory limit 4).
-    assert PoolForward(cutlass.BFloat16, 4, 2, d).target_ctas_per_sm == config.FWD_TARGET_CTAS_PER_SM == 4
+    # The measured grids (config.py): d=512 (8-byte vectors) 4 CTAs per SM (ncu:
+    # shared-memory limit 4); d=128 (4-byte vectors) the register bound's 8 on sm_90.
+    k = PoolForward(cutlass.BFloat16, 4, 2, d)
+    want = config.FWD_TARGET_CTAS_PER_SM if d == 512 else config.FWD_BOUND_CTAS_PER_SM[9]
+    assert k.target_ctas_per_sm == want == (4 if d == 512 else 8)
 
 
 @pytest.mark.parametrize("d", [128, 512])
@@ -111,11 +114,11 @@ def test_forward_vector_width_follows_chunks_per_row(dtype, d, want_bytes):
 
 
 @pytest.mark.parametrize("arch_major,sms", [(9, 132), (10, 148)])
-def test_register_bound_candidate_gives_one_row_a_thread_at_1x8192_d128(monkeypatch, arch_major, sms):
-    """config.FWD_REG_BOUND: the 4-byte forward at d=128 is bounded to the arch's CTAs an SM,
-    sized for them (one row a thread for 2,048 rows in one wave), and holds its staging in
-    the carveout; 8-byte forwards (d=512) are left alone."""
-    monkeypatch.setattr(config, "FWD_REG_BOUND", 1)
+def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(monkeypatch, arch_major, sms):
+    """config.FWD_BOUND_CTAS_PER_SM: the 4-byte forward at d=128 is bounded to the arch's
+    CTAs an SM, sized for them (one row a thread for 2,048 rows in one wave), and holds its
+    staging in the carveout; so is the unstaged 2-byte forward of d=65; 8-byte forwards
+    (d=512) are left alone. FWD_BOUND_GRID_CTAS_PER_SM sizes the grid alone."""
     k = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
     assert k.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major] == k.target_ctas_per_sm
     assert k.rows_per_thread(2048, sms) == 1
@@ -123,5 +126,9 @@ def test_register_bound_candidate_gives_one_row_a_thread_at_1x8192_d128(monkeypa
     assert k.carveout * config.SMEM_PER_SM / 100 >= k.min_ctas * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
     wide = PoolForward(cutlass.BFloat16, 4, 2, 512, arch_major)
     assert wide.min_ctas == 0 and wide.carveout is None
-    monkeypatch.setattr(config, "FWD_REG_BOUND", 0)
-    assert PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major).min_ctas == 0
+    odd = PoolForward(cutlass.Float16, 3, 2, 65, arch_major)
+    assert not odd.staged and odd.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major]
+    monkeypatch.setattr(config, "FWD_BOUND_GRID_CTAS_PER_SM", 4)
+    half = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
+    assert half.min_ctas == k.min_ctas and half.target_ctas_per_sm == 4
+    assert half.rows_per_thread(2048, sms) == 2

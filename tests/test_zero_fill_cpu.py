@@ -1,5 +1,5 @@
-"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and its candidate
-shortcut (all_read, config.ZERO_SKIP_READ) replayed in Python: wherever the shortcut skips
+"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and its
+shortcut (all_read: a thread whose tokens are all read skips the walk) replayed in Python: wherever the shortcut skips
 a thread's tokens, the walk would have stored nothing, for valid packs (short, empty and
 tail segments, tokens past cu_seqlens[B], rows cut off by total_comp) and corrupt offsets
 alike; and on a pack of full sequences it does skip almost every thread."""

@@ -81,36 +81,32 @@ REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
   (3x8192/512) over 128, each thread summing P / 64 rows with 4 loads in flight. Chosen
   by that arithmetic; a sweep at 47849f5 (64 x 8, 32 x 16, 128 x 4, unroll 8) found no
   difference beyond noise (fwd+bwd 20.0-20.9 µs at 1x8192/128, 122.2-123.2 at 3x8192/512).
-PDL_WAIT_FIRST: candidate, off until measured: the short-window forward and backward
-  launched as programmatic dependents (use_pdl), with griddepcontrol.wait as their first
-  statement, so nothing is read or written before the previous kernel in the stream has
-  completed and flushed (any predecessor may produce our inputs or still read our
-  outputs' memory). What overlaps is the launch and CTA start-up with the predecessor's
-  tail. tools/perf_probe.py floor at 99250bb: a one-element kernel costs 1.04 us a call in
-  the bench's graphs, 2 kernels 1.90, 3 kernels 2.74; our forward with one row 3.54 and
-  forward + backward 8.64. Prediction: -0.3 to -0.8 us a kernel boundary at the small
-  shapes (1x8192/128 fwd 6.5 -> ~6.0, fwd+bwd 18.1 -> ~17), nothing measurable at
-  3x8192/512. Compiles for sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
-FWD_REG_BOUND / FWD_BOUND_CTAS_PER_SM: candidate, off until measured: forwards with vectors
-  of 4 bytes or less (d=128 bf16 since 5d264c3) compiled with a launch bound of 8 CTAs an
-  SM on sm_90 (64 registers instead of 79, no spills; 7 on sm_100, see the constant) and
-  sized for it, so 1x8192/128 runs one row a
-  thread in one wave (4 CTAs and 2 rows a thread now; FWD_TARGET_CTAS_PER_SM=8 without
-  the bound ran 1.3 waves and was slower, 6.9 vs 6.6 us, v14). At eada763 one row a
-  thread beat two by 0.8 us there (FWD_TARGET 4 vs 2 at 8 B). Prediction: 1x8192/128
-  forward -0.5 to -1.0 us, the ragged pack unchanged (one row a thread already), 2048x64
-  and 3x8192/128 within +-1 us, d=512 untouched (8-byte vectors). Compiles spill-free for
-  sm_90a and sm_100a (tests/test_compile_cpu.py); not yet run.
-ZERO_SKIP_READ: candidate, off until measured: a zero-fill thread whose
-  ZERO_TOKENS_PER_THREAD tokens all lie inside one segment's computed blocks (no element
-  to zero) skips its per-token walk after the one segment search (pool_bwd.all_read); in a
-  pack of full sequences that is almost every zero CTA. At 3x8192/512 the 1,536 zero CTAs
-  start when the row CTAs leave the first wave, about two waves of them at the end of the
-  backward, each thread walking 32 tokens of branches. ZERO_TOKENS_PER_THREAD=64 (half the
-  CTAs, twice the walk) was slower (v14), so the walk is on the critical path. Prediction:
-  backward -1 to -2 us at 3x8192/512 and 1x131072, nothing where segments are short
-  (2048x64, the ragged pack: their ranges cross segment ends and still walk). Compiles for
-  sm_90a and sm_100a; not yet run.
+Adopted at v15 (H200 sweep at f929db6, 2026-11-29, tools/perf_probe.py sweep; forward /
+  fwd+bwd us; were flags PDL_WAIT_FIRST, FWD_REG_BOUND, ZERO_SKIP_READ until measured,
+  the whole GPU suite and memcheck passed with all three on):
+  - programmatic dependent launches: the short-window forward and backward start with
+    griddepcontrol.wait, so the launch and CTA start-up overlap the previous kernel's tail
+    and nothing is read or written before it has completed and flushed. Off -> on:
+    1x4/128 3.6/8.8 -> 3.2/8.2, 1x8192/128 6.5/18.1 -> 6.3/17.6, 3x8192/128 12.3/33.6 ->
+    12.0/33.0, 3x8192/512 34.3/106.5 -> 34.3/105.9, 1x8192/65 9.8/22.5 -> 9.3/21.9
+    (predicted -0.3 to -0.8 a kernel boundary at the small shapes, nothing at 3x8192/512).
+  - the zero-fill shortcut (pool_bwd.all_read): a thread whose ZERO_TOKENS_PER_THREAD
+    tokens all lie inside one segment's computed blocks skips its per-token walk.
+    fwd+bwd 1x8192/128 18.1 -> 16.9, 3x8192/128 33.6 -> 32.5, 3x8192/512 106.5 -> 105.7,
+    2048x64 and the ragged pack unchanged (predicted -1 to -2 at 3x8192/512, nothing where
+    segments are short).
+  - the register bound of narrow forwards (FWD_BOUND_CTAS_PER_SM below).
+  All three together: 1x4 3.2/8.3, 1x8192/128 5.9/16.2, 3x8192/128 12.4/32.5, 3x8192/512
+  34.4/105.1, ragged 5.1/12.2, 2048x64 50.2/149.1, 1x8192/65 5.4/17.3.
+FWD_BOUND_CTAS_PER_SM / FWD_BOUND_GRID_CTAS_PER_SM: forwards with vectors of 4 bytes or
+  less (d=128 bf16, odd head_dim) are compiled with a launch bound of this many CTAs an SM
+  (sm_90: 8, 64 registers instead of 79, no spills; sm_100: 7, see the table) and their
+  grid sized for FWD_BOUND_GRID_CTAS_PER_SM of them (0: the bound), so 1x8192/128 runs
+  one row a thread in one wave. Off -> on (v15): 1x8192/128 forward 6.5 -> 6.2-6.3,
+  2048x64 52.0-52.7 -> 49.6-49.8, 1x131072 47.9-48.4 -> 47.7, 1x8192/65 (unstaged 2-byte
+  loads) 9.8 -> 5.6, but 3x8192/128 12.3-12.5 -> 12.8 (3 rows a thread instead of 6);
+  predicted 1x8192/128 -0.5 to -1.0, others within +-1. FWD_BOUND_GRID_CTAS_PER_SM is the
+  sweep knob for that last loss (4 keeps the bound's registers with the unbounded grid).
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -148,18 +144,16 @@ ZERO_TOKENS_PER_THREAD = 32
 REDUCE_COL_LANES = 8
 REDUCE_ROW_LANES = 64
 REDUCE_UNROLL = 4
-PDL_WAIT_FIRST = 0
-FWD_REG_BOUND = 0
-ZERO_SKIP_READ = 0
 # By compute capability major: what one wave of one row a thread needs at 1x8192/128
 # (1,024 CTAs: 132 SMs x 8 on the H200, 148 x 7 on a B200) and still compiles spill-free.
 # ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
+FWD_BOUND_GRID_CTAS_PER_SM = 0
 SMEM_CARVEOUT = -1
-# The flags above that switch an unmeasured candidate on. A GPU session runs the suite
+# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ("PDL_WAIT_FIRST", "FWD_REG_BOUND", "ZERO_SKIP_READ")
+CANDIDATES = ()
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

@@ -29,9 +29,11 @@ from .common import (WindowSlots, advance_segment, mul_rn, softmax_probs, start_
 
 class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
-    # Candidate (config.PDL_WAIT_FIRST): launched as a programmatic dependent, waiting first.
-    # Off for pool_long.LongPoolBackward, which shares __call__ but not kernel().
-    pdl = False
+    # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
+    # (kernel()): the launch and CTA start-up overlap the previous kernel's tail (-0.3 to
+    # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
+    # __call__ but not kernel(), so it turns this off.
+    pdl = True
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
@@ -56,7 +58,6 @@ class PoolBackward(WindowSlots):
         self.staged = self.stageable()
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
-        self.pdl = bool(config.PDL_WAIT_FIRST)
         self.stages = config.BWD_STAGES
         # window (score, kv) + the grad_out vector, per stage
         stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
@@ -146,8 +147,9 @@ class PoolBackward(WindowSlots):
         # Lets the dape sum (dape_reduce.DapeReduce) be scheduled before this grid ends;
         # it waits for this grid's completion and memory flush before reading.
         cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # before any read or write, as in the forward
+        # Before any read or write: any predecessor may produce our inputs or still read
+        # the memory of our outputs.
+        cute.arch.griddepcontrol_wait()
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
@@ -253,18 +255,17 @@ class PoolBackward(WindowSlots):
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
-        Z = config.ZERO_TOKENS_PER_THREAD
-        scan = True
-        if cutlass.const_expr(config.ZERO_SKIP_READ):
-            scan = ~self.all_read(t0, Z, start, end, nb, rowb, num_rows, num_tokens)
-        if scan:
+        # Threads whose tokens are all read (almost every zero CTA in a pack of full
+        # sequences) skip the walk: -1.1 us fwd+bwd at 1x8192/128 and 3x8192/128 (v15).
+        if ~self.all_read(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb, num_rows,
+                          num_tokens):
             self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs,
                              zero, own_col, s, start, end, nb, rowb)
 
     @cute.jit
     def all_read(self, t0, Z: int, start, end, nb, rowb, num_rows, num_tokens):
         """Every element of tokens t0 .. t0 + Z - 1 is read by a computed row, so
-        zero_tokens would store nothing. Candidate (config.ZERO_SKIP_READ). The range lies
+        zero_tokens would store nothing (tests/test_zero_fill_cpu.py). The range lies
         in one segment ([start, end), nb blocks from row rowb) and below num_tokens; a
         token's block and row only grow with the token, so the last token decides: its
         own block (columns d..2d with coff 2, all of them with coff 1) is a computed row's

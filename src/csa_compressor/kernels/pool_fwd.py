@@ -53,20 +53,21 @@ class PoolForward(WindowSlots):
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
-        # Candidate (config.FWD_REG_BOUND): narrow-vector forwards compiled for
-        # FWD_BOUND_CTAS_PER_SM[arch] resident CTAs and sized for that many, with a carveout
-        # that holds their staging (the DSL needs one set to compile the bound without a GPU).
+        # Narrow-vector forwards are compiled for FWD_BOUND_CTAS_PER_SM[arch] resident CTAs
+        # (a register bound) and their grid sized for FWD_BOUND_GRID_CTAS_PER_SM of them, with
+        # a carveout that holds their staging (the DSL needs one set to compile the bound
+        # without a GPU). See config.FWD_BOUND_CTAS_PER_SM for what it measured.
         self.min_ctas = 0
         self.carveout = config.smem_carveout()
         bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
-        if config.FWD_REG_BOUND and bound and narrow:
+        if bound and narrow:
             self.min_ctas = max(1, min(bound, fit))
-            self.target_ctas_per_sm = self.min_ctas
+            grid_ctas = config.FWD_BOUND_GRID_CTAS_PER_SM or self.min_ctas
+            self.target_ctas_per_sm = max(1, min(grid_ctas, self.min_ctas))
             if self.carveout is None:
                 need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
         self.specialise()
-        self.pdl = bool(config.PDL_WAIT_FIRST)  # candidate, see config.PDL_WAIT_FIRST
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -89,7 +90,7 @@ class PoolForward(WindowSlots):
         grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
             grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
-            smem=self.smem_bytes, stream=stream, use_pdl=self.pdl,
+            smem=self.smem_bytes, stream=stream, use_pdl=True,  # see kernel()'s first statement
             preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
     @cute.jit
@@ -117,10 +118,11 @@ class PoolForward(WindowSlots):
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
                rows_per_thread: Int32):
-        if cutlass.const_expr(self.pdl):
-            # Launched as a programmatic dependent: nothing is read or written before the
-            # previous kernel in the stream has completed and flushed.
-            cute.arch.griddepcontrol_wait()
+        # Launched as a programmatic dependent (config.PDL_WAIT_FIRST's measurement), so the
+        # launch and CTA start-up overlap the previous kernel's tail; nothing is read or
+        # written before that kernel has completed and flushed (any predecessor may produce
+        # our inputs or still read the memory of our output).
+        cute.arch.griddepcontrol_wait()
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, P = self.vec, self.slots, self.stages

@@ -141,6 +141,7 @@ class LongPoolBackward(PoolBackward):
         self.min_rows_per_cta = 1
         self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
 
+    pdl = False  # its kernel() has no griddepcontrol.wait
     shared = _LongShape.shared
     softmax_den = _LongShape.softmax_den
     serial_sum = _LongShape.serial_sum
