@@ -114,11 +114,11 @@ def test_forward_vector_width_follows_chunks_per_row(dtype, d, want_bytes):
 
 
 @pytest.mark.parametrize("arch_major,sms", [(9, 132), (10, 148)])
-def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(monkeypatch, arch_major, sms):
+def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(arch_major, sms):
     """config.FWD_BOUND_CTAS_PER_SM: the 4-byte forward at d=128 is bounded to the arch's
     CTAs an SM, sized for them (one row a thread for 2,048 rows in one wave), and holds its
     staging in the carveout; so is the unstaged 2-byte forward of d=65; 8-byte forwards
-    (d=512) are left alone. FWD_BOUND_GRID_CTAS_PER_SM sizes the grid alone."""
+    (d=512) are left alone."""
     k = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
     assert k.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major] == k.target_ctas_per_sm
     assert k.rows_per_thread(2048, sms) == 1
@@ -128,7 +128,3 @@ def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(monkeypatch, arch_
     assert wide.min_ctas == 0 and wide.carveout is None
     odd = PoolForward(cutlass.Float16, 3, 2, 65, arch_major)
     assert not odd.staged and odd.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major]
-    monkeypatch.setattr(config, "FWD_BOUND_GRID_CTAS_PER_SM", 4)
-    half = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
-    assert half.min_ctas == k.min_ctas and half.target_ctas_per_sm == 4
-    assert half.rows_per_thread(2048, sms) == 2

@@ -6,11 +6,12 @@ matter, to split our kernels' fixed cost into launch, dependent memory rounds an
 Each row is µs per call of a CUDA graph of 20 calls (bench.time_graph), data L2-resident:
 - chain<k>: a CuTe kernel of one 128-thread CTA whose threads make k dependent loads
   (i = a[i], a[i] = i) and store the result: launch + k L2 round trips;
-- straight<n>: chain0 with n dependent fp32 multiplies (inline PTX, one instruction each, so
-  nothing folds them) executed once: what fetching n instructions of straight-line code
-  costs a launch. Our forward is ~1,900 SASS instructions and the backward ~1,400
-  (tools/sass_probe.py); if this grows by ~1 us a thousand, instruction fetch is the fixed
-  cost, and the lever is a shorter kernel;
+- dependent<n>: chain0 with n dependent fp32 multiplies (inline PTX, one instruction each,
+  so nothing folds them): n times the multiply's latency (4 cycles), the calibration;
+- straight<n>: the same n multiplies as 8 independent chains, issue-bound (~n cycles at
+  one instruction a cycle a warp): what fetching and issuing n instructions of
+  straight-line code costs a launch. Our forward is ~1,900 SASS instructions and the
+  backward ~1,400 (tools/sass_probe.py); time well above n cycles means instruction fetch;
 - chain0 + chain0 asking S KB: two launches a call, the second asking for S KB of shared
   memory (a different L1/shared split from the first when S > 0);
 - ours fwd / fwd+bwd at 1x4:128:4:2 (one row, the kernel-level API, preallocated
@@ -30,10 +31,11 @@ from csa_compressor.kernels.common import mul_rn
 
 
 class Chain:
-    def __init__(self, rounds: int, smem_bytes: int = 0, straight: int = 0):
+    def __init__(self, rounds: int, smem_bytes: int = 0, straight: int = 0, chains: int = 1):
         self.rounds = rounds
         self.smem_bytes = smem_bytes  # dynamic shared memory asked for, never touched
         self.straight = straight
+        self.chains = chains
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mOut: cute.Tensor, stream):
@@ -47,17 +49,19 @@ class Chain:
         for _ in cutlass.range_constexpr(self.rounds):
             i = mA[i]
         if cutlass.const_expr(self.straight > 0):
-            x = cutlass.Float32(i)
-            for _ in cutlass.range_constexpr(self.straight):
-                x = mul_rn(x, cutlass.Float32(1.0000001))
-            i = i + Int32(x > cutlass.Float32(1e30))
+            xs = [cutlass.Float32(i + c) for c in range(self.chains)]
+            for k in cutlass.range_constexpr(self.straight):
+                c = k % self.chains
+                xs[c] = mul_rn(xs[c], cutlass.Float32(1.0000001))
+            for c in cutlass.range_constexpr(self.chains):
+                i = i + Int32(xs[c] > cutlass.Float32(1e30))
         mOut[tid] = i
 
 
-def compile_chain(rounds: int, smem_bytes: int = 0, straight: int = 0):
+def compile_chain(rounds: int, smem_bytes: int = 0, straight: int = 0, chains: int = 1):
     n = cute.sym_int32()
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = cute.compile(Chain(rounds, smem_bytes, straight), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
+    fn = cute.compile(Chain(rounds, smem_bytes, straight, chains), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
                       stream, options="--enable-tvm-ffi")
     return cc._direct(fn), fn
 
@@ -69,9 +73,12 @@ def main():
     for k in range(4):
         run, keep = compile_chain(k)
         print(f"chain{k} (launch + {k} dependent L2 loads) {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
-    for n in (500, 1000, 2000, 4000):
+    for n in (1000, 2000):
         run, keep = compile_chain(0, 0, n)
-        print(f"straight{n} (launch + {n} straight-line multiplies) {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
+        print(f"dependent{n} (launch + {n} dependent multiplies)  {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
+    for n in (1000, 2000, 4000, 8000):
+        run, keep = compile_chain(0, 0, n, 8)
+        print(f"straight{n} (launch + {n} multiplies, 8 chains)  {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
     # Two kernels a call, alike or asking for different shared memory (the forward stages
     # 16 KB a CTA at d=128, the backward 68 KB): does an L1/shared split change between
     # consecutive kernels cost time? (config.SMEM_CARVEOUT)

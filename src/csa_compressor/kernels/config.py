@@ -98,15 +98,19 @@ Adopted at v15 (H200 sweep at f929db6, 2026-11-29, tools/perf_probe.py sweep; fo
   - the register bound of narrow forwards (FWD_BOUND_CTAS_PER_SM below).
   All three together: 1x4 3.2/8.3, 1x8192/128 5.9/16.2, 3x8192/128 12.4/32.5, 3x8192/512
   34.4/105.1, ragged 5.1/12.2, 2048x64 50.2/149.1, 1x8192/65 5.4/17.3.
-FWD_BOUND_CTAS_PER_SM / FWD_BOUND_GRID_CTAS_PER_SM: forwards with vectors of 4 bytes or
-  less (d=128 bf16, odd head_dim) are compiled with a launch bound of this many CTAs an SM
-  (sm_90: 8, 64 registers instead of 79, no spills; sm_100: 7, see the table) and their
-  grid sized for FWD_BOUND_GRID_CTAS_PER_SM of them (0: the bound), so 1x8192/128 runs
-  one row a thread in one wave. Off -> on (v15): 1x8192/128 forward 6.5 -> 6.2-6.3,
+FWD_BOUND_CTAS_PER_SM: forwards with vectors of 4 bytes or less (d=128 bf16, odd
+  head_dim) are compiled with a launch bound of this many CTAs an SM (sm_90: 8, 64
+  registers instead of 79, no spills; sm_100: 7, see the table) and their grid sized for
+  as many, so 1x8192/128 runs one row a thread in one wave. Off -> on (v15): 1x8192/128 forward 6.5 -> 6.2-6.3,
   2048x64 52.0-52.7 -> 49.6-49.8, 1x131072 47.9-48.4 -> 47.7, 1x8192/65 (unstaged 2-byte
   loads) 9.8 -> 5.6, but 3x8192/128 12.3-12.5 -> 12.8 (3 rows a thread instead of 6);
-  predicted 1x8192/128 -0.5 to -1.0, others within +-1. FWD_BOUND_GRID_CTAS_PER_SM is the
-  sweep knob for that last loss (4 keeps the bound's registers with the unbounded grid).
+  predicted 1x8192/128 -0.5 to -1.0, others within +-1. The bound's registers with a grid
+  sized for 4 or 6 CTAs an SM (sweep at b9a87b6, forward us, grid for 8 / 4 / 6):
+  1x8192/128 5.5-5.9 / 6.3 / 6.3, 3x8192/128 12.4-12.6 / 12.4 / 12.4, 2048x64 49.2-49.4 /
+  53.2 / 52.1, 1x131072 47.7-47.8 / 48.6 / 48.4, 1x8192/65 5.4-5.5 / 7.4 / 6.1: the
+  bound's grid everywhere. At 3x8192/128 the bounded forward stays ~0.4 us behind the
+  unbounded one with PDL (12.0 in the first sweep) whatever its grid: the register cap,
+  not the grid, costs there; kept for the -2 to -4 us elsewhere.
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -149,7 +153,6 @@ REDUCE_UNROLL = 4
 # ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
-FWD_BOUND_GRID_CTAS_PER_SM = 0
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
