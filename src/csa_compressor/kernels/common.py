@@ -83,7 +83,19 @@ def div_by_rcp(a, nb, y, *, loc=None, ip=None) -> Float32:
     within 1.5 ulp of a/b; one residual correction ``q += (a - b*q)*y`` makes it faithful,
     and a second one (the residual now exact under FMA) correctly rounded (Markstein's
     theorem: y within half an ulp of 1/b, q faithful). Valid while nothing underflows:
-    callers check ``a >= config.DIV_FAST_MIN`` (tests/test_division_cpu.py replays it)."""
+    callers check ``a >= config.DIV_FAST_MIN`` (tests/test_division_cpu.py replays it).
+
+    Candidate (config.DIV_ONE_CORRECTION): the first correction alone. That is the fast
+    path of the compiler's own ``div.rn.f32`` (the same refined reciprocal, which is what
+    ``rcp.rn.f32`` expands to, then ``q = a*y`` and one FMA correction; its FCHK only
+    sends exponent extremes to a slow path), and test_division_cpu.py replays it on
+    near-midpoint quotients with the least accurate reciprocals. 16 instructions less a
+    column of 8 slots."""
+    if config.DIV_ONE_CORRECTION:
+        return _asm_f32(
+            "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
+            "fma.rn.f32 $0, r, $3, q;\n}",
+            "=f,f,f,f", a, nb, y, loc=loc, ip=ip)
     return _asm_f32(
         "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
         "fma.rn.f32 q, r, $3, q;\nfma.rn.f32 r, $2, q, $1;\nfma.rn.f32 $0, r, $3, q;\n}",

@@ -111,6 +111,15 @@ FWD_BOUND_CTAS_PER_SM: forwards with vectors of 4 bytes or less (d=128 bf16, odd
   bound's grid everywhere. At 3x8192/128 the bounded forward stays ~0.4 us behind the
   unbounded one with PDL (12.0 in the first sweep) whatever its grid: the register cap,
   not the grid, costs there; kept for the -2 to -4 us elsewhere.
+DIV_ONE_CORRECTION: candidate, off until measured: the shared-reciprocal division
+  (common.div_by_rcp) with one FMA residual correction instead of two, as the compiler's
+  own div.rn.f32 fast path does; bitwise the same quotients (tests/test_division_cpu.py).
+  sm_90a SASS (tools/sass_probe.py): forward d=512 1760 -> 1696 instructions, d=128
+  1176 -> 1144; backward d=512 1568 -> 1536, d=128 1672 -> 1640. ncu at 2873f74 has the
+  d=512 forward issuing every ~1.2 cycles a scheduler (4.94 cycles a warp, 4 warps): near
+  issue-bound, so the ~6% fewer instructions of its row loop should show. Prediction:
+  3x8192/512 forward -1 to -2 us, backward -0.5 to -1.5; d=128 and the fixed cost within
+  0.3 us (latency-bound there: two dependent FMAs less a slot, slots in parallel).
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -154,9 +163,10 @@ REDUCE_UNROLL = 4
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
-# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
-# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ()
+DIV_ONE_CORRECTION = 0
+# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
+# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
+CANDIDATES = ("DIV_ONE_CORRECTION",)
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
