@@ -79,26 +79,19 @@ def rcp_rn(b, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def div_by_rcp(a, nb, y, *, loc=None, ip=None) -> Float32:
-    """``a / b`` correctly rounded, given ``nb = -b`` and ``y = rcp_rn(b)``: ``q = a*y`` is
-    within 1.5 ulp of a/b; one residual correction ``q += (a - b*q)*y`` makes it faithful,
-    and a second one (the residual now exact under FMA) correctly rounded (Markstein's
-    theorem: y within half an ulp of 1/b, q faithful). Valid while nothing underflows:
-    callers check ``a >= config.DIV_FAST_MIN`` (tests/test_division_cpu.py replays it).
-
-    Candidate (config.DIV_ONE_CORRECTION): the first correction alone. That is the fast
-    path of the compiler's own ``div.rn.f32`` (the same refined reciprocal, which is what
-    ``rcp.rn.f32`` expands to, then ``q = a*y`` and one FMA correction; its FCHK only
-    sends exponent extremes to a slow path), and test_division_cpu.py replays it on
-    near-midpoint quotients with the least accurate reciprocals. 16 instructions less a
-    column of 8 slots."""
-    if config.DIV_ONE_CORRECTION:
-        return _asm_f32(
-            "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
-            "fma.rn.f32 $0, r, $3, q;\n}",
-            "=f,f,f,f", a, nb, y, loc=loc, ip=ip)
+    """``a / b`` correctly rounded, given ``nb = -b`` and ``y = rcp_rn(b)``: ``q = a*y``
+    (within 1.5 ulp of a/b), then one residual correction ``q += (a - b*q)*y`` with the
+    residual exact under FMA. That is the fast path of the compiler's own ``div.rn.f32``
+    (the same refined reciprocal, which is what ``rcp.rn.f32`` expands to, then the
+    product and one FMA correction; its FCHK sends only exponent extremes to a slow path).
+    Valid while nothing underflows: callers check ``a >= config.DIV_FAST_MIN``.
+    tests/test_division_cpu.py replays it in exact arithmetic, also on quotients next to
+    a rounding midpoint over the least accurate reciprocals (where ``a*y`` is not
+    faithful). A second correction (Markstein's theorem needs a faithful ``q``) was the
+    code until v16 and cost 16 instructions a column of 8 slots (perf-notes v16)."""
     return _asm_f32(
         "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
-        "fma.rn.f32 q, r, $3, q;\nfma.rn.f32 r, $2, q, $1;\nfma.rn.f32 $0, r, $3, q;\n}",
+        "fma.rn.f32 $0, r, $3, q;\n}",
         "=f,f,f,f", a, nb, y, loc=loc, ip=ip)
 
 
@@ -112,7 +105,7 @@ def div_exact(a, b, *, loc=None, ip=None) -> Float32:
 @cute.jit
 def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
     """``sf[k, e] <- sf[k, e] / dn`` for every slot, bitwise the IEEE quotients: one shared
-    reciprocal and ~5 instructions a slot when every numerator is at least DIV_FAST_MIN
+    reciprocal and 3 instructions a slot when every numerator is at least DIV_FAST_MIN
     (one check per column), true divisions otherwise (tiny, zero or NaN numerators)."""
     mn = sf[0, e]
     for k in cutlass.range_constexpr(1, slots):

@@ -111,15 +111,18 @@ FWD_BOUND_CTAS_PER_SM: forwards with vectors of 4 bytes or less (d=128 bf16, odd
   bound's grid everywhere. At 3x8192/128 the bounded forward stays ~0.4 us behind the
   unbounded one with PDL (12.0 in the first sweep) whatever its grid: the register cap,
   not the grid, costs there; kept for the -2 to -4 us elsewhere.
-DIV_ONE_CORRECTION: candidate, off until measured: the shared-reciprocal division
-  (common.div_by_rcp) with one FMA residual correction instead of two, as the compiler's
-  own div.rn.f32 fast path does; bitwise the same quotients (tests/test_division_cpu.py).
+One residual correction in the shared-reciprocal division (common.div_by_rcp; was the
+  flag DIV_ONE_CORRECTION, adopted at v16): the compiler's own div.rn.f32 fast path,
+  bitwise the same quotients as the two corrections before (tests/test_division_cpu.py).
   sm_90a SASS (tools/sass_probe.py): forward d=512 1760 -> 1696 instructions, d=128
-  1176 -> 1144; backward d=512 1568 -> 1536, d=128 1672 -> 1640. ncu at 2873f74 has the
-  d=512 forward issuing every ~1.2 cycles a scheduler (4.94 cycles a warp, 4 warps): near
-  issue-bound, so the ~6% fewer instructions of its row loop should show. Prediction:
-  3x8192/512 forward -1 to -2 us, backward -0.5 to -1.5; d=128 and the fixed cost within
-  0.3 us (latency-bound there: two dependent FMAs less a slot, slots in parallel).
+  1176 -> 1144; backward d=512 1568 -> 1536, d=128 1672 -> 1640. Predicted 3x8192/512
+  forward -1 to -2 us (ncu: that forward issues every ~1.2 cycles a scheduler), backward
+  -0.5 to -1.5, d=128 within 0.3. H200 sweep at a8e5614, two runs each, fwd / fwd+bwd
+  us, two corrections -> one: 3x8192/512 34.1-34.2 / 105.0-105.4 -> 32.6-32.9 /
+  103.9-104.0; 1x8192/512 14.5 / 41.8-41.9 -> 14.0-14.1 / 41.0-41.3; 3x8192/128
+  12.3-12.5 / 32.3-32.6 -> 11.9 / 31.3-31.4; 1x8192/128, the ragged pack and ratio 128
+  unchanged. The forward as predicted; the backward gained nothing at d=512 and ~0.6 at
+  3x8192/128. The GPU suite passed with it (173 passed) and memcheck printed 0 errors.
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -163,10 +166,9 @@ REDUCE_UNROLL = 4
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
-DIV_ONE_CORRECTION = 0
-# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
-# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ("DIV_ONE_CORRECTION",)
+# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
+# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
+CANDIDATES = ()
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

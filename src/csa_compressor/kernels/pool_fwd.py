@@ -14,7 +14,7 @@ only what it copied itself, so ``cp.async.wait_group`` is the only synchronisati
 Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
-division (one shared reciprocal + exact corrections, see common.divide_column), products
+division (one shared reciprocal + an exact correction, see common.divide_column), products
 rounded on their own (``mul.rn``) before a serial sum.
 """
 
