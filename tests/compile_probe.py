@@ -48,7 +48,15 @@ for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
 copies = {}
 for m in re.findall(r"cp\.async\.c[ag]\.shared(?:::cta)?\.global[^,]*,[^,]*,\s*(\d+)", ptx):
     copies[int(m)] = copies.get(int(m), 0) + 1
-print(json.dumps({"async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),
+# Where the programmatic-dependent wait sits against the first global memory access: a
+# kernel launched with use_pdl may start while its predecessor still runs, so nothing may
+# touch global memory before griddepcontrol.wait (-1: no wait in the kernel).
+wait_at = ptx.find("griddepcontrol.wait")
+first_mem = re.search(r"\b(?:ld|st|cp\.async|atom|red)\.[a-z0-9.:]*global", ptx)
+wait_first = wait_at >= 0 and (first_mem is None or wait_at < first_mem.start())
+min_ctas = [int(x) for x in re.findall(r"\.minnctapersm\s+(\d+)", ptx)]
+print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_ctas": min_ctas,
+                  "async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,

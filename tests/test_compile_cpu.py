@@ -2,7 +2,9 @@
 
 Each production configuration is compiled in a subprocess; what ptxas reports and the PTX
 must show: no local-memory spills or stack, the pinned ``mul.rn.f32`` present, the shared
-reciprocal of the division present, and the main loads as wide as config designs them.
+reciprocal of the division present, the main loads as wide as config designs them, the
+programmatic-dependent wait before any global memory access where the launch uses PDL,
+and the narrow forward's register bound.
 """
 
 import json
@@ -63,6 +65,17 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     # slot groups are 16 lanes wide: binary search there.)
     if staged:
         assert info["ballots"] >= 1, info
+        # Launched as programmatic dependents (pool_fwd / pool_bwd, use_pdl): the wait must
+        # come before any global memory access, or a kernel could read inputs its
+        # predecessor is still writing.
+        assert info["pdl_wait"] and info["pdl_wait_first"], info
+    else:
+        assert not info["pdl_wait"], info  # the long kernels are plain launches
+    if direction == "fwd" and width <= 4:
+        # The narrow forward's register bound (config.FWD_BOUND_CTAS_PER_SM).
+        assert info["min_ctas"] == [config.FWD_BOUND_CTAS_PER_SM[int(arch[3:-1]) // 10]], info
+    else:
+        assert info["min_ctas"] == [], info
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -71,6 +84,8 @@ def test_dape_reduction_compiles_with_wide_loads(arch):
     info = probe(arch, ("dape", "float32", 4, 2, 512))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["vec"] == 4 and info["loads_by_bytes"].get("16", 0) >= 2, info
+    # Always a programmatic dependent of the backward: it must wait before reading.
+    assert info["pdl_wait"] and info["pdl_wait_first"], info
 
 
 CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 512),
