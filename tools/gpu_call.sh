@@ -27,6 +27,9 @@
 #                        $SWEEP_SHAPES, else the 5 default shapes
 #   ncu_<shape>          ncu of the forward, backward and dape reduction of one bench shape
 #                        (the probe runs 4 steps, the first two are skipped)
+#   ncuinst_<shape>      the same kernels' executed-instruction counts by opcode and their
+#                        hottest SASS lines (InstructionStats, SourceCounters): where a
+#                        row's instructions go (docs/perf-notes.md, the issue floor)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_call}
 mkdir -p "$OUT"
@@ -55,6 +58,7 @@ cmd_of() {
         host) echo "python3 tools/perf_probe.py host" ;;
         floor) echo "python3 tools/perf_probe.py floor" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
+        ncuinst_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
         ncu_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
         sweep*) local n=${1#sweep} v="SWEEP_SHAPES_${1#sweep}"
                 echo "python3 tools/perf_probe.py sweep \"\${SWEEP_$n:?}\" \"${!v:-${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}}\"" ;;
