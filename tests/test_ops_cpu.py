@@ -68,8 +68,8 @@ def test_device_guard_is_skipped_with_one_gpu(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 0)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: ("guard", dev))
-    monkeypatch.setattr(launch, "_ONE_GPU", [True])
+    monkeypatch.setattr(launch, "_one_gpu", lambda: True)
     assert launch._on_device(torch.device("cuda", 0)).guard is None and not asked
-    monkeypatch.setattr(launch, "_ONE_GPU", [False])
+    monkeypatch.setattr(launch, "_one_gpu", lambda: False)
     assert launch._on_device(torch.device("cuda", 0)).guard is None and asked
     assert launch._on_device(torch.device("cuda", 1)).guard == ("guard", torch.device("cuda", 1))

@@ -41,6 +41,9 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 LAST_GPU="CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? NGPU - 1 : 0 ))"
 CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
 
+# ncu over the forward, backward and dape sum of the profile probe's third and fourth steps.
+NCU="ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3"
+
 cmd_of() {
     case $1 in
         info) echo "nvidia-smi -L; python3 -m csa_compressor info" ;;
@@ -58,8 +61,8 @@ cmd_of() {
         host) echo "python3 tools/perf_probe.py host" ;;
         floor) echo "python3 tools/perf_probe.py floor" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
-        ncuinst_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
-        ncu_*) echo "ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
+        ncuinst_*) echo "$NCU --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
+        ncu_*) echo "$NCU --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
         sweep*) local n=${1#sweep} v="SWEEP_SHAPES_${1#sweep}"
                 echo "python3 tools/perf_probe.py sweep \"\${SWEEP_$n:?}\" \"${!v:-${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}}\"" ;;
         *) echo "echo unknown step $1; false" ;;

@@ -30,11 +30,10 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   the sweep's other variants, 3x8192/128 12.3 vs 13.1-13.7, 2048x64 51.8 vs 52.3-52.8,
   1x8192/128 and the ragged pack equal). Why is not measured; one stage less is 16 KB
   less shared memory a CTA at d=512.
-FWD_STAGES_NARROW: the same for forwards of 4-byte vectors or narrower (d=128 bf16), a
-  sweep knob, equal to FWD_STAGES until measured. Why it may differ: at 4 B and 2 stages a
-  thread has 2 x 64 B of window in flight, a third of the 8 B / 3 stage design, ~64 KB an SM
-  at 4 CTAs; 1x131072/128 was the one shape slower at 435b5d0 (forward 46.1 -> 49.0 us,
-  BENCHMARKS.md) and has the most rows a thread (32).
+  Forwards of 4-byte vectors (d=128 bf16) were swept apart (then FWD_STAGES_NARROW, H200
+  at f929db6, forward us, 2 / 3 / 4 stages): 3x8192/128 12.3-12.5 / 13.2 / 14.3,
+  1x131072 47.9-48.4 / 48.5 / 51.3, 2048x64 51.9-52.7 / 52.4 / 55.2; 2 there too, so
+  one constant serves both.
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
@@ -126,9 +125,9 @@ One residual correction in the shared-reciprocal division (common.div_by_rcp; wa
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
-  A sweep knob for the fixed-cost work (docs/perf-notes.md), not yet measured: 100 makes
-  the three kernels' splits equal at the cost of L1 (two forward stages, i.e. less shared
-  memory, measured faster at 3x8192/512, v14).
+  A sweep knob for the fixed-cost work: 100 makes the three kernels' splits equal at the
+  cost of L1. Measured at f929db6 (perf-notes v15): within noise at every shape (e.g.
+  1x8192/128 fwd+bwd 18.1 against 18.1-18.3 at -1), so it stays -1.
 Measured and dropped at 0fe2952 (H200 sweep, fwd+bwd us at 1x8192/128 / ragged / 3x8192/512):
   WARP_WALK_SHUFFLE, the segment search and the segment's bounds in one pass of loads
   (20.5 / 15.8 / 108.6 against 20.3 / 15.8 / 109.0 without; predicted -0.3 to -0.8). The
@@ -147,7 +146,6 @@ MAX_CTA_THREADS = 128
 MAX_REG_SLOTS = 16
 FWD_CTA_THREADS = 128
 FWD_STAGES = 2
-FWD_STAGES_NARROW = 2
 FWD_SMEM_PER_CTA = 48 * 1024
 FWD_TARGET_CTAS_PER_SM = 4
 FWD_MAX_ROWS_PER_THREAD = 64

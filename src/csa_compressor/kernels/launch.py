@@ -3,6 +3,7 @@ dape workspace, safe to capture in CUDA graphs once compiled."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,13 +18,9 @@ def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, cof
                     coff=coff, for_kernel=True)
 
 
-_ONE_GPU: list = []  # [bool], filled at the first launch
-
-
+@functools.cache  # asked at the first launch; the visible devices do not change after
 def _one_gpu() -> bool:
-    if not _ONE_GPU:
-        _ONE_GPU.append(torch.cuda.device_count() == 1)
-    return _ONE_GPU[0]
+    return torch.cuda.device_count() == 1
 
 
 class _on_device:

@@ -47,8 +47,7 @@ class PoolForward(WindowSlots):
         self.staged = self.stageable()
         stage_bytes = self.window_stage_bytes()
         narrow = self.vec * elem_bytes <= 4  # 4-byte vectors or less (d=128 bf16)
-        stages = config.FWD_STAGES_NARROW if narrow else config.FWD_STAGES
-        self.stages = max(2, min(stages, config.FWD_SMEM_PER_CTA // stage_bytes))
+        self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
         self.smem_bytes = self.stages * stage_bytes if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
@@ -117,8 +116,8 @@ class PoolForward(WindowSlots):
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
                rows_per_thread: Int32):
-        # Launched as a programmatic dependent (config.PDL_WAIT_FIRST's measurement), so the
-        # launch and CTA start-up overlap the previous kernel's tail; nothing is read or
+        # Launched as a programmatic dependent (measured in config.py, "Adopted at v15"), so
+        # the launch and CTA start-up overlap the previous kernel's tail; nothing is read or
         # written before that kernel has completed and flushed (any predecessor may produce
         # our inputs or still read the memory of our output).
         cute.arch.griddepcontrol_wait()
