@@ -164,9 +164,26 @@ REDUCE_UNROLL = 4
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
-# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
-# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ()
+# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
+# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one. Predictions (H200, fwd /
+# fwd+bwd us, written before measuring):
+# - WALK_REUSE: the compute step of the staged forward and backward takes a row's window
+#   (first token, previous block, in bounds) from the step that issued its copies, a
+#   register queue of stages - 1 entries, instead of walking the row again (~35-50
+#   instructions a row, perf-notes "where a one-row forward's instructions go"):
+#   3x8192/512 forward -0.5 to -1.5, backward -0.5 to -1; d=128 -0.1 to -0.3 a kernel.
+# - DIV_ROW_CHECK: one fast-division check a row (common.softmax_row) instead of one a
+#   column: fewer branches, and the columns' exp chains free to interleave. 3x8192/512
+#   forward (4 columns) -0.5 to -1.5; d=128 (2 columns) and the backward within 0.3.
+# - FWD_ONE_ROW_DIRECT: a forward launched with one row a thread (1x8192/128, the ragged
+#   pack, every pack of up to ~2,100 rows at d=128) loads its window straight into
+#   registers instead of the cp.async round trip it cannot overlap with anything:
+#   1x8192/128 and ragged forward -0.3 to -0.6, 1x4 -0.2, others unchanged (they
+#   walk several rows a thread and keep the staged path).
+WALK_REUSE = 0
+DIV_ROW_CHECK = 0
+FWD_ONE_ROW_DIRECT = 0
+CANDIDATES = ("WALK_REUSE", "DIV_ROW_CHECK", "FWD_ONE_ROW_DIRECT")
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512
