@@ -71,7 +71,7 @@ LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM
   equal to the fp32 reference. The one-thread-per-row design ran ratio 128 at 2-11% of
   the floor (61 us forward at 1x8192/128, H200, 2026-11-29).
 DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
-  (common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
+  (common.softmax_row, common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
   take a true division.
 REDUCE_COL_LANES / REDUCE_ROW_LANES / REDUCE_UNROLL: the dape partials' sum
@@ -122,6 +122,23 @@ One residual correction in the shared-reciprocal division (common.div_by_rcp; wa
   12.3-12.5 / 32.3-32.6 -> 11.9 / 31.3-31.4; 1x8192/128, the ragged pack and ratio 128
   unchanged. The forward as predicted; the backward gained nothing at d=512 and ~0.6 at
   3x8192/128. The GPU suite passed with it (173 passed) and memcheck printed 0 errors.
+One fast-division check a row instead of one a column (common.softmax_row; was the flag
+  DIV_ROW_CHECK, adopted at v17). H200 sweep at 6362bd6 (2026-11-29, perf-notes v17),
+  fwd / fwd+bwd us, two runs of the code before against one with the flag: 3x8192/128
+  12.0-12.1 / 31.6-31.8 -> 11.4 / 31.0, 1x8192/128 5.7-5.8 / 15.6-15.7 -> 5.6 / 15.3,
+  1x8192/512 13.9-14.1 / 41.2-41.3 -> 13.9 / 40.8, 3x8192/512 32.4-32.9 / 104.1-104.3 ->
+  32.6 / 103.6, the ragged pack and 1x4 unchanged, 2048x64 forward 47.0-47.1 -> 47.5.
+  Predicted: 3x8192/512 forward -0.5 to -1.5, d=128 within 0.3: the win came at d=128.
+Measured and dropped in the same sweep (perf-notes v17):
+  - WALK_REUSE, the compute step taking a row's window from the step that issued its
+    copies (one packed register a stage) instead of walking the row again: within noise
+    everywhere (3x8192/512 forward 32.7 against 32.4-32.9; predicted -0.5 to -1.5), and
+    under the forward's register bound it made ptxas spill the APE registers.
+  - FWD_ONE_ROW_DIRECT, a forward of one row a thread loading its window straight into
+    registers (a runtime branch beside the staged loop): ragged forward 5.2 -> 5.0,
+    1x8192/128 5.7-5.8 -> 5.6, but 3x8192/128 (staged, 3 rows a thread) 12.0-12.1 ->
+    12.7: the second path in the same register-bound kernel cost the staged one. As a
+    separate compiled kernel chosen on the host it might keep the -0.2.
 SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/shared
   array) set on the forward, backward and dape kernels; -1 leaves it to the driver, which
   sizes it per kernel (so consecutive kernels of one step can ask for different splits).
@@ -164,26 +181,9 @@ REDUCE_UNROLL = 4
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
-# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
-# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one. Predictions (H200, fwd /
-# fwd+bwd us, written before measuring):
-# - WALK_REUSE: the compute step of the staged forward and backward takes a row's window
-#   (first token, previous block, in bounds) from the step that issued its copies, a
-#   register queue of stages - 1 entries, instead of walking the row again (~35-50
-#   instructions a row, perf-notes "where a one-row forward's instructions go"):
-#   3x8192/512 forward -0.5 to -1.5, backward -0.5 to -1; d=128 -0.1 to -0.3 a kernel.
-# - DIV_ROW_CHECK: one fast-division check a row (common.softmax_row) instead of one a
-#   column: fewer branches, and the columns' exp chains free to interleave. 3x8192/512
-#   forward (4 columns) -0.5 to -1.5; d=128 (2 columns) and the backward within 0.3.
-# - FWD_ONE_ROW_DIRECT: a forward launched with one row a thread (1x8192/128, the ragged
-#   pack, every pack of up to ~2,100 rows at d=128) loads its window straight into
-#   registers instead of the cp.async round trip it cannot overlap with anything:
-#   1x8192/128 and ragged forward -0.3 to -0.6, 1x4 -0.2, others unchanged (they
-#   walk several rows a thread and keep the staged path).
-WALK_REUSE = 0
-DIV_ROW_CHECK = 0
-FWD_ONE_ROW_DIRECT = 0
-CANDIDATES = ("WALK_REUSE", "DIV_ROW_CHECK", "FWD_ONE_ROW_DIRECT")
+# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
+# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
+CANDIDATES = ()
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

@@ -23,8 +23,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, mul_rn, pack_window, softmax_probs, softmax_row,
-                     start_walk, unpack_window, walk_rows, walk_window)
+from .common import (WindowSlots, advance_segment, mul_rn, softmax_row, start_walk, walk_rows,
+                     walk_window)
 
 
 class PoolBackward(WindowSlots):
@@ -65,9 +65,6 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
-        # Candidates (config.CANDIDATES), read once here: the compile cache is not keyed by them.
-        self.walk_reuse = bool(config.WALK_REUSE) and self.staged
-        self.row_check = bool(config.DIV_ROW_CHECK)
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -109,16 +106,14 @@ class PoolBackward(WindowSlots):
     def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, walk, row, stage, thr, chunk,
                   num_rows, num_tokens, num_seqs):
         """Start the cp.async copies of row ``row``'s window and grad_out vector into
-        ``stage``; returns the issuing walk and the row's window (pack_window; "in bounds"
-        there means the row computes). Rows that compute nothing copy nothing."""
+        ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
         walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
-        go = (row < num_rows) & self.real(walk, num_seqs) & ok
-        if go:
+        if (row < num_rows) & self.real(walk, num_seqs) & ok:
             self.copy_vec(atom, gGrad[(None, (row, chunk))].iterator,
                           sG[(None, thr, stage)].iterator)
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-        return walk, pack_window(t0, has_prev, go)
+        return walk
 
     @cute.jit
     def real(self, walk, num_seqs):
@@ -173,42 +168,27 @@ class PoolBackward(WindowSlots):
                     atom = self.copy_atom()
                     thr = ty * self.lanes + tid
                     walk_in = walk
-                    # With WALK_REUSE each row's window comes from the step that issued its
-                    # copies (a queue of P - 1 packed windows) instead of a second walk.
-                    none = pack_window(Int32(0), False, False)
-                    queue = ()
                     for p in cutlass.range_constexpr(P - 1):
-                        win = none
                         if p < mine:
-                            walk_in, win = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu,
-                                                          mCuc, walk_in, row0 + p * self.row_lanes,
-                                                          p, thr, chunk, num_rows, num_tokens,
-                                                          num_seqs)
-                        queue = queue + (win,)
+                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
+                                                     walk_in, row0 + p * self.row_lanes, p, thr,
+                                                     chunk, num_rows, num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
                         ahead = i + (self.stages - 1)
-                        win = none
                         if ahead < mine:
-                            walk_in, win = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu,
-                                                          mCuc, walk_in,
-                                                          row0 + ahead * self.row_lanes,
-                                                          ahead % self.stages, thr, chunk,
-                                                          num_rows, num_tokens, num_seqs)
-                        cur = queue[0]
-                        queue = queue[1:] + (win,)
+                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
+                                                     walk_in, row0 + ahead * self.row_lanes,
+                                                     ahead % self.stages, thr, chunk, num_rows,
+                                                     num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                         cute.arch.cp_async_wait_group(self.stages - 1)
-                    if cutlass.const_expr(self.walk_reuse):
-                        t0, has_prev, go = unpack_window(cur)
-                    else:
-                        walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens,
-                                                       self.ratio, self.coff)
-                        go = (row < num_rows) & self.real(walk, num_seqs) & ok
-                    if go:
+                    walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
+                    t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                   self.coff)
+                    if (row < num_rows) & self.real(walk, num_seqs) & ok:
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
                             gv.store(sG[(None, thr, stage)].load().to(Float32))
@@ -216,11 +196,8 @@ class PoolBackward(WindowSlots):
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                        if cutlass.const_expr(self.row_check):
-                            softmax_row(sf, vec, CH)
+                        softmax_row(sf, vec, CH)
                         for e in cutlass.range_constexpr(vec):
-                            if cutlass.const_expr(not self.row_check):
-                                softmax_probs(sf, e, CH)
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
                                 p = sf[k, e]

@@ -14,7 +14,7 @@ only what it copied itself, so ``cp.async.wait_group`` is the only synchronisati
 Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
-division (one shared reciprocal + an exact correction, see common.divide_column), products
+division (one shared reciprocal + an exact correction, see common.softmax_row), products
 rounded on their own (``mul.rn``) before a serial sum.
 """
 
@@ -25,8 +25,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, mul_rn, pack_window, softmax_probs, softmax_row, start_walk,
-                     unpack_window, walk_rows, walk_window)
+from .common import (WindowSlots, softmax_row, start_walk, walk_rows, walk_window, mul_rn)
 
 
 class PoolForward(WindowSlots):
@@ -67,12 +66,6 @@ class PoolForward(WindowSlots):
                 need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
         self.specialise()
-        # Candidates (config.CANDIDATES), read once here: the compile cache is not keyed by them.
-        # Not under the register bound: there the queue made ptxas spill the APE registers
-        # (32 B at sm_90a, reloaded every row), whatever the queue's size (one register).
-        self.walk_reuse = bool(config.WALK_REUSE) and not self.min_ctas
-        self.row_check = bool(config.DIV_ROW_CHECK)
-        self.one_row_direct = bool(config.FWD_ONE_ROW_DIRECT) and self.staged
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -107,16 +100,13 @@ class PoolForward(WindowSlots):
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & ok:
             self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-        return walk, pack_window(t0, has_prev, ok)
+        return walk
 
     @cute.jit
     def pool_row(self, sf, vf, acc):
         CH = self.slots
-        if cutlass.const_expr(self.row_check):
-            softmax_row(sf, self.vec, CH)
+        softmax_row(sf, self.vec, CH)
         for e in cutlass.range_constexpr(self.vec):
-            if cutlass.const_expr(not self.row_check):
-                softmax_probs(sf, e, CH)
             a = mul_rn(vf[0, e], sf[0, e])
             for k in cutlass.range_constexpr(1, CH):
                 a = a + mul_rn(vf[k, e], sf[k, e])
@@ -144,89 +134,41 @@ class PoolForward(WindowSlots):
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
             walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
-            if cutlass.const_expr(self.one_row_direct):
-                if rows_per_thread == 1:
-                    self.row_direct(gKV, gSc, gApe, gOut, sf, vf, acc, res, walk, row0, chunk,
-                                    num_rows, num_tokens, num_seqs)
-                else:
-                    self.rows_staged(gKV, gSc, gApe, mCu, mCuc, gOut, sf, vf, acc, res, walk,
-                                     row0, thr, chunk, num_rows, num_tokens, num_seqs,
-                                     rows_per_thread)
-            else:
-                self.rows_staged(gKV, gSc, gApe, mCu, mCuc, gOut, sf, vf, acc, res, walk, row0,
-                                 thr, chunk, num_rows, num_tokens, num_seqs, rows_per_thread)
-
-    @cute.jit
-    def row_direct(self, gKV, gSc, gApe, gOut, sf, vf, acc, res, walk, row, chunk, num_rows,
-                   num_tokens, num_seqs):
-        """A thread's only row, loaded straight into registers (config.FWD_ONE_ROW_DIRECT)."""
-        CH, vec = self.slots, self.vec
-        if row < num_rows:
-            apef = cute.make_rmem_tensor((CH, vec), Float32)
-            self.load_ape(gApe, apef, chunk)
-            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                           self.coff)
-            for e in cutlass.range_constexpr(vec):
-                acc[e] = Float32(0.0)
-            if ok:
-                self.load_direct(gKV, gSc, sf, vf, t0, has_prev, chunk, apef)
-                self.pool_row(sf, vf, acc)
-            res.store(acc.load().to(self.dtype))
-            gOut[(None, (row, chunk))].store(res.load())
-
-    @cute.jit
-    def rows_staged(self, gKV, gSc, gApe, mCu, mCuc, gOut, sf, vf, acc, res, walk, row0, thr,
-                    chunk, num_rows, num_tokens, num_seqs, rows_per_thread):
-        """The thread's rows, row0 + i * row_lanes, each window staged P - 1 rows ahead
-        (unstaged: loaded when computed)."""
-        vec, CH, P = self.vec, self.slots, self.stages
-        if cutlass.const_expr(self.staged):
-            smem = cutlass.memory.SmemAllocator()
-            sS, sV = self.alloc_staging(smem, P)
-            atom = self.copy_atom()
-            apef = cute.make_rmem_tensor((CH, vec), Float32)
-            self.load_ape(gApe, apef, chunk)
-            walk_in = walk
-            # With WALK_REUSE the compute step takes each row's window from the step that
-            # issued its copies (a queue of P - 1 in registers) instead of walking again.
-            none = pack_window(Int32(0), False, False)
-            queue = ()
-            for p in cutlass.range_constexpr(P - 1):
-                win = none
-                if p < rows_per_thread:
-                    walk_in, win = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
-                                                  row0 + p * self.row_lanes, p, thr, chunk,
-                                                  num_rows, num_tokens, num_seqs)
-                queue = queue + (win,)
-                cute.arch.cp_async_commit_group()
-        for i in cutlass.range(rows_per_thread):
             if cutlass.const_expr(self.staged):
-                ahead = i + (P - 1)
-                win = none
-                if ahead < rows_per_thread:
-                    walk_in, win = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
-                                                  row0 + ahead * self.row_lanes, ahead % P, thr,
-                                                  chunk, num_rows, num_tokens, num_seqs)
-                cur = queue[0]
-                queue = queue[1:] + (win,)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(P - 1)
-            row = row0 + i * self.row_lanes
-            if cutlass.const_expr(self.staged and self.walk_reuse):
-                t0, has_prev, ok = unpack_window(cur)
-            else:
+                smem = cutlass.memory.SmemAllocator()
+                sS, sV = self.alloc_staging(smem, P)
+                atom = self.copy_atom()
+                apef = cute.make_rmem_tensor((CH, vec), Float32)
+                self.load_ape(gApe, apef, chunk)
+                walk_in = walk
+                for p in cutlass.range_constexpr(P - 1):
+                    if p < rows_per_thread:
+                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
+                                                 row0 + p * self.row_lanes, p, thr, chunk,
+                                                 num_rows, num_tokens, num_seqs)
+                    cute.arch.cp_async_commit_group()
+            for i in cutlass.range(rows_per_thread):
+                if cutlass.const_expr(self.staged):
+                    ahead = i + (P - 1)
+                    if ahead < rows_per_thread:
+                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
+                                                 row0 + ahead * self.row_lanes, ahead % P, thr,
+                                                 chunk, num_rows, num_tokens, num_seqs)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(P - 1)
+                row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                               self.coff)
-            if row < num_rows:
-                for e in cutlass.range_constexpr(vec):
-                    acc[e] = Float32(0.0)
-                if ok:
-                    if cutlass.const_expr(self.staged):
-                        self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
-                                         apef)
-                    else:
-                        self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                    self.pool_row(sf, vf, acc)
-                res.store(acc.load().to(self.dtype))
-                gOut[(None, (row, chunk))].store(res.load())
+                if row < num_rows:
+                    t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
+                                                   self.coff)
+                    for e in cutlass.range_constexpr(vec):
+                        acc[e] = Float32(0.0)
+                    if ok:
+                        if cutlass.const_expr(self.staged):
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
+                                             apef)
+                        else:
+                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                        self.pool_row(sf, vf, acc)
+                    res.store(acc.load().to(self.dtype))
+                    gOut[(None, (row, chunk))].store(res.load())
