@@ -184,6 +184,15 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
 CANDIDATES = ()
+# A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
+# as it is): compile the short-window backward for this many resident CTAs an SM (a
+# register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,
+# 6 CTAs of 128 threads an SM, 5.2 warps a scheduler, 46% of cycles with no eligible
+# warp, 0.54 issued a cycle: latency-bound at low occupancy. ptxas, bf16 d=512: 8 -> 64
+# registers and 8 B of spills (sm_90a and sm_100a); 7 -> 72 registers and 168 B of
+# spills on sm_90a, 70 and none on sm_100a. Predicted with 8: 3x8192/512 backward -3 to
+# -6 us, 1x8192/512 -1 to -2; d=128 (3 CTAs an SM, held by shared memory) unchanged.
+BWD_BOUND_CTAS_PER_SM = 0
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
 LONG_CTA_THREADS = 512

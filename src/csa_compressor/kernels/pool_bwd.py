@@ -34,6 +34,10 @@ class PoolBackward(WindowSlots):
     # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
     # __call__ but not kernel(), so it turns this off.
     pdl = True
+    # No register bound and the driver's carveout unless BWD_BOUND_CTAS_PER_SM (__init__);
+    # pool_long's backward keeps these.
+    min_ctas = 0
+    carveout = config.smem_carveout()
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self.dtype = dtype
@@ -65,6 +69,17 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
+        # Candidate BWD_BOUND_CTAS_PER_SM (config.py): a register bound for that many
+        # resident CTAs (fewer where shared memory holds fewer), the grid sized for them.
+        # The DSL needs a carveout to compile a bound without a GPU (as pool_fwd.py).
+        self.min_ctas = 0
+        self.carveout = config.smem_carveout()
+        if config.BWD_BOUND_CTAS_PER_SM:
+            self.min_ctas = max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem()))
+            self.target_ctas_per_sm = self.min_ctas
+            if self.carveout is None:
+                need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -80,7 +95,8 @@ class PoolBackward(WindowSlots):
             num_row_ctas,
         ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=self.pdl, preferred_smem_carveout=config.smem_carveout())
+                 use_pdl=self.pdl, preferred_smem_carveout=self.carveout,
+                 min_blocks_per_mp=self.min_ctas)
 
     def grid(self, ctas):
         """``ctas`` row and zero CTAs for each column group. Where there are several groups
