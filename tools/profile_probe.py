@@ -4,13 +4,19 @@
     ncu --clock-control none -k regex:kernel --launch-skip 4 --launch-count 3 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python tools/profile_probe.py 3x8192:512:4:2
+
+PROBE_CONFIG="K=V,..." profiles a sweep variant (kernels/config.py constants overridden).
 """
 
+import os
 import sys
 
 import torch
 
 from csa_compressor import bench, compress_thd_fused
+from csa_compressor.kernels import config
+
+config.override(os.environ.get("PROBE_CONFIG", ""))
 
 shape = bench.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
 kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
