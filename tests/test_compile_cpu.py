@@ -104,5 +104,10 @@ def test_candidates_compile_without_spills(arch, cfg):
     base = probe(arch, cfg)
     info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
-    assert info["async_copies_by_bytes"] == base["async_copies_by_bytes"], (base, info)
+    # The same bytes staged per thread, in copies no narrower than before (a candidate may
+    # widen them: COOP_STAGING shares a warp's window out in 16-byte pieces).
+    total = lambda c: sum(int(b) * n for b, n in c.items())  # noqa: E731
+    assert total(info["async_copies_by_bytes"]) == total(base["async_copies_by_bytes"]), (base, info)
+    assert min(map(int, info["async_copies_by_bytes"]), default=0) >= min(
+        map(int, base["async_copies_by_bytes"]), default=0), (base, info)
     assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)

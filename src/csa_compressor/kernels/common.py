@@ -2,7 +2,7 @@
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -393,6 +393,70 @@ class WindowSlots:
                 dS, dV = sS[(None, thr, k, stage)].iterator, sV[(None, thr, k, stage)].iterator
                 self.copy_vec(atom, bS + self.slot_offset(k), dS)
                 self.copy_vec(atom, bV + self.slot_offset(k), dV)
+
+    def coop_stageable(self) -> bool:
+        """The window can be staged by warp-cooperative 16-byte copies (config.COOP_STAGING):
+        every warp is 32 column lanes of one row lane (so of one row), and every slot's
+        32 vectors start 16-byte aligned (token rows and the own-half offset are multiples
+        of 16 bytes; a warp's first chunk is a multiple of 32 vectors)."""
+        eb = self.dtype.width // 8
+        wb = 32 * self.vec * eb
+        return (self.staged and self.lanes % 32 == 0 and self.cpr % self.lanes == 0
+                and (self.coff * self.d * eb) % 16 == 0 and (self.d * eb) % 16 == 0
+                and wb % 16 == 0 and 32 % (wb // 16) == 0)
+
+    def coop_atom(self):
+        return cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+
+    @cute.jit
+    def stage_window_warp(self, gKV, gSc, sS, sV, atom16, t0, has_prev, stage, thr, chunk):
+        """stage_window with the warp's copies shared out: a slot's 32 vectors are one
+        contiguous run in global memory and in the staging buffer, so the lanes copy it
+        in 16-byte pieces, several slots an instruction (4 for 4-byte vectors: 8 copies a
+        row instead of 32). A lane then reads what other lanes copied: the caller
+        synchronises the warp after cp.async.wait_group, and before issuing into a stage
+        the warp read the step before."""
+        eb = self.dtype.width // 8
+        n16 = 16 // eb  # elements in a 16-byte piece
+        lpt = (32 * self.vec * eb) // 16  # lanes per slot run
+        spi = 32 // lpt  # slots an instruction
+        lane = cute.arch.lane_idx()
+        piece = lane % lpt
+        sub = lane // lpt
+        W = self.coff * self.d
+        first = t0
+        if cutlass.const_expr(self.coff == 2):
+            first = t0 - self.ratio
+        # This lane's piece: slot sub + j * spi of the warp's run (offsets for j = 0).
+        grow = first * W + sub * W + (chunk - lane) * self.vec + piece * n16
+        srow = (stage * (self.slots * self.threads * self.vec)
+                + (sub * self.threads + thr - lane) * self.vec + piece * n16)
+        vl = cute.make_layout(((n16,), 1))
+        # Where a copy instruction's slots all lie in one half of the window (spi divides
+        # ratio), which half is known at compile time: no per-lane select.
+        halves_static = self.coff == 1 or self.ratio % spi == 0
+        for j in cutlass.range_constexpr((self.slots + spi - 1) // spi):
+            k0 = j * spi
+            if cutlass.const_expr(halves_static):
+                own = self.coff == 1 or k0 >= self.ratio
+                goff = k0 * W + (self.d if self.coff == 2 and own else 0)
+                valid = Boolean(True) if own else has_prev
+                if cutlass.const_expr((self.slots % spi) != 0 and k0 + spi > self.slots):
+                    valid = valid & (sub + k0 < self.slots)
+            else:
+                k = sub + k0
+                ownk = k >= self.ratio
+                valid = (k < self.slots) & (ownk | has_prev)
+                goff = k0 * W + (self.d if ownk else 0)
+            if valid:
+                # Every term is a multiple of a 16-byte piece: say so, or the copies lose
+                # their width.
+                g = cute.assume(grow + goff, divby=n16)
+                sm = cute.assume(srow + k0 * (self.threads * self.vec), divby=n16)
+                cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
+                          cute.make_tensor(sS.iterator + sm, vl))
+                cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
+                          cute.make_tensor(sV.iterator + sm, vl))
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):

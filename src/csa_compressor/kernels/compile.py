@@ -91,7 +91,8 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
         fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
                           options="--enable-tvm-ffi")
     else:
-        kernel = (LongPoolBackward if long else PoolBackward)(cdt, ratio, coff, head_dim)
+        kernel = (LongPoolBackward(cdt, ratio, coff, head_dim) if long
+                  else PoolBackward(cdt, ratio, coff, head_dim, _target_major()))
         grad = _fake(cdt, (N, head_dim), 16)
         dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
         work = _fake(cutlass.Float32, (P, W), 16)

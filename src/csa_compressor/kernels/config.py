@@ -183,7 +183,17 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ()
+# - COOP_STAGING: the staged kernels copy a window with 16-byte cp.async shared out over
+#   the warp (common.stage_window_warp: a slot's 32 vectors are one contiguous run, so 4
+#   slots an instruction with 4-byte vectors, 2 with 8-byte) instead of one vector a
+#   thread and slot; two warp syncs a row. Where every warp holds one row (32-lane
+#   multiples, 16-byte aligned rows). The backward at 3x8192/512 did not speed up with
+#   more resident warps (BWD_BOUND_CTAS_PER_SM below), so the memory pipeline's request
+#   count is the suspect: 33 4-byte requests a row a warp there. Predicted: backward
+#   3x8192/512 -3 to -6 us, 1x8192/512 -1 to -2; d=128 forwards (4-byte vectors) -0.3
+#   to -0.8; the d=512 forward (8-byte vectors, issue-bound) -0.5 to -1.
+COOP_STAGING = 0
+CANDIDATES = ("COOP_STAGING",)
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

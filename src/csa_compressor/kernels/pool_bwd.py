@@ -39,7 +39,7 @@ class PoolBackward(WindowSlots):
     min_ctas = 0
     carveout = config.smem_carveout()
 
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9):
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
@@ -69,6 +69,12 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
+        # Candidate COOP_STAGING (config.py), read once here: the compile cache is not keyed by it.
+        # Not with stacked row lanes (d=128: 256 threads, 3 CTAs an SM): held to the 80
+        # registers that 3 CTAs leave, ptxas spilled 108 B there; nor on sm_100, where
+        # the same bound spilled 8 B at d=512 (sm_90a: none).
+        self.coop = (bool(config.COOP_STAGING) and self.coop_stageable() and self.row_lanes == 1
+                     and arch_major == 9)
         # Candidate BWD_BOUND_CTAS_PER_SM (config.py): a register bound for that many
         # resident CTAs (fewer where shared memory holds fewer), the grid sized for them.
         # The DSL needs a carveout to compile a bound without a GPU (as pool_fwd.py).
@@ -77,6 +83,11 @@ class PoolBackward(WindowSlots):
         if config.BWD_BOUND_CTAS_PER_SM:
             self.min_ctas = max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem()))
             self.target_ctas_per_sm = self.min_ctas
+        elif self.coop:
+            # The warp copies' lane offsets cost ptxas 6-11 registers (86 at d=512): hold it
+            # to the CTAs the grid is sized for, or the one-wave grid runs 1.2 waves.
+            self.min_ctas = self.target_ctas_per_sm
+        if self.min_ctas:
             if self.carveout is None:
                 need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
@@ -126,9 +137,13 @@ class PoolBackward(WindowSlots):
         walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & self.real(walk, num_seqs) & ok:
-            self.copy_vec(atom, gGrad[(None, (row, chunk))].iterator,
+            self.copy_vec(atom[0], gGrad[(None, (row, chunk))].iterator,
                           sG[(None, thr, stage)].iterator)
-            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            if cutlass.const_expr(self.coop):
+                self.stage_window_warp(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr,
+                                       chunk)
+            else:
+                self.stage_window(gKV, gSc, sS, sV, atom[0], t0, has_prev, stage, thr, chunk)
         return walk
 
     @cute.jit
@@ -181,7 +196,8 @@ class PoolBackward(WindowSlots):
                     P = self.stages
                     sS, sV = self.alloc_staging(smem, P)
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
-                    atom = self.copy_atom()
+                    # (per-thread atom, 16-byte atom of the warp's window copies)
+                    atom = (self.copy_atom(), self.coop_atom() if cutlass.const_expr(self.coop) else None)
                     thr = ty * self.lanes + tid
                     walk_in = walk
                     for p in cutlass.range_constexpr(P - 1):
@@ -193,6 +209,8 @@ class PoolBackward(WindowSlots):
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
+                        if cutlass.const_expr(self.coop):
+                            cute.arch.sync_warp()  # the stage issued next was read last step
                         ahead = i + (self.stages - 1)
                         if ahead < mine:
                             walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
@@ -201,6 +219,8 @@ class PoolBackward(WindowSlots):
                                                      num_tokens, num_seqs)
                         cute.arch.cp_async_commit_group()
                         cute.arch.cp_async_wait_group(self.stages - 1)
+                        if cutlass.const_expr(self.coop):
+                            cute.arch.sync_warp()  # other lanes' copies of this row landed
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
                                                    self.coff)

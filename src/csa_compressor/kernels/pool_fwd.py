@@ -66,6 +66,8 @@ class PoolForward(WindowSlots):
                 need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
         self.specialise()
+        # Candidate COOP_STAGING (config.py), read once here: the compile cache is not keyed by it.
+        self.coop = bool(config.COOP_STAGING) and self.coop_stageable()
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -99,7 +101,10 @@ class PoolForward(WindowSlots):
         walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & ok:
-            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            if cutlass.const_expr(self.coop):
+                self.stage_window_warp(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            else:
+                self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
         return walk
 
     @cute.jit
@@ -137,7 +142,7 @@ class PoolForward(WindowSlots):
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
-                atom = self.copy_atom()
+                atom = self.coop_atom() if cutlass.const_expr(self.coop) else self.copy_atom()
                 apef = cute.make_rmem_tensor((CH, vec), Float32)
                 self.load_ape(gApe, apef, chunk)
                 walk_in = walk
@@ -149,6 +154,8 @@ class PoolForward(WindowSlots):
                     cute.arch.cp_async_commit_group()
             for i in cutlass.range(rows_per_thread):
                 if cutlass.const_expr(self.staged):
+                    if cutlass.const_expr(self.coop):
+                        cute.arch.sync_warp()  # the stage issued next was read last step
                     ahead = i + (P - 1)
                     if ahead < rows_per_thread:
                         walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
@@ -156,6 +163,8 @@ class PoolForward(WindowSlots):
                                                  chunk, num_rows, num_tokens, num_seqs)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(P - 1)
+                    if cutlass.const_expr(self.coop):
+                        cute.arch.sync_warp()  # other lanes' copies of this row landed
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                 if row < num_rows:
