@@ -105,7 +105,7 @@ def test_candidates_compile_without_spills(arch, cfg):
     info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     # The same bytes staged per thread, in copies no narrower than before (a candidate may
-    # widen them: COOP_STAGING shares a warp's window out in 16-byte pieces).
+    # widen them, as the warp-cooperative staging of v17 did: 16-byte pieces).
     total = lambda c: sum(int(b) * n for b, n in c.items())  # noqa: E731
     assert total(info["async_copies_by_bytes"]) == total(base["async_copies_by_bytes"]), (base, info)
     assert min(map(int, info["async_copies_by_bytes"]), default=0) >= min(

@@ -395,7 +395,7 @@ class WindowSlots:
                 self.copy_vec(atom, bV + self.slot_offset(k), dV)
 
     def coop_stageable(self) -> bool:
-        """The window can be staged by warp-cooperative 16-byte copies (config.COOP_STAGING):
+        """The window can be staged by warp-cooperative 16-byte copies (stage_window_warp):
         every warp is 32 column lanes of one row lane (so of one row), and every slot's
         32 vectors start 16-byte aligned (token rows and the own-half offset are multiples
         of 16 bytes; a warp's first chunk is a multiple of 32 vectors)."""

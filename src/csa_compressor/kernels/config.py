@@ -129,7 +129,22 @@ One fast-division check a row instead of one a column (common.softmax_row; was t
   1x8192/512 13.9-14.1 / 41.2-41.3 -> 13.9 / 40.8, 3x8192/512 32.4-32.9 / 104.1-104.3 ->
   32.6 / 103.6, the ragged pack and 1x4 unchanged, 2048x64 forward 47.0-47.1 -> 47.5.
   Predicted: 3x8192/512 forward -0.5 to -1.5, d=128 within 0.3: the win came at d=128.
-Measured and dropped in the same sweep (perf-notes v17):
+Warp-cooperative staging copies (common.stage_window_warp; was the flag COOP_STAGING,
+  adopted at v17): a slot's 32 vectors of one warp are one contiguous run in global and
+  shared memory, so the lanes copy it in 16-byte cp.async pieces (4 slots an instruction
+  with 4-byte vectors, 2 with 8-byte) and meet at two warp syncs a row. Forward wherever
+  every warp holds one row with 16-byte aligned runs; backward only with one row lane
+  (d=512) and on sm_90, held to the registers of its 6-CTA grid (80, spill-free on
+  sm_90a; unbounded it took 86, and d=128's 3-CTA bound or sm_100a's spilled). Predicted:
+  backward 3x8192/512 -3 to -6 us, 1x8192/512 -1 to -2, d=128 forwards -0.3 to -0.8, the
+  d=512 forward -0.5 to -1. H200 sweep at 089f1c6 (2026-11-29, two runs each, fwd /
+  fwd+bwd us, off -> on): 3x8192/512 32.2 / 102.9-103.2 -> 31.0-31.4 / 101.2-101.4,
+  1x8192/512 13.5-13.6 / 40.6-40.9 -> 13.1-13.4 / 38.4-38.7, 3x8192/128 11.9-12.0 /
+  31.4-31.5 -> 11.1 / 30.7-31.0, 2048x64 47.2 / 146.2-146.6 -> 44.7-44.8 / 143.0-143.2,
+  1x8192/128 5.3-5.7 / 14.7-15.4 -> 5.6 / 15.2 and the ragged pack unchanged. The
+  backward gained less than predicted (-1.7 to -2.0 at 3x8192/512, -2.2 at 1x8192/512).
+  The GPU suite passed with it on (173 passed) and memcheck printed 0 errors.
+Measured and dropped in the DIV_ROW_CHECK sweep (perf-notes v17):
   - WALK_REUSE, the compute step taking a row's window from the step that issued its
     copies (one packed register a stage) instead of walking the row again: within noise
     everywhere (3x8192/512 forward 32.7 against 32.4-32.9; predicted -0.5 to -1.5), and
@@ -183,17 +198,7 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
 # with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-# - COOP_STAGING: the staged kernels copy a window with 16-byte cp.async shared out over
-#   the warp (common.stage_window_warp: a slot's 32 vectors are one contiguous run, so 4
-#   slots an instruction with 4-byte vectors, 2 with 8-byte) instead of one vector a
-#   thread and slot; two warp syncs a row. Where every warp holds one row (32-lane
-#   multiples, 16-byte aligned rows). The backward at 3x8192/512 did not speed up with
-#   more resident warps (BWD_BOUND_CTAS_PER_SM below), so the memory pipeline's request
-#   count is the suspect: 33 4-byte requests a row a warp there. Predicted: backward
-#   3x8192/512 -3 to -6 us, 1x8192/512 -1 to -2; d=128 forwards (4-byte vectors) -0.3
-#   to -0.8; the d=512 forward (8-byte vectors, issue-bound) -0.5 to -1.
-COOP_STAGING = 0
-CANDIDATES = ("COOP_STAGING",)
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,
@@ -202,6 +207,11 @@ CANDIDATES = ("COOP_STAGING",)
 # registers and 8 B of spills (sm_90a and sm_100a); 7 -> 72 registers and 168 B of
 # spills on sm_90a, 70 and none on sm_100a. Predicted with 8: 3x8192/512 backward -3 to
 # -6 us, 1x8192/512 -1 to -2; d=128 (3 CTAs an SM, held by shared memory) unchanged.
+# Measured (H200 sweep at dda586f, fwd+bwd us, 0 / 8 / 7): 3x8192/512 103.3 / 110.8-110.9
+# / 122.2, 1x8192/512 40.6 / 43.1-43.3 / 48.9, d=128 unchanged. ncu with 8: 6.9 warps a
+# scheduler (from 5.2), still 0.53 issued a cycle, DRAM 59% (from 64%), 53k local-memory
+# requests: more resident warps do not help; the memory pipeline, not latency hiding,
+# is the limit (which COOP_STAGING then confirmed). Off.
 BWD_BOUND_CTAS_PER_SM = 0
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8

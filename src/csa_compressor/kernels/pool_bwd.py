@@ -69,12 +69,11 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
-        # Candidate COOP_STAGING (config.py), read once here: the compile cache is not keyed by it.
-        # Not with stacked row lanes (d=128: 256 threads, 3 CTAs an SM): held to the 80
+        # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
+        # measured in config.py, "Adopted at v17"). Not with stacked row lanes (d=128: 256 threads, 3 CTAs an SM): held to the 80
         # registers that 3 CTAs leave, ptxas spilled 108 B there; nor on sm_100, where
         # the same bound spilled 8 B at d=512 (sm_90a: none).
-        self.coop = (bool(config.COOP_STAGING) and self.coop_stageable() and self.row_lanes == 1
-                     and arch_major == 9)
+        self.coop = self.coop_stageable() and self.row_lanes == 1 and arch_major == 9
         # Candidate BWD_BOUND_CTAS_PER_SM (config.py): a register bound for that many
         # resident CTAs (fewer where shared memory holds fewer), the grid sized for them.
         # The DSL needs a carveout to compile a bound without a GPU (as pool_fwd.py).

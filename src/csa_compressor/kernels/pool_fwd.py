@@ -66,8 +66,9 @@ class PoolForward(WindowSlots):
                 need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
         self.specialise()
-        # Candidate COOP_STAGING (config.py), read once here: the compile cache is not keyed by it.
-        self.coop = bool(config.COOP_STAGING) and self.coop_stageable()
+        # Warp-cooperative 16-byte staging copies where every warp holds one row
+        # (common.stage_window_warp; measured in config.py, "Adopted at v17").
+        self.coop = self.coop_stageable()
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
