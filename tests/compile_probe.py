@@ -61,4 +61,6 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
-                  "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx)}))
+                  "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
+                  "coop": bool(getattr(kernel, "coop", False)),
+                  "target_ctas": getattr(kernel, "target_ctas_per_sm", 0)}))
