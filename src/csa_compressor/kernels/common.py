@@ -416,6 +416,39 @@ class WindowSlots:
         row instead of 32). A lane then reads what other lanes copied: the caller
         synchronises the warp after cp.async.wait_group, and before issuing into a stage
         the warp read the step before."""
+        vl = cute.make_layout(((16 // (self.dtype.width // 8),), 1))
+
+        def copy(g, sm):
+            cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
+                      cute.make_tensor(sS.iterator + sm, vl))
+            cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
+                      cute.make_tensor(sV.iterator + sm, vl))
+
+        self.warp_pieces(t0, has_prev, stage, thr, chunk, copy)
+
+    @cute.jit
+    def store_window_warp(self, gDKV, gDSc, sS, sV, t0, has_prev, stage, thr, chunk):
+        """The reverse of stage_window_warp (config.COOP_STORES): a window's dscore (in
+        sS) and dkv (in sV), which each thread wrote to its own vectors of ``stage``, go
+        out in 16-byte pieces a lane, 4 slots a store instruction with 4-byte vectors
+        instead of one 4-byte store a thread and slot. The caller synchronises the warp
+        between the threads' writes and this."""
+        vl = cute.make_layout((16 // (self.dtype.width // 8),))
+
+        def store(g, sm):
+            cute.make_tensor(gDSc.iterator + g, vl).store(
+                cute.make_tensor(sS.iterator + sm, vl).load())
+            cute.make_tensor(gDKV.iterator + g, vl).store(
+                cute.make_tensor(sV.iterator + sm, vl).load())
+
+        self.warp_pieces(t0, has_prev, stage, thr, chunk, store)
+
+    @cute.jit
+    def warp_pieces(self, t0, has_prev, stage, thr, chunk, fn):
+        """Calls ``fn(global offset, staging offset)`` (elements, 16-byte aligned) for each
+        16-byte piece of the warp's window this lane moves: lane ``l`` takes piece
+        ``l % lpt`` of slot ``l // lpt + j * spi`` (lpt lanes a slot run, spi slots an
+        instruction), for the slots that are not empty."""
         eb = self.dtype.width // 8
         n16 = 16 // eb  # elements in a 16-byte piece
         lpt = (32 * self.vec * eb) // 16  # lanes per slot run
@@ -431,7 +464,6 @@ class WindowSlots:
         grow = first * W + sub * W + (chunk - lane) * self.vec + piece * n16
         srow = (stage * (self.slots * self.threads * self.vec)
                 + (sub * self.threads + thr - lane) * self.vec + piece * n16)
-        vl = cute.make_layout(((n16,), 1))
         # Where a copy instruction's slots all lie in one half of the window (spi divides
         # ratio), which half is known at compile time: no per-lane select.
         halves_static = self.coff == 1 or self.ratio % spi == 0
@@ -453,10 +485,7 @@ class WindowSlots:
                 # their width.
                 g = cute.assume(grow + goff, divby=n16)
                 sm = cute.assume(srow + k0 * (self.threads * self.vec), divby=n16)
-                cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
-                          cute.make_tensor(sS.iterator + sm, vl))
-                cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
-                          cute.make_tensor(sV.iterator + sm, vl))
+                fn(g, sm)
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):

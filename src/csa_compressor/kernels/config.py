@@ -197,9 +197,18 @@ REDUCE_UNROLL = 4
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
-# Flags that switch an unmeasured candidate on (none now). A GPU session runs the suite
-# with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one.
-CANDIDATES = ()
+# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
+# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one. Predictions (H200, µs,
+# written before any measurement):
+# - COOP_STORES: where the backward stages its window cooperatively (d=512 on sm_90),
+#   its dkv and dscore leave the same way: each thread writes its vectors into the stage
+#   it has just read, the warp syncs, and the lanes store 16-byte pieces (8 store
+#   instructions a row instead of 32 of 4 bytes). The writes are half the backward's
+#   bytes and the cooperative loads were worth -0.5 to -1 (3x8192/512) and -1.8 to -2
+#   (1x8192/512) there: predicted fwd+bwd 3x8192/512 -1 to -3, 1x8192/512 -0.5 to -1.5,
+#   d=128 unchanged (not used there).
+COOP_STORES = 0
+CANDIDATES = ("COOP_STORES",)
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

@@ -74,6 +74,8 @@ class PoolBackward(WindowSlots):
         # registers that 3 CTAs leave, ptxas spilled 108 B there; nor on sm_100, where
         # the same bound spilled 8 B at d=512 (sm_90a: none).
         self.coop = self.coop_stageable() and self.row_lanes == 1 and arch_major == 9
+        # Candidate COOP_STORES (config.py), read once here: the compile cache is not keyed by it.
+        self.coop_stores = bool(config.COOP_STORES) and self.coop
         # Candidate BWD_BOUND_CTAS_PER_SM (config.py): a register bound for that many
         # resident CTAs (fewer where shared memory holds fewer), the grid sized for them.
         # The DSL needs a carveout to compile a bound without a GPU (as pool_fwd.py).
@@ -150,6 +152,19 @@ class PoolBackward(WindowSlots):
         """The walk is on a true segment (not past the last: padding rows have no gradient)."""
         s, _, _, _ = walk
         return s < num_seqs
+
+    @cute.jit
+    def stage_outputs(self, sS, sV, sf, vf, dacc, has_prev, stage, thr):
+        """store_slots into this thread's own vectors of the staging ``stage`` it has just
+        read (dscore into sS, dkv into sV) instead of global memory, for
+        store_window_warp (config.COOP_STORES); adds dscore to ``dacc`` the same way."""
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            _, _, _, valid = self.slot_coords(Int32(kk), Int32(0), has_prev, Int32(0))
+            if valid:
+                sS[(None, thr, kk, stage)].store(sf[kk, None].load().to(self.dtype))
+                sV[(None, thr, kk, stage)].store(vf[kk, None].load().to(self.dtype))
+                for e in cutlass.range_constexpr(self.vec):
+                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
     @cute.jit
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
@@ -246,7 +261,14 @@ class PoolBackward(WindowSlots):
                                 p = sf[k, e]
                                 sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
                                 vf[k, e] = mul_rn(g, p)  # dkv
-                        self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
+                        if cutlass.const_expr(self.coop_stores):
+                            stage = i % self.stages
+                            self.stage_outputs(sS, sV, sf, vf, dacc, has_prev, stage, thr)
+                            cute.arch.sync_warp()  # the other lanes' vectors are written
+                            self.store_window_warp(gDKV, gDSc, sS, sV, t0, has_prev, stage, thr,
+                                                   chunk)
+                        else:
+                            self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
                     red = smem.allocate_tensor(
