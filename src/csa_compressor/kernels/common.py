@@ -299,9 +299,13 @@ class WindowSlots:
     ``ratio``, ``coff``, ``cpr`` (column chunks per row), ``vec``, ``chunk_slots`` (slots
     loaded per call), and for staging ``slots`` and ``threads``.
 
-    Staging buffers are (vec, thread, slot, stage): each thread copies its own vectors and
-    reads back only those, so ``cp.async.wait_group`` is all the synchronisation needed,
-    and a warp's 8-byte vectors are consecutive in shared memory (no bank conflicts)."""
+    Staging buffers are (vec, thread, slot, stage), so a warp's vectors of one slot are
+    consecutive in shared memory (no bank conflicts) as they are in global memory. Each
+    thread reads back only its own vectors. Where every warp holds one row
+    (coop_stageable) the warp copies them together in 16-byte pieces
+    (stage_window_warp) and syncs after ``cp.async.wait_group`` and before reusing a
+    stage; otherwise each thread copies its own and ``cp.async.wait_group`` is all the
+    synchronisation needed."""
 
     def specialise(self):
         """Code choices that follow from the geometry, made once at construction (after

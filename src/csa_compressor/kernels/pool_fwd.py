@@ -10,8 +10,10 @@ Staging: the window vectors travel global -> shared memory by ``cp.async``, ``st
 rows ahead of the row being computed, so a thread keeps ~``stages`` windows in flight
 without holding them in registers (the register-resident design kept one window in
 flight and spent most of its time either waiting or computing). Every thread reads back
-only what it copied itself, so ``cp.async.wait_group`` is the only synchronisation.
-Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and load directly.
+only its own vectors; the warp copies them together in 16-byte pieces where each warp
+holds one row (common.WindowSlots.stage_window_warp, two warp syncs a row), else each
+thread copies its own. Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and
+load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
 division (one shared reciprocal + an exact correction, see common.softmax_row), products
