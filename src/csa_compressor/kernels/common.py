@@ -103,29 +103,45 @@ def div_exact(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
-    """``sf[k, e] <- sf[k, e] / dn`` for every slot, bitwise the IEEE quotients: one shared
-    reciprocal and 3 instructions a slot when every numerator is at least DIV_FAST_MIN
-    (one check per column), true divisions otherwise (tiny, zero or NaN numerators)."""
-    mn = sf[0, e]
-    for k in cutlass.range_constexpr(1, slots):
-        mn = min_nan(mn, sf[k, e])
+def column_min(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
+               mn=None):
+    """The NaN-propagating minimum of column ``e``'s slots, continuing the running ``mn``
+    of earlier columns when given (divide_columns' check)."""
+    for k in cutlass.range_constexpr(slots):
+        mn = sf[k, e] if mn is None else min_nan(mn, sf[k, e])
+    return mn
+
+
+@cute.jit
+def divide_columns(sf: cute.Tensor, cols, slots: cutlass.Constexpr[int], dns, mn):
+    """``sf[k, e] <- sf[k, e] / dns[i]`` for every slot of each column ``e = cols[i]``,
+    bitwise the IEEE quotients, given ``mn``, the column_min over all their numerators:
+    one shared reciprocal a column and 3 instructions a slot when every numerator is at
+    least DIV_FAST_MIN, true divisions otherwise (tiny, zero or NaN numerators)."""
     if mn >= Float32(config.DIV_FAST_MIN):
-        y = rcp_rn(dn)
-        nd = -dn
-        for k in cutlass.range_constexpr(slots):
-            sf[k, e] = div_by_rcp(sf[k, e], nd, y)
+        for i, e in enumerate(cols):
+            y = rcp_rn(dns[i])
+            nd = -dns[i]
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = div_by_rcp(sf[k, e], nd, y)
     else:
-        for k in cutlass.range_constexpr(slots):
-            sf[k, e] = div_exact(sf[k, e], dn)
+        for i, e in enumerate(cols):
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = div_exact(sf[k, e], dns[i])
+
+
+@cute.jit
+def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
+    """divide_columns of one column (one check a column)."""
+    divide_columns(sf, [e], slots, [dn], column_min(sf, e, slots))
 
 
 @cute.jit
 def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
     """Every column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max) / sum``,
     in the fp32 reference's order (serial max, serial sum, true division). The division
-    is divide_column's with its check made once a row: every column's exponentials and sum
-    first, then one branch to the shared-reciprocal path (exact when every numerator of
+    is divide_columns over the whole row: every column's exponentials and sum first, then
+    one branch to the shared-reciprocal path (exact when every numerator of
     the row is at least DIV_FAST_MIN) or to true divisions. Both paths give the IEEE
     quotients, so the result is bitwise what a check a column gives; without a branch
     between columns their chains interleave (one check a column measured 3x8192/128
@@ -142,18 +158,8 @@ def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Con
         for k in cutlass.range_constexpr(1, slots):
             dn = dn + sf[k, e]
         dns.append(dn)
-        for k in cutlass.range_constexpr(slots):
-            mn = sf[k, e] if mn is None else min_nan(mn, sf[k, e])
-    if mn >= Float32(config.DIV_FAST_MIN):
-        for e in cutlass.range_constexpr(vec):
-            y = rcp_rn(dns[e])
-            nd = -dns[e]
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = div_by_rcp(sf[k, e], nd, y)
-    else:
-        for e in cutlass.range_constexpr(vec):
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = div_exact(sf[k, e], dns[e])
+        mn = column_min(sf, e, slots, mn)
+    divide_columns(sf, list(range(vec)), slots, dns, mn)
 
 
 @cute.jit
@@ -341,6 +347,19 @@ class WindowSlots:
                 dacc[kk, e] = Float32(0.0)
         return sf, vf, gv, dacc
 
+    def hold_to(self, ctas: int):
+        """Compile for ``ctas`` resident CTAs an SM (a register bound, min_blocks_per_mp)
+        and size the grid for them; 0: no bound and the grid as it is. The carveout is
+        config's, or with a bound and none set one that holds the bound's shared memory
+        (the DSL needs a carveout to compile a bound without a GPU)."""
+        self.min_ctas = ctas
+        self.carveout = config.smem_carveout()
+        if ctas:
+            self.target_ctas_per_sm = ctas
+            if self.carveout is None:
+                need = ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
+
     def ctas_fitting_smem(self) -> int:
         """CTAs of this kernel whose shared memory (``smem_bytes``) one SM holds."""
         return config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
@@ -475,7 +494,7 @@ class WindowSlots:
             k0 = j * spi
             if cutlass.const_expr(halves_static):
                 own = self.coff == 1 or k0 >= self.ratio
-                goff = k0 * W + (self.d if self.coff == 2 and own else 0)
+                goff = self.slot_offset(k0)
                 valid = Boolean(True) if own else has_prev
                 if cutlass.const_expr((self.slots % spi) != 0 and k0 + spi > self.slots):
                     valid = valid & (sub + k0 < self.slots)

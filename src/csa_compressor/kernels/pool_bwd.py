@@ -34,10 +34,6 @@ class PoolBackward(WindowSlots):
     # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
     # __call__ but not kernel(), so it turns this off.
     pdl = True
-    # No register bound and the driver's carveout unless BWD_BOUND_CTAS_PER_SM (__init__);
-    # pool_long's backward keeps these.
-    min_ctas = 0
-    carveout = config.smem_carveout()
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9):
         self.dtype = dtype
@@ -70,28 +66,21 @@ class PoolBackward(WindowSlots):
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
-        # measured in config.py, "Adopted at v17"). Not with stacked row lanes (d=128: 256 threads, 3 CTAs an SM): held to the 80
-        # registers that 3 CTAs leave, ptxas spilled 108 B there; nor on sm_100, where
-        # the same bound spilled 8 B at d=512 (sm_90a: none).
+        # measured in config.py, "Adopted at v17"). Not with stacked row lanes (d=128: 256
+        # threads, 3 CTAs an SM): held to the 80 registers that 3 CTAs leave, ptxas spilled
+        # 108 B there; nor on sm_100, where the same bound spilled 8 B at d=512 (sm_90a:
+        # none).
         self.coop = self.coop_stageable() and self.row_lanes == 1 and arch_major == 9
         # Candidate COOP_STORES (config.py), read once here: the compile cache is not keyed by it.
         self.coop_stores = bool(config.COOP_STORES) and self.coop
-        # Candidate BWD_BOUND_CTAS_PER_SM (config.py): a register bound for that many
-        # resident CTAs (fewer where shared memory holds fewer), the grid sized for them.
-        # The DSL needs a carveout to compile a bound without a GPU (as pool_fwd.py).
-        self.min_ctas = 0
-        self.carveout = config.smem_carveout()
+        # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
+        # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
+        # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
+        # CTAs the grid is sized for, or the one-wave grid runs 1.2 waves.
         if config.BWD_BOUND_CTAS_PER_SM:
-            self.min_ctas = max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem()))
-            self.target_ctas_per_sm = self.min_ctas
-        elif self.coop:
-            # The warp copies' lane offsets cost ptxas 6-11 registers (86 at d=512): hold it
-            # to the CTAs the grid is sized for, or the one-wave grid runs 1.2 waves.
-            self.min_ctas = self.target_ctas_per_sm
-        if self.min_ctas:
-            if self.carveout is None:
-                need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
+            self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
+        else:
+            self.hold_to(self.target_ctas_per_sm if self.coop else 0)
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,

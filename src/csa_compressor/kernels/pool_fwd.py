@@ -55,18 +55,10 @@ class PoolForward(WindowSlots):
         fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
         # Narrow-vector forwards are compiled for FWD_BOUND_CTAS_PER_SM[arch] resident CTAs
-        # (a register bound) and their grid sized for that many, with a carveout that holds
-        # their staging (the DSL needs one set to compile the bound without a GPU). See
+        # (a register bound) and their grid sized for that many. See
         # config.FWD_BOUND_CTAS_PER_SM for what it measured.
-        self.min_ctas = 0
-        self.carveout = config.smem_carveout()
         bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
-        if bound and narrow:
-            self.min_ctas = max(1, min(bound, fit))
-            self.target_ctas_per_sm = self.min_ctas
-            if self.carveout is None:
-                need = self.min_ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
+        self.hold_to(max(1, min(bound, fit)) if bound and narrow else 0)
         self.specialise()
         # Warp-cooperative 16-byte staging copies where every warp holds one row
         # (common.stage_window_warp; measured in config.py, "Adopted at v17").

@@ -140,6 +140,7 @@ class LongPoolBackward(PoolBackward):
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
+        self.hold_to(0)  # PoolBackward.__call__'s launch: no bound, config's carveout
 
     pdl = False  # its kernel() has no griddepcontrol.wait
     shared = _LongShape.shared
