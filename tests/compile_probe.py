@@ -64,4 +64,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
                   "coop": bool(getattr(kernel, "coop", False)),
                   "target_ctas": getattr(kernel, "target_ctas_per_sm", 0),
-                  "threads": getattr(kernel, "threads", 0)}))
+                  "threads": getattr(kernel, "threads", 0),
+                  "dape_group": getattr(kernel, "dape_group", 1),
+                  "cluster_loads": ptx.count("ld.shared::cluster"),
+                  "cluster_waits": ptx.count("barrier.cluster.wait")}))

@@ -111,7 +111,7 @@ def test_dape_reduction_compiles_with_wide_loads(arch):
 
 
 CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 512),
-                     ("fwd", "bfloat16", 4, 2, 128)]
+                     ("bwd", "bfloat16", 4, 2, 128), ("fwd", "bfloat16", 4, 2, 128)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -133,3 +133,16 @@ def test_candidates_compile_without_spills(arch, cfg):
     assert min(map(int, info["async_copies_by_bytes"]), default=0) >= min(
         map(int, base["async_copies_by_bytes"]), default=0), (base, info)
     assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)
+    if info["threads"] and info["target_ctas"] and cfg[0] != "dape":
+        regs = -(-max(info["regs"]) // 8) * 8  # one wave of the grid's CTAs, as above
+        assert regs * info["threads"] * info["target_ctas"] <= 65536, info
+    # DAPE_CLUSTER: the sm_90 backward sums its partials in clusters (two cluster barriers,
+    # a peer load a vector element and cluster CTA); without it, none of that.
+    assert base["cluster_loads"] == base["cluster_waits"] == 0, base
+    clustered = "DAPE_CLUSTER" in config.CANDIDATES and cfg[0] == "bwd" and arch == "sm_90a"
+    assert (info["dape_group"] > 1) == clustered, info
+    if clustered:
+        assert info["cluster_waits"] == 2, info
+        assert info["cluster_loads"] == info["vec"] * info["dape_group"], info
+    else:
+        assert info["cluster_loads"] == info["cluster_waits"] == 0, info

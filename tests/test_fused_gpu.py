@@ -151,6 +151,28 @@ def test_repeated_runs_are_bitwise_identical():
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("d", [128, 512])
+def test_caller_workspace_gives_the_same_gradients(d):
+    """pool_backward with a workspace of backward_workspace_shape (NaN-filled: every
+    partial is written before it is summed) equals its own allocation bitwise, and a
+    workspace of another shape is refused."""
+    from csa_compressor import backward_workspace_shape
+
+    kv, score, ape, cu, cuc, N = make_pack([8192, 1000, 3, 77], d, 4, 2, dtype=torch.bfloat16,
+                                           device="cuda", seed=5)
+    g = torch.randn(N, d, device="cuda").to(torch.bfloat16)
+    bufs = lambda: (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))  # noqa: E731
+    want = pool_backward(kv, score, ape, cu, cuc, g, *bufs(), ratio=4, coff=2)
+    shape = backward_workspace_shape(N, kv.shape[0], 4, 2, d, torch.bfloat16, "cuda")
+    ws = torch.full(shape, float("nan"), device="cuda")
+    got = pool_backward(kv, score, ape, cu, cuc, g, *bufs(), ratio=4, coff=2, workspace=ws)
+    for x, y in zip(want, got):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="workspace"):
+        pool_backward(kv, score, ape, cu, cuc, g, *bufs(), ratio=4, coff=2,
+                      workspace=torch.empty(shape[0] + 4, shape[1], device="cuda"))
+
+
 def test_capacity_below_true_count_stays_in_bounds():
     kv, score, ape, cu, cuc, N = make_pack([64, 64], 128, 4, 2, dtype=torch.bfloat16, device="cuda")
     n = N - 9  # a caller error: fewer rows than the pack holds

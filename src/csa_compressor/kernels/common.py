@@ -35,6 +35,16 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def load_peer_f32(ptr, rank, *, loc=None, ip=None) -> Float32:
+    """The fp32 at shared-memory pointer ``ptr`` of the cluster's CTA ``rank``
+    (distributed shared memory; the DSL's tensors do not load from it). Volatile: it must
+    stay after the cluster barrier that publishes the value."""
+    addr = Int32(cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip).toint(loc=loc, ip=ip))
+    return _asm_f32("ld.shared::cluster.f32 $0, [$1];", "=f,r", addr, volatile=True,
+                    operand=Int32, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def max_nan(a, b, *, loc=None, ip=None) -> Float32:
     """NaN-propagating max in one instruction (``torch.amax`` semantics; the generic max
     lowers to two compares and a select)."""

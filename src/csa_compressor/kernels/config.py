@@ -207,8 +207,22 @@ SMEM_CARVEOUT = -1
 #   bytes and the cooperative loads were worth -0.5 to -1 (3x8192/512) and -1.8 to -2
 #   (1x8192/512) there: predicted fwd+bwd 3x8192/512 -1 to -3, 1x8192/512 -0.5 to -1.5,
 #   d=128 unchanged (not used there).
+# - DAPE_CLUSTER: the backward's row CTAs are launched in clusters of DAPE_CLUSTER_CTAS
+#   consecutive row CTAs (times the column groups, which share no columns), and each
+#   cluster writes one dape partial instead of one a CTA: the CTAs leave their partials in
+#   shared memory, and after a cluster barrier each sums a share of the slots over the
+#   cluster's CTAs in rank order through distributed shared memory (fixed order: still
+#   bitwise reproducible). The partials are 16 KB a row CTA at d=512 (1x8192/512: 342
+#   CTAs, 5.6 MB written and read again, ~16% over the backward's 69 MB; 3x8192/512: 6.5
+#   MB, ~3%); with 4 a cluster they are a quarter, and the dape sum walks a quarter of the
+#   rows. Predicted fwd+bwd 1x8192/512 -1 to -2.5, 3x8192/512 -0.5 to -2, d=128 within
+#   0.5 (1.6 MB of partials at 1x8192/128; the cluster barriers cost the tail ~0.2-0.5).
 COOP_STORES = 0
-CANDIDATES = ("COOP_STORES",)
+DAPE_CLUSTER = 0
+# CTAs of one column group a cluster (DAPE_CLUSTER); the cluster is this times the column
+# groups, at most the portable 8.
+DAPE_CLUSTER_CTAS = 4
+CANDIDATES = ("COOP_STORES", "DAPE_CLUSTER")
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,
