@@ -33,6 +33,24 @@ def _verbose(*a, options="", **k):
 
 
 cute.compile = _verbose
+
+# The shared memory the kernel's allocators hand out, modelled as they allocate: each
+# SmemAllocator bumps from offset 0, every allocation aligned up to its alignment. A launch
+# that asks for less than the largest end overruns (compute-sanitizer caught one).
+from cutlass.memory import SmemAllocator  # noqa: E402
+
+_allocate = SmemAllocator.allocate
+smem_ends = {}
+
+
+def _modelled(self, size, byte_alignment=1, *a, **k):
+    if isinstance(size, int):
+        at = -(-smem_ends.get(id(self), 0) // byte_alignment) * byte_alignment
+        smem_ends[id(self)] = at + size
+    return _allocate(self, size, byte_alignment, *a, **k)
+
+
+SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
     kernel, _ = cc._build(direction, getattr(torch, dtype), ratio, coff, d)
@@ -65,6 +83,5 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "coop": bool(getattr(kernel, "coop", False)),
                   "target_ctas": getattr(kernel, "target_ctas_per_sm", 0),
                   "threads": getattr(kernel, "threads", 0),
-                  "dape_group": getattr(kernel, "dape_group", 1),
-                  "cluster_loads": ptx.count("ld.shared::cluster"),
-                  "cluster_waits": ptx.count("barrier.cluster.wait")}))
+                  "smem_asked": getattr(kernel, "smem_bytes", 0),
+                  "smem_used": max(smem_ends.values(), default=0)}))

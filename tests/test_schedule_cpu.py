@@ -59,27 +59,6 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
     assert (zero_ctas - 1) * k.row_lanes * config.ZERO_TOKENS_PER_THREAD < max(tokens, 1)
 
 
-@pytest.mark.parametrize("cfg", BWD, ids=[f"{c[0].__name__}-r{c[2]}-c{c[3]}-d{c[4]}" for c in BWD])
-@pytest.mark.parametrize("rows,tokens", [(1, 4), (61, 300), (2048, 8192), (6144, 24576), (3, 10**5)])
-def test_backward_schedule_in_dape_clusters(monkeypatch, cfg, rows, tokens):
-    """With DAPE_CLUSTER the row and zero CTA counts are multiples of the cluster's row
-    CTAs (a cluster is all row or all zero CTAs; the grid divides into clusters), the row
-    CTAs still fit the one wave the grid is sized for, and the partials have a row block
-    a cluster."""
-    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
-    monkeypatch.setattr(config, "DAPE_CLUSTER", 1)
-    cls, *args = cfg
-    k = cls(*args)
-    assert k.dape_group == (1 if cls is LongPoolBackward else config.DAPE_CLUSTER_CTAS)
-    assert k.dape_group * k.col_groups <= 8  # the portable cluster size
-    per_cta, row_ctas, zero_ctas = launch.backward_schedule(rows, tokens, k, torch.device("cuda", 0))
-    assert row_ctas % k.dape_group == 0 and zero_ctas % k.dape_group == 0
-    assert row_ctas * per_cta >= rows
-    assert row_ctas * k.col_groups <= max(SMS * k.target_ctas_per_sm, k.dape_group * k.col_groups)
-    assert launch._partial_rows(row_ctas, k) == row_ctas // k.dape_group * k.ratio
-    assert k.target_ctas_per_sm * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
-
-
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
     # The measured grids (config.py): d=512 (8-byte vectors) 4 CTAs per SM (ncu:

@@ -5,6 +5,7 @@ kernel-shaping constants. Not part of the package; results go to docs/perf-notes
     python tools/perf_probe.py validate
     python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
     python tools/perf_probe.py floor
+    python tools/perf_probe.py parts [shape,shape]
 """
 
 import sys
@@ -104,6 +105,66 @@ def floor():
               f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.2f} µs", row.get("error", ""))
 
 
+def parts():
+    """Each launch of a fused step on its own, timed as the bench times a step (graphs of
+    20 calls over the same rotating input sets): the forward, the backward kernel without
+    its dape sum, the dape sum alone (on the partials the backward left), the backward
+    with its sum (pool_backward) and the whole kernel-level step. What a step costs over
+    the sum of its parts is what the launches do not overlap."""
+    import math
+
+    from csa_compressor.kernels import launch
+
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else (
+        "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",
+        "[1023,2048,509,3,0,77]:128:4:2")
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for name in names:
+        shape = bench.parse_shape(name)
+        r, c, d = shape.ratio, shape.coff, shape.d
+        set_bytes = 4 * sum(shape.lens) * c * d
+        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / set_bytes)))
+        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
+        N, T = sets[0][5], sets[0][0].shape[0]
+        outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
+        grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
+        kb, fb = cc.get_kernel("bwd", dev, torch.bfloat16, r, c, d)
+        _, ff = cc.get_kernel("fwd", dev, torch.bfloat16, r, c, d)
+        rpc, row_ctas, zero_ctas = launch.backward_schedule(N, T, kb, dev)
+        works = [torch.empty(row_ctas * r, c * d, device=dev) for _ in sets]
+
+        def fwd(i):
+            kv, score, ape, cu, cuc = sets[i][:5]
+            ff(kv, score, ape, cu, cuc, outs[i], 1)
+
+        def bwd_only(i):
+            kv, score, ape, cu, cuc, _, g = sets[i]
+            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, row_ctas,
+               zero_ctas)
+
+        def dape_only(i):
+            kb.dape_fn(works[i].view(row_ctas, -1), grads[i][2].view(1, -1))
+
+        def bwd(i):
+            kv, score, ape, cu, cuc, _, g = sets[i]
+            pool_backward(kv, score, ape, cu, cuc, g, *grads[i], ratio=r, coff=c,
+                          workspace=works[i])
+
+        def step(i):
+            fwd(i)
+            bwd(i)
+
+        for i in range(n):
+            bwd(i)  # the partials dape_only sums
+        cells = [f"{k} {bench.time_graph(f, n):6.2f}" for k, f in (
+            ("fwd", fwd), ("bwd kernel", bwd_only), ("dape sum", dape_only),
+            ("bwd+dape", bwd), ("fwd+bwd+dape", step))]
+        print(f"{name:32s} sets {n:2d} row CTAs {row_ctas:4d} | " + " | ".join(cells) + " µs")
+        del sets, outs, grads, works
+        torch.cuda.empty_cache()
+
+
 def sweep():
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
         "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
@@ -129,4 +190,5 @@ def sweep():
 
 
 if __name__ == "__main__":
-    {"host": host, "sweep": sweep, "validate": validate_cost, "floor": floor}[sys.argv[1]]()
+    {"host": host, "sweep": sweep, "validate": validate_cost, "floor": floor,
+     "parts": parts}[sys.argv[1]]()

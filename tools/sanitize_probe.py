@@ -1,5 +1,6 @@
 """Small ragged packs through every kernel family, for compute-sanitizer (memcheck):
-short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim), long-window fwd/bwd
+short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim in all three dtypes,
+where buffer sizes are not multiples of their alignment), long-window fwd/bwd
 (ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
 caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
 counts. CSA_CONFIG="K=V,..." runs it with kernels/config.py constants overridden."""
@@ -18,17 +19,20 @@ from packs import CORRUPT_OFFSETS  # noqa: E402
 
 config.override(os.environ.get("CSA_CONFIG", ""))
 
-for spec, extra in (("37+0+3+64+129+1:128:4:2", 3), ("37+0+3+64+129+1:65:3:1", 2),
-                    ("300+0+127+259:64:128:1", 2), ("300+5+260:64:128:2", 1), ("2:64:4:2", 2),
-                    ("64+64:128:4:2", -9)):
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:65:3:1", 2, bf16),
+                           ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
+                           ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
+                           ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),
+                           ("64+64:128:4:2", -9, bf16)):
     s = parse_shape(spec)
-    kv, score, ape, cu, cuc, N, _ = make_inputs(s, torch.bfloat16, torch.device("cuda"))
+    kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))
     N = max(0, N + extra)
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
     out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=s.ratio, coff=s.coff)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
-    print(spec, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
+    print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
 
 for ratio, coff in ((4, 2), (1, 1), (128, 1)):
     W = coff * 64

@@ -35,16 +35,6 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def load_peer_f32(ptr, rank, *, loc=None, ip=None) -> Float32:
-    """The fp32 at shared-memory pointer ``ptr`` of the cluster's CTA ``rank``
-    (distributed shared memory; the DSL's tensors do not load from it). Volatile: it must
-    stay after the cluster barrier that publishes the value."""
-    addr = Int32(cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip).toint(loc=loc, ip=ip))
-    return _asm_f32("ld.shared::cluster.f32 $0, [$1];", "=f,r", addr, volatile=True,
-                    operand=Int32, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def max_nan(a, b, *, loc=None, ip=None) -> Float32:
     """NaN-propagating max in one instruction (``torch.amax`` semantics; the generic max
     lowers to two compares and a select)."""
@@ -310,6 +300,15 @@ def walk_window(walk, row: Int32, num_seqs: Int32, num_tokens: Int32,
     return t0, has_prev, ok
 
 
+def smem_footprint(*sizes: int) -> int:
+    """Bytes that consecutive shared-memory allocations of ``sizes`` bytes take when each
+    starts 16-byte aligned (SmemAllocator.allocate_tensor(..., 16)), as launches must ask
+    for: summing the bare sizes under-asked where a buffer's size is not a multiple of 16
+    (fp32 head_dim 65: 195 threads' grad_out stages, 2,340 bytes; compute-sanitizer saw
+    the next buffer's last writes land past the launch's shared memory)."""
+    return sum(-(-n // 16) * 16 for n in sizes)
+
+
 class WindowSlots:
     """Slot geometry, loading and cp.async staging shared by the kernels: needs ``dtype``,
     ``ratio``, ``coff``, ``cpr`` (column chunks per row), ``vec``, ``chunk_slots`` (slots
@@ -377,8 +376,10 @@ class WindowSlots:
     def stageable(self) -> bool:
         return self.vec * self.dtype.width // 8 in (4, 8, 16)  # the cp.async sizes
 
-    def window_stage_bytes(self) -> int:
-        return 2 * self.slots * self.threads * self.vec * self.dtype.width // 8
+    def staging_bytes(self, stages: int) -> int:
+        """Shared memory of alloc_staging(smem, stages): the score and kv stages."""
+        half = stages * self.slots * self.threads * self.vec * self.dtype.width // 8
+        return smem_footprint(half, half)
 
     def alloc_staging(self, smem, stages: int):
         layout = cute.make_layout((self.vec, self.threads, self.slots, stages))
@@ -458,23 +459,6 @@ class WindowSlots:
                       cute.make_tensor(sV.iterator + sm, vl))
 
         self.warp_pieces(t0, has_prev, stage, thr, chunk, copy)
-
-    @cute.jit
-    def store_window_warp(self, gDKV, gDSc, sS, sV, t0, has_prev, stage, thr, chunk):
-        """The reverse of stage_window_warp (config.COOP_STORES): a window's dscore (in
-        sS) and dkv (in sV), which each thread wrote to its own vectors of ``stage``, go
-        out in 16-byte pieces a lane, 4 slots a store instruction with 4-byte vectors
-        instead of one 4-byte store a thread and slot. The caller synchronises the warp
-        between the threads' writes and this."""
-        vl = cute.make_layout((16 // (self.dtype.width // 8),))
-
-        def store(g, sm):
-            cute.make_tensor(gDSc.iterator + g, vl).store(
-                cute.make_tensor(sS.iterator + sm, vl).load())
-            cute.make_tensor(gDKV.iterator + g, vl).store(
-                cute.make_tensor(sV.iterator + sm, vl).load())
-
-        self.warp_pieces(t0, has_prev, stage, thr, chunk, store)
 
     @cute.jit
     def warp_pieces(self, t0, has_prev, stage, thr, chunk, fn):

@@ -161,6 +161,17 @@ SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1/s
   A sweep knob for the fixed-cost work: 100 makes the three kernels' splits equal at the
   cost of L1. Measured at f929db6 (perf-notes v15): within noise at every shape (e.g.
   1x8192/128 fwd+bwd 18.1 against 18.1-18.3 at -1), so it stays -1.
+Measured and dropped at 7891c23 (H200 sweep, 2026-11-29, fwd+bwd us, perf-notes v18):
+  - COOP_STORES, the backward's dkv and dscore written through the stage it had just read
+    and stored in 16-byte warp-cooperative pieces (d=512 on sm_90): 3x8192/512 101.0
+    against 101.2-101.9 without, 1x8192/512 38.6 against 38.3-38.4 (predicted -1 to -3
+    and -0.5 to -1.5). The stores were not the limit the cooperative loads were.
+  - DAPE_CLUSTER, the row CTAs launched in clusters of 4 (or 2) a column group, summing
+    their dape partials over distributed shared memory and writing one a cluster (a
+    quarter of the partials' bytes): 3x8192/512 117.9-118.0 (119.0 with 2) against
+    101.2-101.9, 1x8192/512 41.3-41.6, 3x8192/128 34.7, 2048x64 167.1 against 143.5-144.0
+    (predicted -0.5 to -2.5). The cluster launch itself costs far more than the partials'
+    bytes; not profiled further.
 Measured and dropped at 0fe2952 (H200 sweep, fwd+bwd us at 1x8192/128 / ragged / 3x8192/512):
   WARP_WALK_SHUFFLE, the segment search and the segment's bounds in one pass of loads
   (20.5 / 15.8 / 108.6 against 20.3 / 15.8 / 109.0 without; predicted -0.3 to -0.8). The
@@ -198,31 +209,9 @@ REDUCE_UNROLL = 4
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
-# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one. Predictions (H200, µs,
-# written before any measurement):
-# - COOP_STORES: where the backward stages its window cooperatively (d=512 on sm_90),
-#   its dkv and dscore leave the same way: each thread writes its vectors into the stage
-#   it has just read, the warp syncs, and the lanes store 16-byte pieces (8 store
-#   instructions a row instead of 32 of 4 bytes). The writes are half the backward's
-#   bytes and the cooperative loads were worth -0.5 to -1 (3x8192/512) and -1.8 to -2
-#   (1x8192/512) there: predicted fwd+bwd 3x8192/512 -1 to -3, 1x8192/512 -0.5 to -1.5,
-#   d=128 unchanged (not used there).
-# - DAPE_CLUSTER: the backward's row CTAs are launched in clusters of DAPE_CLUSTER_CTAS
-#   consecutive row CTAs (times the column groups, which share no columns), and each
-#   cluster writes one dape partial instead of one a CTA: the CTAs leave their partials in
-#   shared memory, and after a cluster barrier each sums a share of the slots over the
-#   cluster's CTAs in rank order through distributed shared memory (fixed order: still
-#   bitwise reproducible). The partials are 16 KB a row CTA at d=512 (1x8192/512: 342
-#   CTAs, 5.6 MB written and read again, ~16% over the backward's 69 MB; 3x8192/512: 6.5
-#   MB, ~3%); with 4 a cluster they are a quarter, and the dape sum walks a quarter of the
-#   rows. Predicted fwd+bwd 1x8192/512 -1 to -2.5, 3x8192/512 -0.5 to -2, d=128 within
-#   0.5 (1.6 MB of partials at 1x8192/128; the cluster barriers cost the tail ~0.2-0.5).
-COOP_STORES = 0
-DAPE_CLUSTER = 0
-# CTAs of one column group a cluster (DAPE_CLUSTER); the cluster is this times the column
-# groups, at most the portable 8.
-DAPE_CLUSTER_CTAS = 4
-CANDIDATES = ("COOP_STORES", "DAPE_CLUSTER")
+# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
+# (H200, µs, written before any measurement). None waits now.
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

@@ -66,23 +66,11 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
 
 
 def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device):
-    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch. Both counts
-    are multiples of the kernel's dape_group (its clusters are all row or all zero CTAs),
-    and the row CTAs still fit the target's one wave."""
-    group = kernel.dape_group
-    target = sm_count(device.index) * kernel.target_ctas_per_sm // kernel.col_groups
-    target = max(group, target // group * group)
+    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch."""
+    target = max(1, sm_count(device.index) * kernel.target_ctas_per_sm // kernel.col_groups)
     rows_per_cta = max(kernel.min_rows_per_cta, math.ceil(total_comp / target))
     tokens_per_cta = kernel.row_lanes * config.ZERO_TOKENS_PER_THREAD
-    up = lambda n: -(-n // group) * group  # noqa: E731
-    return (rows_per_cta, up(math.ceil(total_comp / rows_per_cta)),
-            up(math.ceil(num_tokens / tokens_per_cta)))
-
-
-def _partial_rows(row_ctas: int, kernel) -> int:
-    """Rows of the dape partials: ``ratio`` for each row CTA, or each cluster of
-    dape_group row CTAs."""
-    return row_ctas // kernel.dape_group * kernel.ratio
+    return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
@@ -90,7 +78,7 @@ def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtyp
     device = torch.device(device)
     kernel, _ = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
     _, row_ctas, _ = backward_schedule(total_comp, num_tokens, kernel, device)
-    return (_partial_rows(row_ctas, kernel), coff * head_dim)
+    return (row_ctas * ratio, coff * head_dim)
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
@@ -122,7 +110,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         return grad_kv, grad_score, grad_ape
     kernel, fn = get_kernel("bwd", dev, dt, ratio, coff, d)
     rows_per_cta, row_ctas, zero_ctas = backward_schedule(N, T, kernel, dev)
-    shape = (_partial_rows(row_ctas, kernel), coff * d)
+    shape = (row_ctas * ratio, coff * d)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.float32, device=dev)
     elif tuple(workspace.shape) != shape:
@@ -131,5 +119,5 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv, grad_score,
            workspace, rows_per_cta, row_ctas, zero_ctas)
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here).
-        kernel.dape_fn(workspace.view(-1, ratio * coff * d), grad_ape.view(1, ratio * coff * d))
+        kernel.dape_fn(workspace.view(row_ctas, ratio * coff * d), grad_ape.view(1, ratio * coff * d))
     return grad_kv, grad_score, grad_ape

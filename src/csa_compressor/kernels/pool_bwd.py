@@ -23,13 +23,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, load_peer_f32, mul_rn, softmax_row,
+from .common import (WindowSlots, advance_segment, mul_rn, smem_footprint, softmax_row,
                      start_walk, walk_rows, walk_window)
 
 
 class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
-    dape_group = 1  # row CTAs a dape partial (see __init__); pool_long keeps one a CTA
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel()): the launch and CTA start-up overlap the previous kernel's tail (-0.3 to
     # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
@@ -60,20 +59,12 @@ class PoolBackward(WindowSlots):
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
         self.stages = config.BWD_STAGES
-        # Candidate DAPE_CLUSTER (config.py): clusters of dape_group row CTAs of each column
-        # group sum their dape partials over distributed shared memory (sum_cluster_partials)
-        # and write one. A cluster spans the column groups too (grid(): they are adjacent
-        # blocks), so dape_group * col_groups stays within the portable cluster size 8.
-        # Only where every thread of a row CTA has a column (cpr a multiple of lanes), so
-        # all of them reach the cluster barriers; and on sm_90 only: sm_100a ptxas took 87-88
-        # registers for it (79 without), over what the grid's 3 or 6 CTAs an SM leave.
-        if config.DAPE_CLUSTER and self.cpr % self.lanes == 0 and arch_major == 9:
-            self.dape_group = max(1, min(config.DAPE_CLUSTER_CTAS, 8 // self.col_groups))
-        self.part_bytes = self.slots * self.vec * self.lanes * 4 if self.dape_group > 1 else 0
-        # window (score, kv) + the grad_out vector, per stage
-        stage_bytes = self.window_stage_bytes() + self.threads * self.vec * dtype.width // 8
-        self.smem_bytes = (self.red_bytes + self.part_bytes
-                           + (self.stages * stage_bytes if self.staged else 0))
+        # In kernel()'s order: the window stages (score, kv), the grad_out stages, the row
+        # lanes' dape sums.
+        grad_bytes = self.stages * self.threads * self.vec * dtype.width // 8
+        staging = (self.staging_bytes(self.stages) + smem_footprint(grad_bytes)
+                   if self.staged else 0)
+        self.smem_bytes = staging + smem_footprint(self.red_bytes)
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
@@ -83,8 +74,6 @@ class PoolBackward(WindowSlots):
         # 108 B there; nor on sm_100, where the same bound spilled 8 B at d=512 (sm_90a:
         # none).
         self.coop = self.coop_stageable() and self.row_lanes == 1 and arch_major == 9
-        # Candidate COOP_STORES (config.py), read once here: the compile cache is not keyed by it.
-        self.coop_stores = bool(config.COOP_STORES) and self.coop
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
@@ -100,9 +89,6 @@ class PoolBackward(WindowSlots):
                  mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32, num_zero_ctas: Int32,
                  stream):
         tiler = (1, self.vec)
-        # a cluster launch only where the partials are summed in clusters
-        cluster = ({"cluster": [self.dape_group * self.col_groups, 1, 1]}
-                   if self.dape_group > 1 else {})
         self.kernel(
             cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
             cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
@@ -112,7 +98,7 @@ class PoolBackward(WindowSlots):
         ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
                  use_pdl=self.pdl, preferred_smem_carveout=self.carveout,
-                 min_blocks_per_mp=self.min_ctas, **cluster)
+                 min_blocks_per_mp=self.min_ctas)
 
     def grid(self, ctas):
         """``ctas`` row and zero CTAs for each column group. Where there are several groups
@@ -158,19 +144,6 @@ class PoolBackward(WindowSlots):
         return s < num_seqs
 
     @cute.jit
-    def stage_outputs(self, sS, sV, sf, vf, dacc, has_prev, stage, thr):
-        """store_slots into this thread's own vectors of the staging ``stage`` it has just
-        read (dscore into sS, dkv into sV) instead of global memory, for
-        store_window_warp (config.COOP_STORES); adds dscore to ``dacc`` the same way."""
-        for kk in cutlass.range_constexpr(self.chunk_slots):
-            _, _, _, valid = self.slot_coords(Int32(kk), Int32(0), has_prev, Int32(0))
-            if valid:
-                sS[(None, thr, kk, stage)].store(sf[kk, None].load().to(self.dtype))
-                sV[(None, thr, kk, stage)].store(vf[kk, None].load().to(self.dtype))
-                for e in cutlass.range_constexpr(self.vec):
-                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
-
-    @cute.jit
     def store_slots(self, gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk):
         """Store dscore (in sf) and dkv (in vf) of the window's slots and add dscore to the
         thread's dape registers ``dacc``."""
@@ -208,9 +181,6 @@ class PoolBackward(WindowSlots):
                 row0 = bx * rows_per_cta + ty
                 walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
                 smem = cutlass.memory.SmemAllocator()
-                part = None  # this CTA's dape partial, for sum_cluster_partials
-                if cutlass.const_expr(self.dape_group > 1):
-                    part = smem.allocate_tensor(Float32, cute.make_layout((vec, self.lanes, CH)), 16)
                 # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
                 mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
                 if cutlass.const_expr(self.staged):
@@ -268,14 +238,7 @@ class PoolBackward(WindowSlots):
                                 p = sf[k, e]
                                 sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
                                 vf[k, e] = mul_rn(g, p)  # dkv
-                        if cutlass.const_expr(self.coop_stores):
-                            stage = i % self.stages
-                            self.stage_outputs(sS, sV, sf, vf, dacc, has_prev, stage, thr)
-                            cute.arch.sync_warp()  # the other lanes' vectors are written
-                            self.store_window_warp(gDKV, gDSc, sS, sV, t0, has_prev, stage, thr,
-                                                   chunk)
-                        else:
-                            self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
+                        self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
                     red = smem.allocate_tensor(
@@ -289,42 +252,11 @@ class PoolBackward(WindowSlots):
                                 dacc[i // vec, i % vec] = dacc[i // vec, i % vec] + red[tid, i, y]
                 if ty == 0:
                     for kk in cutlass.range_constexpr(CH):
-                        if cutlass.const_expr(self.dape_group > 1):
-                            part[(None, tid, kk)].store(dacc[kk, None].load())
-                        else:
-                            _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
-                            gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
-                if cutlass.const_expr(self.dape_group > 1):
-                    # Here rather than after the row / zero branches: there ptxas gave the
-                    # d=128 backward 96 registers instead of 80 (3 CTAs an SM need <= 85).
-                    self.sum_cluster_partials(part, gWork, bx, by, tid, ty, chunk)
+                        _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
+                        gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
             else:
                 t = ((bx - num_row_ctas) * self.row_lanes + ty) * config.ZERO_TOKENS_PER_THREAD
                 self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
-
-    @cute.jit
-    def sum_cluster_partials(self, part, gWork, bx, by, tid, ty, chunk):
-        """One dape partial for the dape_group row CTAs of this cluster and column group:
-        each CTA (row offset j in the cluster) sums slots j, j + dape_group, ... of the
-        CTAs' partials in rank order, so the order depends only on the schedule."""
-        G = self.dape_group
-        cute.arch.cluster_arrive()  # release: our partial in shared memory ...
-        cute.arch.cluster_wait()  # ... acquire: the peers' partials
-        if ty == 0:
-            # A run-time loop: unrolled (every slot's peer loads at once), ptxas spilled 8 B
-            # under the d=512 backward's 80-register bound.
-            for kk in cutlass.range(bx % G, self.chunk_slots, G, unroll=1):
-                acc = cute.make_rmem_tensor((self.vec,), Float32)
-                for i in cutlass.range_constexpr(G):
-                    rank = Int32(i * self.col_groups) + by
-                    for e in cutlass.range_constexpr(self.vec):
-                        v = load_peer_f32(part[(None, tid, kk)].iterator + e, rank)
-                        acc[e] = v if cutlass.const_expr(i == 0) else acc[e] + v
-                _, colc, arow, _ = self.slot_coords(kk, Int32(0), True, chunk)
-                gWork[(None, ((bx // G) * self.ratio + arow, colc))].store(acc.load())
-        # Our shared memory must outlive the peers' reads of it.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
 
     @cute.jit
     def segment_span(self, mCu, mCuc, s, num_seqs):

@@ -47,10 +47,10 @@ class PoolForward(WindowSlots):
         self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
         self.threads = self.lanes * self.row_lanes
         self.staged = self.stageable()
-        stage_bytes = self.window_stage_bytes()
         narrow = self.vec * elem_bytes <= 4  # 4-byte vectors or less (d=128 bf16)
-        self.stages = max(2, min(config.FWD_STAGES, config.FWD_SMEM_PER_CTA // stage_bytes))
-        self.smem_bytes = self.stages * stage_bytes if self.staged else 0
+        self.stages = max(2, min(config.FWD_STAGES,
+                                 config.FWD_SMEM_PER_CTA // self.staging_bytes(1)))
+        self.smem_bytes = self.staging_bytes(self.stages) if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
         self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
