@@ -303,9 +303,10 @@ def walk_window(walk, row: Int32, num_seqs: Int32, num_tokens: Int32,
 def smem_footprint(*sizes: int) -> int:
     """Bytes that consecutive shared-memory allocations of ``sizes`` bytes take when each
     starts 16-byte aligned (SmemAllocator.allocate_tensor(..., 16)), as launches must ask
-    for: summing the bare sizes under-asked where a buffer's size is not a multiple of 16
-    (fp32 head_dim 65: 195 threads' grad_out stages, 2,340 bytes; compute-sanitizer saw
-    the next buffer's last writes land past the launch's shared memory)."""
+    for. Summing the bare sizes under-asked where a buffer's size is not a multiple of 16:
+    the fp32 head_dim-65 backward's grad_out stages (195 threads, 2,340 bytes) pushed its
+    last buffer 12 bytes past the 46,020 asked for (tests/compile_probe.py models it);
+    compute-sanitizer caught the same overrun in a candidate with a 780-byte buffer."""
     return sum(-(-n // 16) * 16 for n in sizes)
 
 
