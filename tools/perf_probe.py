@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from csa_compressor import bench, compress_thd_fused, pool_forward
+from csa_compressor import bench, compress_thd_fused, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import config
 from csa_compressor.validation import validate
