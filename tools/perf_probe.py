@@ -107,9 +107,10 @@ def floor():
 
 def parts():
     """Each launch of a fused step on its own, timed as the bench times a step (graphs of
-    20 calls over the same rotating input sets): the forward, the backward kernel without
-    its dape sum, the dape sum alone (on the partials the backward left), the backward
-    with its sum (pool_backward) and the whole kernel-level step. What a step costs over
+    20 calls over the same rotating input sets): the forward (pool_forward), the backward
+    kernel without its dape sum (launched as launch_backward launches it), the dape sum
+    alone (on the partials the backward left), the backward with its sum (pool_backward)
+    and the whole kernel-level step. What a step costs over
     the sum of its parts is what the launches do not overlap."""
     import math
 
@@ -130,13 +131,12 @@ def parts():
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
         grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
         kb, fb = cc.get_kernel("bwd", dev, torch.bfloat16, r, c, d)
-        _, ff = cc.get_kernel("fwd", dev, torch.bfloat16, r, c, d)
         rpc, row_ctas, zero_ctas = launch.backward_schedule(N, T, kb, dev)
         works = [torch.empty(row_ctas * r, c * d, device=dev) for _ in sets]
 
         def fwd(i):
             kv, score, ape, cu, cuc = sets[i][:5]
-            ff(kv, score, ape, cu, cuc, outs[i], 1)
+            pool_forward(kv, score, ape, cu, cuc, outs[i], ratio=r, coff=c)
 
         def bwd_only(i):
             kv, score, ape, cu, cuc, _, g = sets[i]
