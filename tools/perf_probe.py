@@ -29,7 +29,9 @@ def _host_cases(spec):
     out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
     dev = kv.device
     pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)  # compiles
-    _, fn = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+    kernel, fn = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+    from csa_compressor.kernels.launch import sm_count
+    rows = kernel.rows_per_thread(N, sm_count(dev.index))  # launch_forward's schedule
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
 
     def guard():
@@ -42,7 +44,7 @@ def _host_cases(spec):
         "check_out": lambda: check_out("out", out, (N, 128), torch.bfloat16, dev),
         "get_kernel (cache hit)": lambda: cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128),
         "device guard (current device)": guard,
-        "launch (get_kernel's tvm_ffi.Function)": lambda: fn(kv, score, ape, cu, cuc, out, 1),
+        "launch (get_kernel's tvm_ffi.Function)": lambda: fn(kv, score, ape, cu, cuc, out, rows),
         "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
         "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
         "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
