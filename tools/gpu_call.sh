@@ -40,7 +40,8 @@ END=$((SECONDS + ${DEADLINE:-560}))
 # Every candidate flag of kernels/config.py on, for the *_candidates steps.
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 LAST_GPU="CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? NGPU - 1 : 0 ))"
-CAND="$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')"
+# CAND_CONFIG="K=V,..." instead: a variant of sweep knobs that are not 0/1 flags.
+CAND="${CAND_CONFIG:-$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')}"
 
 # ncu over the forward, backward and dape sum of the profile probe's third and fourth steps.
 NCU="ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3"

@@ -210,7 +210,17 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
-# (H200, µs, written before any measurement). None waits now.
+# (H200, µs, written before any measurement).
+# - BWD_COOP_MAX_ROW_LANES / BWD_STACKED_TARGET_CTAS_PER_SM (sweep knobs, candidate
+#   D128_COOP below): the warp-cooperative window copies for backwards with stacked row
+#   lanes (d=128), which spilled under the 80 registers of 3 CTAs x 256 threads. With
+#   BWD_CTA_THREADS 128 (2 row lanes) and 5 CTAs an SM, 640 threads leave 96 registers.
+#   The d=128 backward kernel is 19.2 us at 3x8192/128 against an ~11.8 floor for its
+#   bytes (v18 parts), and the same copies took 0.5-2 us off the d=512 backward.
+#   Predicted fwd+bwd 3x8192/128 -1 to -3, 1x8192/128 and ragged -0.3 to -1, d=512
+#   unchanged (it has one row lane and its own target).
+BWD_COOP_MAX_ROW_LANES = 1
+BWD_STACKED_TARGET_CTAS_PER_SM = 0
 CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a

@@ -52,6 +52,8 @@ class PoolBackward(WindowSlots):
         self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
         self.min_rows_per_cta = self.row_lanes
         self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
+        if self.row_lanes > 1 and config.BWD_STACKED_TARGET_CTAS_PER_SM:
+            self.target_ctas_per_sm = config.BWD_STACKED_TARGET_CTAS_PER_SM  # candidate
         self.threads = self.lanes * self.row_lanes
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
@@ -73,7 +75,8 @@ class PoolBackward(WindowSlots):
         # threads, 3 CTAs an SM): held to the 80 registers that 3 CTAs leave, ptxas spilled
         # 108 B there; nor on sm_100, where the same bound spilled 8 B at d=512 (sm_90a:
         # none).
-        self.coop = self.coop_stageable() and self.row_lanes == 1 and arch_major == 9
+        self.coop = (self.coop_stageable() and self.row_lanes <= config.BWD_COOP_MAX_ROW_LANES
+                     and arch_major == 9)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
