@@ -20,6 +20,7 @@ HERE = os.path.dirname(__file__)
 CONFIGS = [  # (direction, dtype, ratio, coff, head_dim)
     ("fwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 512),
     ("fwd", "bfloat16", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 128),
+    ("bwd_large", "bfloat16", 4, 2, 128),
     ("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
 ]
 
@@ -48,11 +49,12 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     # Every window slot reads kv and score with one vector of the designed width: a
     # cp.async into shared memory in the short-window kernels, a load in the long ones.
     # Where the warp stages its window cooperatively (common.stage_window_warp: the
-    # forwards, and the backward with one row lane on sm_90), the window's copies are
-    # 16-byte pieces instead, 32 vectors of a slot shared out over the warp.
+    # forwards, and on sm_90 the backward with one row lane and the large-pack backward),
+    # the window's copies are 16-byte pieces instead, 32 vectors of a slot shared out over
+    # the warp.
     staged = ratio * coff <= 16
     arch_major = int(arch[3:-1]) // 10
-    coop = staged and (direction == "fwd" or (d == 512 and arch_major == 9))
+    coop = staged and (direction == "fwd" or (arch_major == 9 and (d == 512 or direction == "bwd_large")))
     assert info["coop"] == coop, info
     reads = info["async_copies_by_bytes" if staged else "loads_by_bytes"]
     if coop:
@@ -64,7 +66,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     assert info["rcp_rn"] >= 1, info
     from csa_compressor.kernels import config
 
-    designed = config.VEC_BYTES if direction == "fwd" else config.BWD_VEC_BYTES
+    designed = config.VEC_BYTES if direction == "fwd" else config.BWD_VEC_BYTES  # bwd, bwd_large
     if direction == "fwd" and d == 128:
         # 32 chunks of 8 B a row: halved to 64 chunks (config.FWD_MIN_CHUNKS_PER_ROW).
         designed = config.FWD_MIN_VEC_BYTES
@@ -93,7 +95,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     if direction == "fwd" and width <= 4:
         # The narrow forward's register bound (config.FWD_BOUND_CTAS_PER_SM).
         assert info["min_ctas"] == [config.FWD_BOUND_CTAS_PER_SM[arch_major]], info
-    elif direction == "bwd" and coop:
+    elif direction in ("bwd", "bwd_large") and coop:
         # The cooperative backward is held to the registers of the CTAs its grid is sized
         # for (pool_bwd.py: unbounded, ptxas took a register too many for one wave).
         assert info["min_ctas"] == [info["target_ctas"]] and info["target_ctas"] >= 1, info

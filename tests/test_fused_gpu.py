@@ -87,6 +87,51 @@ def test_numerics_contract(d, ratio, coff, dtype):
         assert_never_worse_than_upstream(fused, up, oracle)
 
 
+def test_large_pack_backward_variant():
+    """A pack of BWD_LARGE_PACK_ROWS rows or more takes the backward's large-pack variant
+    (cooperative copies with stacked row lanes): same contract as the small one."""
+    from csa_compressor.kernels import config, launch
+
+    kv, score, ape, cu, cuc, N = make_pack([8192, 8192, 1000, 3, 0, 77], 128, 4, 2,
+                                           dtype=torch.bfloat16, device="cuda", pad_tokens=5,
+                                           extra_rows=3, seed=17)
+    assert N >= config.BWD_LARGE_PACK_ROWS
+    kernel, _ = launch.backward_kernel(kv.device, torch.bfloat16, 4, 2, 128, N)
+    assert kernel.coop and kernel.row_lanes > 1  # the large variant on sm_90
+    g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
+    fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, 4, 2, g)
+    ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, 4, 2, g)
+    assert_forward_contract(fused[0], ref[0])
+    assert torch.equal(fused[1], ref[1]) and torch.equal(fused[2], ref[2])
+    torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=2e-3)
+
+
+LARGE_GRID = ([(128, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
+              + [(64, r, 2, dt) for r in (2, 5, 8) for dt in (torch.float16, torch.float32)])
+
+
+@pytest.mark.parametrize("d,ratio,coff,dtype", LARGE_GRID,
+                         ids=[f"d{a}-r{b}-c{c}-{str(e)[6:]}" for a, b, c, e in LARGE_GRID])
+def test_large_pack_variant_on_ragged_packs(monkeypatch, d, ratio, coff, dtype):
+    """The large-pack backward forced onto the ragged packs of test_numerics_contract (the
+    threshold is read at launch): dkv/dscore bitwise equal to the fp32 reference, padding
+    rows ignored, NaN-filled buffers fully written."""
+    from csa_compressor.kernels import config
+
+    monkeypatch.setattr(config, "BWD_LARGE_PACK_ROWS", 0)
+    kv, score, ape, cu, cuc, N = make_pack(RAGGED, d, ratio, coff, dtype=dtype, device="cuda",
+                                           pad_tokens=5, extra_rows=2, seed=ratio * 10 + coff)
+    g = torch.randn(N, d, device="cuda").to(dtype)
+    fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, ratio, coff, g)
+    ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
+    assert torch.equal(fused[1], ref[1]) and torch.equal(fused[2], ref[2])
+    torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=1e-3)
+    a = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, float("nan"))
+    b = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, 0.0)
+    for x, y in zip(a, b):
+        assert not torch.isnan(x).any() and torch.equal(x, y)
+
+
 @pytest.mark.parametrize("ratio,coff,d", [(128, 1, 512), (128, 2, 64), (16, 2, 128), (12, 1, 65)])
 def test_long_windows(ratio, coff, d):
     lens = [3 * ratio + 5, ratio - 1, 0, 2 * ratio]

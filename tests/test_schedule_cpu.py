@@ -59,6 +59,28 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
     assert (zero_ctas - 1) * k.row_lanes * config.ZERO_TOKENS_PER_THREAD < max(tokens, 1)
 
 
+@pytest.mark.parametrize("d", [64, 128, 512])
+def test_large_pack_backward_variant(monkeypatch, d):
+    """Where the backward stacks row lanes (d <= 128 bf16) it has a large-pack variant with
+    the cooperative copies, whose grid is one wave of its BWD_LARGE_TARGET_CTAS_PER_SM CTAs
+    and whose shared memory fits them; one row lane (d=512) needs none."""
+    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
+    small = PoolBackward(cutlass.BFloat16, 4, 2, d)
+    assert small.has_large_variant == (small.row_lanes > 1) == (d < 512)
+    assert not LongPoolBackward(cutlass.BFloat16, 128, 1, d).has_large_variant
+    if not small.has_large_variant:
+        return
+    large = PoolBackward(cutlass.BFloat16, 4, 2, d, large=True)
+    assert large.coop and not small.coop and not large.has_large_variant
+    assert large.target_ctas_per_sm == config.BWD_LARGE_TARGET_CTAS_PER_SM
+    assert large.target_ctas_per_sm * (large.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
+    for rows in (4096, 6144, 32768):
+        per_cta, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, large, torch.device("cuda", 0))
+        assert row_ctas * per_cta >= rows and row_ctas <= SMS * large.target_ctas_per_sm
+    # sm_100 keeps one variant (its register bound spilled at d=512)
+    assert not PoolBackward(cutlass.BFloat16, 4, 2, d, arch_major=10).has_large_variant
+
+
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
     # The measured grids (config.py): d=512 (8-byte vectors) 4 CTAs per SM (ncu:

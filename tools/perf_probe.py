@@ -132,7 +132,7 @@ def parts():
         N, T = sets[0][5], sets[0][0].shape[0]
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
         grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
-        kb, fb = cc.get_kernel("bwd", dev, torch.bfloat16, r, c, d)
+        kb, fb = launch.backward_kernel(dev, torch.bfloat16, r, c, d, N)
         rpc, row_ctas, zero_ctas = launch.backward_schedule(N, T, kb, dev)
         works = [torch.empty(row_ctas * r, c * d, device=dev) for _ in sets]
 

@@ -3,7 +3,9 @@ short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim in all three 
 where buffer sizes are not multiples of their alignment), long-window fwd/bwd
 (ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
 caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
-counts. CSA_CONFIG="K=V,..." runs it with kernels/config.py constants overridden."""
+counts; all of it twice, the second time with the backward's large-pack variant forced
+(config.BWD_LARGE_PACK_ROWS = 0). CSA_CONFIG="K=V,..." runs it with kernels/config.py
+constants overridden."""
 
 import os
 import sys
@@ -20,32 +22,37 @@ from packs import CORRUPT_OFFSETS  # noqa: E402
 config.override(os.environ.get("CSA_CONFIG", ""))
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:65:3:1", 2, bf16),
-                           ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
-                           ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
-                           ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),
-                           ("64+64:128:4:2", -9, bf16)):
-    s = parse_shape(spec)
-    kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))
-    N = max(0, N + extra)
-    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
-    out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=s.ratio, coff=s.coff)
-    out.backward(torch.randn_like(out))
-    torch.cuda.synchronize()
-    print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
+# Twice: with the backward's large-pack variant where packs reach its threshold (none of
+# these do), then forced on every pack that has one (threshold 0).
+for large_from in (config.BWD_LARGE_PACK_ROWS, 0):
+    config.BWD_LARGE_PACK_ROWS = large_from
+    print("backward large-pack variant from", large_from, "rows")
+    for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:65:3:1", 2, bf16),
+                               ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
+                               ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
+                               ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),
+                               ("64+64:128:4:2", -9, bf16)):
+        s = parse_shape(spec)
+        kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))
+        N = max(0, N + extra)
+        leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+        out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=s.ratio, coff=s.coff)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
 
-for ratio, coff in ((4, 2), (1, 1), (128, 1)):
-    W = coff * 64
-    kv = torch.randn(300, W, device="cuda").to(torch.bfloat16)
-    score = torch.randn_like(kv)
-    ape = torch.randn(ratio, W, device="cuda")
-    for cu_l, cuc_l in CORRUPT_OFFSETS:
-        cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
-        cuc = torch.tensor(cuc_l, dtype=torch.int32, device="cuda")
-        out = torch.empty(40, 64, dtype=torch.bfloat16, device="cuda")
-        C.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
-        dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
-        C.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
-                        ratio=ratio, coff=coff)
-    torch.cuda.synchronize()
-    print("corrupt offsets", ratio, coff, "done")
+    for ratio, coff in ((4, 2), (1, 1), (128, 1)):
+        W = coff * 64
+        kv = torch.randn(300, W, device="cuda").to(torch.bfloat16)
+        score = torch.randn_like(kv)
+        ape = torch.randn(ratio, W, device="cuda")
+        for cu_l, cuc_l in CORRUPT_OFFSETS:
+            cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
+            cuc = torch.tensor(cuc_l, dtype=torch.int32, device="cuda")
+            out = torch.empty(40, 64, dtype=torch.bfloat16, device="cuda")
+            C.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+            dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+            C.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
+                            ratio=ratio, coff=coff)
+        torch.cuda.synchronize()
+        print("corrupt offsets", ratio, coff, "done")

@@ -2,8 +2,10 @@
 
 A kernel is specialised on (device, dtype, ratio, coff, head_dim); token count, row count,
 batch size and the workspace size stay symbolic, so packs change without recompiling.
-Directions: "fwd", "bwd", and "dape" (the backward's partial-sum reduction, fp32, one per
-(ratio, coff, head_dim) whatever the dtype).
+Directions: "fwd", "bwd", "bwd_large" (the backward's variant for large packs, where it
+differs: compiled with "bwd", chosen by launch.backward_kernel), and "dape" (the
+backward's partial-sum reduction, fp32, one per (ratio, coff, head_dim) whatever the
+dtype).
 Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 """
 
@@ -92,7 +94,8 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
                           options="--enable-tvm-ffi")
     else:
         kernel = (LongPoolBackward(cdt, ratio, coff, head_dim) if long
-                  else PoolBackward(cdt, ratio, coff, head_dim, _target_major()))
+                  else PoolBackward(cdt, ratio, coff, head_dim, _target_major(),
+                                    large=direction == "bwd_large"))
         grad = _fake(cdt, (N, head_dim), 16)
         dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
         work = _fake(cutlass.Float32, (P, W), 16)
@@ -140,7 +143,7 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     # A backward always runs with its dape sum: compiled first, it rides on the backward's
     # entry (kernel.dape_fn), so a launch makes one cache lookup, not two.
     dape = None
-    if direction == "bwd":
+    if direction in ("bwd", "bwd_large"):
         dape = get_kernel("dape", device, dtype, ratio, coff, head_dim)[1]
     with _LOCK:
         hit = _CACHE.get(key)
@@ -153,12 +156,17 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
             if dape is not None:
                 hit[0].dape_fn = dape
             _CACHE[key] = hit
+    if direction == "bwd" and hit[0].has_large_variant:
+        # Compiled with the backward, so a warm-up or precompile before CUDA-graph capture
+        # covers every pack size.
+        get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
     return hit
 
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
                directions=("fwd", "bwd")) -> None:
-    """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape"."""
+    """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
+    its large-pack variant."""
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     for direction in directions:
         get_kernel(direction, device, dtype, ratio, coff, head_dim)

@@ -196,6 +196,20 @@ FWD_MAX_ROWS_PER_THREAD = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 6
+# The backward of large packs (launch.backward_kernel; pool_bwd ``large``): where the
+# backward stacks row lanes (d=128 bf16: 4 of 64 threads) packs of at least
+# BWD_LARGE_PACK_ROWS rows use a second compiled variant with the warp-cooperative window
+# copies, held to BWD_LARGE_TARGET_CTAS_PER_SM CTAs an SM (128 registers). H200 sweeps at
+# 4e1170c (perf-notes v19, fwd+bwd us, default / large): 3x8192/128 (6,144 rows)
+# 30.7-31.0 / 29.5-29.8, 8x8192/128 71.4 / 69.2-69.5, 1x131072/128 136.2-136.8 /
+# 133.1-133.4, but 1x8192/128 (2,048 rows) 14.7-15.3 / 15.7-15.9 and 2048x64/128 (32,768
+# rows in 64-token sequences) 143.3-143.4 / 144.0-144.2; ragged (915 rows) the same. The
+# threshold sits between 2,048 and 6,144 rows. Variants measured and not taken: 128-thread
+# CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
+# ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
+# without them (slower everywhere at d=128).
+BWD_LARGE_PACK_ROWS = 4096
+BWD_LARGE_TARGET_CTAS_PER_SM = 2
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 32
@@ -210,17 +224,7 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
-# (H200, µs, written before any measurement).
-# - BWD_COOP_MAX_ROW_LANES / BWD_STACKED_TARGET_CTAS_PER_SM (sweep knobs, candidate
-#   D128_COOP below): the warp-cooperative window copies for backwards with stacked row
-#   lanes (d=128), which spilled under the 80 registers of 3 CTAs x 256 threads. With
-#   BWD_CTA_THREADS 128 (2 row lanes) and 5 CTAs an SM, 640 threads leave 96 registers.
-#   The d=128 backward kernel is 19.2 us at 3x8192/128 against an ~11.8 floor for its
-#   bytes (v18 parts), and the same copies took 0.5-2 us off the d=512 backward.
-#   Predicted fwd+bwd 3x8192/128 -1 to -3, 1x8192/128 and ragged -0.3 to -1, d=512
-#   unchanged (it has one row lane and its own target).
-BWD_COOP_MAX_ROW_LANES = 1
-BWD_STACKED_TARGET_CTAS_PER_SM = 0
+# (H200, µs, written before any measurement). None waits now.
 CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a

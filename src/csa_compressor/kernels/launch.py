@@ -73,10 +73,19 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
     return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
+def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
+    """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant from
+    config.BWD_LARGE_PACK_ROWS rows where the kernel has one (pool_bwd ``large``)."""
+    kernel, fn = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
+    if kernel.has_large_variant and total_comp >= config.BWD_LARGE_PACK_ROWS:
+        kernel, fn = get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
+    return kernel, fn
+
+
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
     """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
     device = torch.device(device)
-    kernel, _ = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
+    kernel, _ = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
     _, row_ctas, _ = backward_schedule(total_comp, num_tokens, kernel, device)
     return (row_ctas * ratio, coff * head_dim)
 
@@ -108,7 +117,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         grad_score.zero_()
         grad_ape.zero_()
         return grad_kv, grad_score, grad_ape
-    kernel, fn = get_kernel("bwd", dev, dt, ratio, coff, d)
+    kernel, fn = backward_kernel(dev, dt, ratio, coff, d, N)
     rows_per_cta, row_ctas, zero_ctas = backward_schedule(N, T, kernel, dev)
     shape = (row_ctas * ratio, coff * d)
     if workspace is None:

@@ -29,13 +29,15 @@ from .common import (WindowSlots, advance_segment, mul_rn, smem_footprint, softm
 
 class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
+    has_large_variant = False  # see __init__
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel()): the launch and CTA start-up overlap the previous kernel's tail (-0.3 to
     # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
     # __call__ but not kernel(), so it turns this off.
     pdl = True
 
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
+                 large: bool = False):
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
@@ -52,8 +54,11 @@ class PoolBackward(WindowSlots):
         self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
         self.min_rows_per_cta = self.row_lanes
         self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
-        if self.row_lanes > 1 and config.BWD_STACKED_TARGET_CTAS_PER_SM:
-            self.target_ctas_per_sm = config.BWD_STACKED_TARGET_CTAS_PER_SM  # candidate
+        # ``large``: the variant for packs of BWD_LARGE_PACK_ROWS rows or more
+        # (launch.backward_kernel), where stacked row lanes take the cooperative copies too.
+        stacked_coop = large and self.row_lanes > 1
+        if stacked_coop:
+            self.target_ctas_per_sm = config.BWD_LARGE_TARGET_CTAS_PER_SM
         self.threads = self.lanes * self.row_lanes
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
@@ -71,12 +76,17 @@ class PoolBackward(WindowSlots):
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
-        # measured in config.py, "Adopted at v17"). Not with stacked row lanes (d=128: 256
-        # threads, 3 CTAs an SM): held to the 80 registers that 3 CTAs leave, ptxas spilled
-        # 108 B there; nor on sm_100, where the same bound spilled 8 B at d=512 (sm_90a:
-        # none).
-        self.coop = (self.coop_stageable() and self.row_lanes <= config.BWD_COOP_MAX_ROW_LANES
-                     and arch_major == 9)
+        # measured in config.py, "Adopted at v17"). With stacked row lanes (d=128: 256
+        # threads) only in the large-pack variant, held to 2 CTAs an SM: at the 3 CTAs
+        # shared memory allows, ptxas spilled 108 B under their 80 registers, and small
+        # packs ran faster without (config.BWD_LARGE_PACK_ROWS). Not on sm_100, where the
+        # d=512 bound spilled 8 B (sm_90a: none).
+        coop_ok = self.coop_stageable() and arch_major == 9
+        self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
+        # The trade the variant makes is occupancy for wide copies: none where shared
+        # memory already holds this kernel to that many CTAs (ratio 8 coff 2 at d=128: 1).
+        self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
+                                  and self.target_ctas_per_sm > config.BWD_LARGE_TARGET_CTAS_PER_SM)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
