@@ -204,7 +204,11 @@ BWD_TARGET_CTAS_PER_SM = 6
 # 30.7-31.0 / 29.5-29.8, 8x8192/128 71.4 / 69.2-69.5, 1x131072/128 136.2-136.8 /
 # 133.1-133.4, but 1x8192/128 (2,048 rows) 14.7-15.3 / 15.7-15.9 and 2048x64/128 (32,768
 # rows in 64-token sequences) 143.3-143.4 / 144.0-144.2; ragged (915 rows) the same. The
-# threshold sits between 2,048 and 6,144 rows. Variants measured and not taken: 128-thread
+# threshold sits between 2,048 and 6,144 rows. Only kernels that give up one CTA an SM for
+# it have the variant (pool_bwd has_large_variant): at 8c7ee81, where every stacked kernel
+# had it, 1x131072 fwd+bwd at d=128 ratio 1 coff 1 went 121.5 -> 131.5, ratio 2 coff 2
+# 136.5 -> 148.9, ratio 3 coff 2 140.7 -> 147.9, ratio 4 coff 1 72.6 -> 76.3 (4-6 CTAs ->
+# 2), while d=64 ratio 4 coff 2 (3 -> 2) went 70.1 -> 68.3. Variants measured and not taken: 128-thread
 # CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
 # ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
 # without them (slower everywhere at d=128).

@@ -83,10 +83,14 @@ class PoolBackward(WindowSlots):
         # d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # The trade the variant makes is occupancy for wide copies: none where shared
-        # memory already holds this kernel to that many CTAs (ratio 8 coff 2 at d=128: 1).
+        # The variant trades occupancy for wide copies. It paid where it costs one CTA an
+        # SM (3 -> 2: ratio 4 coff 2 at d=128 and d=64) and lost where it costs more
+        # (config.BWD_LARGE_PACK_ROWS: 1x131072 at ratio 1-3 or coff 1, 4-6 CTAs -> 2,
+        # +3.7 to +12.4 us), and trades nothing where shared memory already holds the
+        # kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1).
         self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and self.target_ctas_per_sm > config.BWD_LARGE_TARGET_CTAS_PER_SM)
+                                  and self.target_ctas_per_sm
+                                  == config.BWD_LARGE_TARGET_CTAS_PER_SM + 1)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
