@@ -62,7 +62,7 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
 @pytest.mark.parametrize("d", [64, 128, 512])
 def test_large_pack_backward_variant(monkeypatch, d):
     """Where the backward stacks row lanes (d <= 128 bf16) it has a large-pack variant with
-    the cooperative copies, whose grid is one wave of its BWD_LARGE_TARGET_CTAS_PER_SM CTAs
+    the cooperative copies, whose grid is one wave of one CTA an SM fewer than the default
     and whose shared memory fits them; one row lane (d=512) needs none."""
     monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
     small = PoolBackward(cutlass.BFloat16, 4, 2, d)
@@ -72,7 +72,7 @@ def test_large_pack_backward_variant(monkeypatch, d):
         return
     large = PoolBackward(cutlass.BFloat16, 4, 2, d, large=True)
     assert large.coop and not small.coop and not large.has_large_variant
-    assert large.target_ctas_per_sm == config.BWD_LARGE_TARGET_CTAS_PER_SM
+    assert large.target_ctas_per_sm == small.target_ctas_per_sm - 1 == 2
     assert large.target_ctas_per_sm * (large.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
     for rows in (4096, 6144, 32768):
         per_cta, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, large, torch.device("cuda", 0))

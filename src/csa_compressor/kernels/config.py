@@ -197,9 +197,10 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 6
 # The backward of large packs (launch.backward_kernel; pool_bwd ``large``): where the
-# backward stacks row lanes (d=128 bf16: 4 of 64 threads) packs of at least
-# BWD_LARGE_PACK_ROWS rows use a second compiled variant with the warp-cooperative window
-# copies, held to BWD_LARGE_TARGET_CTAS_PER_SM CTAs an SM (128 registers). H200 sweeps at
+# backward stacks row lanes (d=128 bf16: 4 of 64 threads) and runs 3 to
+# BWD_LARGE_MAX_DEFAULT_CTAS CTAs an SM, packs of at least BWD_LARGE_PACK_ROWS rows use a
+# second compiled variant with the warp-cooperative window copies, held to one CTA an SM
+# fewer (ratio 4 coff 2 at d=128: 2 CTAs, 128 registers). H200 sweeps at
 # 4e1170c (perf-notes v19, fwd+bwd us, default / large): 3x8192/128 (6,144 rows)
 # 30.7-31.0 / 29.5-29.8, 8x8192/128 71.4 / 69.2-69.5, 1x131072/128 136.2-136.8 /
 # 133.1-133.4, but 1x8192/128 (2,048 rows) 14.7-15.3 / 15.7-15.9 and 2048x64/128 (32,768
@@ -213,7 +214,7 @@ BWD_TARGET_CTAS_PER_SM = 6
 # ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
 # without them (slower everywhere at d=128).
 BWD_LARGE_PACK_ROWS = 4096
-BWD_LARGE_TARGET_CTAS_PER_SM = 2
+BWD_LARGE_MAX_DEFAULT_CTAS = 3
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 32
@@ -228,8 +229,14 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
-# (H200, µs, written before any measurement). None waits now.
-CANDIDATES = ()
+# (H200, µs, written before any measurement).
+# - LARGE_ONE_LESS: the large-pack backward also for kernels that run 4 CTAs an SM (4 ->
+#   3: d=128 bf16 ratio 3 coff 2, ratios 5-7 coff 1; 76 registers spill-free at ratio 3
+#   coff 2), i.e. BWD_LARGE_MAX_DEFAULT_CTAS 4. Predicted at 1x131072 fwd+bwd: ratio 3
+#   coff 2 -1 to -3 against 140.7 (v19's 4 -> 2 cost +7.2); the issue shapes unchanged
+#   (ratio 4 coff 2 keeps 3 -> 2).
+LARGE_ONE_LESS = 0
+CANDIDATES = ("LARGE_ONE_LESS",)
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

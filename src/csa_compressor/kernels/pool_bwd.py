@@ -55,10 +55,9 @@ class PoolBackward(WindowSlots):
         self.min_rows_per_cta = self.row_lanes
         self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
         # ``large``: the variant for packs of BWD_LARGE_PACK_ROWS rows or more
-        # (launch.backward_kernel), where stacked row lanes take the cooperative copies too.
+        # (launch.backward_kernel), where stacked row lanes take the cooperative copies too,
+        # at one CTA an SM fewer than the default (below).
         stacked_coop = large and self.row_lanes > 1
-        if stacked_coop:
-            self.target_ctas_per_sm = config.BWD_LARGE_TARGET_CTAS_PER_SM
         self.threads = self.lanes * self.row_lanes
         self.red_bytes = (self.row_lanes * self.slots * self.vec * self.lanes * 4
                           if self.row_lanes > 1 else 0)
@@ -75,6 +74,9 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
+        default_ctas = self.target_ctas_per_sm
+        if stacked_coop:
+            self.target_ctas_per_sm = max(1, default_ctas - 1)
         # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
         # measured in config.py, "Adopted at v17"). With stacked row lanes (d=128: 256
         # threads) only in the large-pack variant, held to 2 CTAs an SM: at the 3 CTAs
@@ -83,14 +85,14 @@ class PoolBackward(WindowSlots):
         # d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # The variant trades occupancy for wide copies. It paid where it costs one CTA an
-        # SM (3 -> 2: ratio 4 coff 2 at d=128 and d=64) and lost where it costs more
-        # (config.BWD_LARGE_PACK_ROWS: 1x131072 at ratio 1-3 or coff 1, 4-6 CTAs -> 2,
-        # +3.7 to +12.4 us), and trades nothing where shared memory already holds the
-        # kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1).
+        # The variant trades one CTA an SM for wide copies. It paid at 3 -> 2 (ratio 4
+        # coff 2 at d=128 and d=64); 4-6 -> 2 lost (config.BWD_LARGE_PACK_ROWS), and one
+        # fewer than 4-6 is unmeasured (config.LARGE_ONE_LESS; at 6 -> 5 ptxas spilled
+        # ratio 2 coff 2 and ratio 4 coff 1). Shared memory holding a kernel to 2 or fewer
+        # (ratio 8 coff 2 at d=128: 1) leaves nothing to trade.
+        up_to = 4 if config.LARGE_ONE_LESS else config.BWD_LARGE_MAX_DEFAULT_CTAS
         self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and self.target_ctas_per_sm
-                                  == config.BWD_LARGE_TARGET_CTAS_PER_SM + 1)
+                                  and 3 <= default_ctas <= up_to)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
