@@ -25,6 +25,13 @@ CONFIGS = [  # (direction, dtype, ratio, coff, head_dim)
 ]
 
 
+def regs_for_one_wave(info):
+    """Registers x threads x CTAs an SM of the grid's wave (ptxas allocates registers in
+    eights): at most the SM's 64K, or the last CTAs wait for a second wave."""
+    regs = -(-max(info["regs"]) // 8) * 8
+    return regs * info["threads"] * info["target_ctas"]
+
+
 def probe(arch, cfg, overrides=""):
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CSA_CONFIG=overrides,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
@@ -90,8 +97,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         # for a second wave (the backward's grid for more CTAs than fit ran 1.3 waves:
         # 1x8192/128 fwd+bwd 27.9 against 24.6 us, config.py). The d=512 forward sits at
         # the limit: 128 registers x 128 threads x 4 CTAs.
-        regs = -(-max(info["regs"]) // 8) * 8
-        assert regs * info["threads"] * info["target_ctas"] <= 65536, info
+        assert regs_for_one_wave(info) <= 65536, info
     if direction == "fwd" and width <= 4:
         # The narrow forward's register bound (config.FWD_BOUND_CTAS_PER_SM).
         assert info["min_ctas"] == [config.FWD_BOUND_CTAS_PER_SM[arch_major]], info
@@ -135,9 +141,8 @@ def test_large_pack_backward_compiles_for_one_wave(ratio, coff):
     cooperative copies, no spills, held to registers for one wave of its CTAs."""
     info = probe("sm_90a", ("bwd_large", "bfloat16", ratio, coff, 128))
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
-    regs = -(-max(info["regs"]) // 8) * 8
     assert info["min_ctas"] == [info["target_ctas"]], info
-    assert regs * info["threads"] * info["target_ctas"] <= 65536, info
+    assert regs_for_one_wave(info) <= 65536, info
 
 
 CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 512),

@@ -323,6 +323,8 @@ class WindowSlots:
     stage; otherwise each thread copies its own and ``cp.async.wait_group`` is all the
     synchronisation needed."""
 
+    coop = False  # warp-cooperative staging (coop_stageable), set by the kernels that use it
+
     def specialise(self):
         """Code choices that follow from the geometry, made once at construction (after
         dtype, vec, cpr and lanes are set)."""
@@ -417,9 +419,23 @@ class WindowSlots:
         off = cute.assume(first * (self.coff * self.d) + chunk * self.vec, divby=self.vec)
         return g.iterator + off
 
+    def window_atom(self):
+        """The copy atom of stage_window: 16-byte pieces where the warp stages together."""
+        return self.coop_atom() if self.coop else self.copy_atom()
+
     @cute.jit
     def stage_window(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
-        """Start the cp.async copies of a window's non-empty slots into ``stage``."""
+        """Start the cp.async copies of a window's non-empty slots into ``stage``, with
+        ``atom`` = window_atom(): the warp's together where ``coop`` (stage_window_warp),
+        else each thread's own vectors."""
+        if cutlass.const_expr(self.coop):
+            self.stage_window_warp(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+        else:
+            self.stage_window_own(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+
+    @cute.jit
+    def stage_window_own(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
+        """stage_window, one ``vec`` copy a thread and slot."""
         bS = self.window_base(gSc, t0, chunk)
         bV = self.window_base(gKV, t0, chunk)
         for k in cutlass.range_constexpr(self.slots):
@@ -450,25 +466,13 @@ class WindowSlots:
         in 16-byte pieces, several slots an instruction (4 for 4-byte vectors: 8 copies a
         row instead of 32). A lane then reads what other lanes copied: the caller
         synchronises the warp after cp.async.wait_group, and before issuing into a stage
-        the warp read the step before."""
-        vl = cute.make_layout(((16 // (self.dtype.width // 8),), 1))
+        the warp read the step before.
 
-        def copy(g, sm):
-            cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
-                      cute.make_tensor(sS.iterator + sm, vl))
-            cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
-                      cute.make_tensor(sV.iterator + sm, vl))
-
-        self.warp_pieces(t0, has_prev, stage, thr, chunk, copy)
-
-    @cute.jit
-    def warp_pieces(self, t0, has_prev, stage, thr, chunk, fn):
-        """Calls ``fn(global offset, staging offset)`` (elements, 16-byte aligned) for each
-        16-byte piece of the warp's window this lane moves: lane ``l`` takes piece
-        ``l % lpt`` of slot ``l // lpt + j * spi`` (lpt lanes a slot run, spi slots an
-        instruction), for the slots that are not empty."""
+        Lane ``l`` copies piece ``l % lpt`` of slot ``l // lpt + j * spi`` (lpt lanes a
+        slot run, spi slots an instruction), for the slots that are not empty."""
         eb = self.dtype.width // 8
         n16 = 16 // eb  # elements in a 16-byte piece
+        vl = cute.make_layout(((n16,), 1))
         lpt = (32 * self.vec * eb) // 16  # lanes per slot run
         spi = 32 // lpt  # slots an instruction
         lane = cute.arch.lane_idx()
@@ -503,7 +507,10 @@ class WindowSlots:
                 # their width.
                 g = cute.assume(grow + goff, divby=n16)
                 sm = cute.assume(srow + k0 * (self.threads * self.vec), divby=n16)
-                fn(g, sm)
+                cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
+                          cute.make_tensor(sS.iterator + sm, vl))
+                cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
+                          cute.make_tensor(sV.iterator + sm, vl))
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):

@@ -149,11 +149,7 @@ class PoolBackward(WindowSlots):
         if (row < num_rows) & self.real(walk, num_seqs) & ok:
             self.copy_vec(atom[0], gGrad[(None, (row, chunk))].iterator,
                           sG[(None, thr, stage)].iterator)
-            if cutlass.const_expr(self.coop):
-                self.stage_window_warp(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr,
-                                       chunk)
-            else:
-                self.stage_window(gKV, gSc, sS, sV, atom[0], t0, has_prev, stage, thr, chunk)
+            self.stage_window(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr, chunk)
         return walk
 
     @cute.jit
@@ -206,8 +202,7 @@ class PoolBackward(WindowSlots):
                     P = self.stages
                     sS, sV = self.alloc_staging(smem, P)
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
-                    # (per-thread atom, 16-byte atom of the warp's window copies)
-                    atom = (self.copy_atom(), self.coop_atom() if cutlass.const_expr(self.coop) else None)
+                    atom = (self.copy_atom(), self.window_atom())  # (grad_out, window)
                     thr = ty * self.lanes + tid
                     walk_in = walk
                     for p in cutlass.range_constexpr(P - 1):

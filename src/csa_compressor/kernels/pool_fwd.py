@@ -96,10 +96,7 @@ class PoolForward(WindowSlots):
         walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & ok:
-            if cutlass.const_expr(self.coop):
-                self.stage_window_warp(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-            else:
-                self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
         return walk
 
     @cute.jit
@@ -137,7 +134,7 @@ class PoolForward(WindowSlots):
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
-                atom = self.coop_atom() if cutlass.const_expr(self.coop) else self.copy_atom()
+                atom = self.window_atom()
                 apef = cute.make_rmem_tensor((CH, vec), Float32)
                 self.load_ape(gApe, apef, chunk)
                 walk_in = walk
