@@ -134,11 +134,11 @@ def test_launch_asks_for_the_shared_memory_the_kernel_uses(cfg):
     assert 0 < info["smem_used"] <= info["smem_asked"], info
 
 
-@pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 2), (8, 1)])
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 2), (8, 1), (6, 1)])
 def test_large_pack_backward_compiles_for_one_wave(ratio, coff):
     """The large-pack backward at d=128 bf16, sm_90a, where it is taken (ratio 4 coff 2,
-    ratio 8 coff 1: 3 -> 2 CTAs) or would be with LARGE_ONE_LESS (ratio 3 coff 2: 4 -> 3):
-    cooperative copies, no spills, held to registers for one wave of its CTAs."""
+    ratio 8 coff 1: 3 -> 2 CTAs; ratio 3 coff 2, ratio 6 coff 1: 4 -> 3): cooperative
+    copies, no spills, held to registers for one wave of its CTAs."""
     info = probe("sm_90a", ("bwd_large", "bfloat16", ratio, coff, 128))
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == [info["target_ctas"]], info

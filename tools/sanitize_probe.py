@@ -27,7 +27,8 @@ bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 for large_from in (config.BWD_LARGE_PACK_ROWS, 0):
     config.BWD_LARGE_PACK_ROWS = large_from
     print("backward large-pack variant from", large_from, "rows")
-    for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:65:3:1", 2, bf16),
+    for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:128:3:2", 2, bf16),
+                               ("37+0+3+64+129+1:65:3:1", 2, bf16),
                                ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
                                ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
                                ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),

@@ -209,12 +209,17 @@ BWD_TARGET_CTAS_PER_SM = 6
 # it have the variant (pool_bwd has_large_variant): at 8c7ee81, where every stacked kernel
 # had it, 1x131072 fwd+bwd at d=128 ratio 1 coff 1 went 121.5 -> 131.5, ratio 2 coff 2
 # 136.5 -> 148.9, ratio 3 coff 2 140.7 -> 147.9, ratio 4 coff 1 72.6 -> 76.3 (4-6 CTAs ->
-# 2), while d=64 ratio 4 coff 2 (3 -> 2) went 70.1 -> 68.3. Variants measured and not taken: 128-thread
+# 2), while d=64 ratio 4 coff 2 (3 -> 2) went 70.1 -> 68.3. One fewer than 4 (4 -> 3,
+# BWD_LARGE_MAX_DEFAULT_CTAS 3 -> 4; d=128 ratio 3 coff 2, 76 registers spill-free) was the
+# candidate LARGE_ONE_LESS, predicted -1 to -3 at 1x131072; measured at ec3f8c9 (sweep,
+# fwd+bwd us, off / on, twice each): ratio 3 coff 2 1x131072 140.6-141.2 / 130.6,
+# 3x8192 31.9 / 29.8-29.9, 1x8192 (below the threshold) 17.2-17.3 / 17.3-17.5; ratio 4
+# coff 2 and ratio 1 coff 1 unchanged (132.8-133.1, 122.1-123.0). Variants measured and not taken: 128-thread
 # CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
 # ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
 # without them (slower everywhere at d=128).
 BWD_LARGE_PACK_ROWS = 4096
-BWD_LARGE_MAX_DEFAULT_CTAS = 3
+BWD_LARGE_MAX_DEFAULT_CTAS = 4
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 32
@@ -230,13 +235,7 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-# - LARGE_ONE_LESS: the large-pack backward also for kernels that run 4 CTAs an SM (4 ->
-#   3: d=128 bf16 ratio 3 coff 2, ratios 5-7 coff 1; 76 registers spill-free at ratio 3
-#   coff 2), i.e. BWD_LARGE_MAX_DEFAULT_CTAS 4. Predicted at 1x131072 fwd+bwd: ratio 3
-#   coff 2 -1 to -3 against 140.7 (v19's 4 -> 2 cost +7.2); the issue shapes unchanged
-#   (ratio 4 coff 2 keeps 3 -> 2).
-LARGE_ONE_LESS = 0
-CANDIDATES = ("LARGE_ONE_LESS",)
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

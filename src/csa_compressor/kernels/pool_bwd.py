@@ -86,13 +86,12 @@ class PoolBackward(WindowSlots):
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
         # The variant trades one CTA an SM for wide copies. It paid at 3 -> 2 (ratio 4
-        # coff 2 at d=128 and d=64); 4-6 -> 2 lost (config.BWD_LARGE_PACK_ROWS), and one
-        # fewer than 4-6 is unmeasured (config.LARGE_ONE_LESS; at 6 -> 5 ptxas spilled
-        # ratio 2 coff 2 and ratio 4 coff 1). Shared memory holding a kernel to 2 or fewer
-        # (ratio 8 coff 2 at d=128: 1) leaves nothing to trade.
-        up_to = 4 if config.LARGE_ONE_LESS else config.BWD_LARGE_MAX_DEFAULT_CTAS
+        # coff 2 at d=128 and d=64) and 4 -> 3 (ratio 3 coff 2); 4-6 -> 2 lost
+        # (config.BWD_LARGE_PACK_ROWS), and 6 -> 5 spilled (ratio 2 coff 2, ratio 4 coff
+        # 1). Shared memory holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1)
+        # leaves nothing to trade.
         self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and 3 <= default_ctas <= up_to)
+                                  and 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
