@@ -28,6 +28,7 @@ for large_from in (config.BWD_LARGE_PACK_ROWS, 0):
     config.BWD_LARGE_PACK_ROWS = large_from
     print("backward large-pack variant from", large_from, "rows")
     for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:128:3:2", 2, bf16),
+                               ("37+0+3+64+129+1:128:1:1", 2, bf16), ("37+0+3+64+129+1:64:5:1", 1, fp32),
                                ("37+0+3+64+129+1:65:3:1", 2, bf16),
                                ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
                                ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),

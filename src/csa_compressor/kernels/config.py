@@ -220,6 +220,12 @@ BWD_TARGET_CTAS_PER_SM = 6
 # without them (slower everywhere at d=128).
 BWD_LARGE_PACK_ROWS = 4096
 BWD_LARGE_MAX_DEFAULT_CTAS = 4
+# The most window slots (ratio * coff) a large-pack backward compiles spill-free at this
+# many CTAs an SM (256 threads; ptxas sm_90a at 3f2540c, bf16 d=128 and d=64): at 5, 48
+# registers for 3 slots, while 4 slots (ratio 4 coff 1, ratio 2 coff 2) spilled 108 and 24
+# B; at 4, 64 registers for 5 slots (ratio 5 coff 1) and 76 unbounded for 6 (ratio 3 coff
+# 2, held to 3 CTAs); at 3 and 2, every window of up to 8 slots.
+BWD_LARGE_MAX_SLOTS = {2: 16, 3: 16, 4: 5, 5: 3}
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
 ZERO_TOKENS_PER_THREAD = 32
@@ -235,7 +241,16 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ()
+# - LARGE_FROM_6: the large-pack backward also for kernels that run 5 or 6 CTAs an SM (6 ->
+#   5, 5 -> 4), where their window's slots fit the registers of one CTA fewer
+#   (BWD_LARGE_MAX_SLOTS): d=128 and d=64 bf16 ratios 1-3 coff 1, ratio 1 coff 2 (6 -> 5,
+#   44-48 registers spill-free, ratio 4 coff 1 and ratio 2 coff 2 spill 108 and 24 B),
+#   ratio 5 coff 1 (5 -> 4, 64 registers). Predicted at 1x131072 fwd+bwd: -3 to -8 us at
+#   d=128 ratio 1 coff 1 (121.5-122.4) and the others, as one CTA fewer gave ratio 3 coff
+#   2 (-10), ratio 6 coff 1 (-6) and d=64 ratio 3 coff 2 (-6.5); the small packs (below
+#   the threshold) and ratio 4 coff 2 unchanged.
+LARGE_FROM_6 = 0
+CANDIDATES = ("LARGE_FROM_6",)
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

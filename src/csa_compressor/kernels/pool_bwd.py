@@ -90,8 +90,10 @@ class PoolBackward(WindowSlots):
         # (config.BWD_LARGE_PACK_ROWS), and 6 -> 5 spilled (ratio 2 coff 2, ratio 4 coff
         # 1). Shared memory holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1)
         # leaves nothing to trade.
+        up_to = 6 if config.LARGE_FROM_6 else config.BWD_LARGE_MAX_DEFAULT_CTAS
         self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS)
+                                  and 3 <= default_ctas <= up_to
+                                  and self.slots <= config.BWD_LARGE_MAX_SLOTS[default_ctas - 1])
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
