@@ -214,17 +214,30 @@ BWD_TARGET_CTAS_PER_SM = 6
 # candidate LARGE_ONE_LESS, predicted -1 to -3 at 1x131072; measured at ec3f8c9 (sweep,
 # fwd+bwd us, off / on, twice each): ratio 3 coff 2 1x131072 140.6-141.2 / 130.6,
 # 3x8192 31.9 / 29.8-29.9, 1x8192 (below the threshold) 17.2-17.3 / 17.3-17.5; ratio 4
-# coff 2 and ratio 1 coff 1 unchanged (132.8-133.1, 122.1-123.0). Variants measured and not taken: 128-thread
+# coff 2 and ratio 1 coff 1 unchanged (132.8-133.1, 122.1-123.0). One fewer than 5-6 (6 -> 5,
+# 5 -> 4) where the window fits (BWD_LARGE_MAX_SLOTS; BWD_LARGE_MAX_DEFAULT_CTAS 4 -> 6)
+# was the candidate LARGE_FROM_6, predicted -3 to -8 at 1x131072; measured at 93dea79
+# (sweep, fwd+bwd us, off / on, twice each), 1x131072 d=128: ratio 1 coff 1 121.6-122.1 /
+# 108.8-108.9, ratio 2 coff 1 81.6-82.5 / 79.7, ratio 3 coff 1 77.4-77.8 / 73.5-73.9,
+# ratio 5 coff 1 74.5-74.8 / 67.6-67.7, ratio 1 coff 2 172.4-172.6 / 162.8-163.6; d=64
+# ratio 1 coff 1 65.4-65.7 / 59.5; 3x8192/128 ratio 1 coff 1 28.5-28.6 / 27.1-27.3;
+# 1x8192/128 ratio 4 coff 2 (unchanged kernel) 15.2-15.3 / 15.3. The threshold: a sweep at
+# 3f2540c (4,096 / 2,048 / never, fwd+bwd us, twice each) found 2,048-row packs 0.3
+# slower with the variant (1x8192/128 15.6-15.8 against 15.3-15.5), 3,072 rows 0.4-0.5
+# faster (1x12288/128 18.9-19.0 / 19.3-19.5), 4,096 rows within noise (2x8192/128), 5,461
+# rows 0.7 faster (2x8192/128 ratio 3 coff 2): 4,096 stays, a threshold anywhere in
+# 2,048-4,096 moving nothing beyond noise. Variants measured and not taken: 128-thread
 # CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
 # ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
 # without them (slower everywhere at d=128).
 BWD_LARGE_PACK_ROWS = 4096
-BWD_LARGE_MAX_DEFAULT_CTAS = 4
+BWD_LARGE_MAX_DEFAULT_CTAS = 6
 # The most window slots (ratio * coff) a large-pack backward compiles spill-free at this
 # many CTAs an SM (256 threads; ptxas sm_90a at 3f2540c, bf16 d=128 and d=64): at 5, 48
 # registers for 3 slots, while 4 slots (ratio 4 coff 1, ratio 2 coff 2) spilled 108 and 24
-# B; at 4, 64 registers for 5 slots (ratio 5 coff 1) and 76 unbounded for 6 (ratio 3 coff
-# 2, held to 3 CTAs); at 3 and 2, every window of up to 8 slots.
+# B; at 4, 64 registers for 5 slots (ratio 5 coff 1), while 6 slots take 74-76 (ratio 3
+# coff 2 and ratio 6 coff 1, which run 3); at 3 and 2, every window of up to 8 slots
+# (tests/test_compile_cpu.py compiles the largest of each).
 BWD_LARGE_MAX_SLOTS = {2: 16, 3: 16, 4: 5, 5: 3}
 BWD_CTA_THREADS = 256
 BWD_STAGES = 3
@@ -241,16 +254,7 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-# - LARGE_FROM_6: the large-pack backward also for kernels that run 5 or 6 CTAs an SM (6 ->
-#   5, 5 -> 4), where their window's slots fit the registers of one CTA fewer
-#   (BWD_LARGE_MAX_SLOTS): d=128 and d=64 bf16 ratios 1-3 coff 1, ratio 1 coff 2 (6 -> 5,
-#   44-48 registers spill-free, ratio 4 coff 1 and ratio 2 coff 2 spill 108 and 24 B),
-#   ratio 5 coff 1 (5 -> 4, 64 registers). Predicted at 1x131072 fwd+bwd: -3 to -8 us at
-#   d=128 ratio 1 coff 1 (121.5-122.4) and the others, as one CTA fewer gave ratio 3 coff
-#   2 (-10), ratio 6 coff 1 (-6) and d=64 ratio 3 coff 2 (-6.5); the small packs (below
-#   the threshold) and ratio 4 coff 2 unchanged.
-LARGE_FROM_6 = 0
-CANDIDATES = ("LARGE_FROM_6",)
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

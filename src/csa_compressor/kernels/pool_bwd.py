@@ -85,14 +85,13 @@ class PoolBackward(WindowSlots):
         # d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # The variant trades one CTA an SM for wide copies. It paid at 3 -> 2 (ratio 4
-        # coff 2 at d=128 and d=64) and 4 -> 3 (ratio 3 coff 2); 4-6 -> 2 lost
-        # (config.BWD_LARGE_PACK_ROWS), and 6 -> 5 spilled (ratio 2 coff 2, ratio 4 coff
-        # 1). Shared memory holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1)
-        # leaves nothing to trade.
-        up_to = 6 if config.LARGE_FROM_6 else config.BWD_LARGE_MAX_DEFAULT_CTAS
+        # The variant trades one CTA an SM for wide copies. It paid at every one-CTA step
+        # measured (3 -> 2, 4 -> 3, 5 -> 4, 6 -> 5: config.BWD_LARGE_PACK_ROWS); 4-6 -> 2
+        # lost. At 6 -> 5 windows of 4 slots or more spill (ratio 2 coff 2, ratio 4 coff
+        # 1: config.BWD_LARGE_MAX_SLOTS), so those keep one kernel. Shared memory holding
+        # a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1) leaves nothing to trade.
         self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and 3 <= default_ctas <= up_to
+                                  and 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS
                                   and self.slots <= config.BWD_LARGE_MAX_SLOTS[default_ctas - 1])
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
