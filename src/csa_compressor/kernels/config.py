@@ -254,7 +254,13 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ()
+# - LARGE_TWO_LESS: the large-pack backward for the kernels at 6 CTAs an SM whose 4-slot
+#   windows spill at 5 (d=128 and d=64 ratio 4 coff 1, ratio 2 coff 2): 6 -> 4
+#   (pool_bwd.large_pack_ctas). Predicted at 1x131072 fwd+bwd: -1 to -4 against ratio 4
+#   coff 1's ~72.6 and ratio 2 coff 2's ~136.5 (one CTA fewer gained 2-13 us at ratios 1-6,
+#   four fewer lost 3.7-12.4), or a loss if two fewer costs what four did.
+LARGE_TWO_LESS = 0
+CANDIDATES = ("LARGE_TWO_LESS",)
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

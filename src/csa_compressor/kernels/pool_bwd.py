@@ -75,24 +75,18 @@ class PoolBackward(WindowSlots):
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         default_ctas = self.target_ctas_per_sm
+        large_ctas = self.large_pack_ctas(default_ctas)
         if stacked_coop:
-            self.target_ctas_per_sm = max(1, default_ctas - 1)
+            self.target_ctas_per_sm = large_ctas or max(1, default_ctas - 1)
         # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
         # measured in config.py, "Adopted at v17"). With stacked row lanes (d=128: 256
-        # threads) only in the large-pack variant, held to 2 CTAs an SM: at the 3 CTAs
-        # shared memory allows, ptxas spilled 108 B under their 80 registers, and small
-        # packs ran faster without (config.BWD_LARGE_PACK_ROWS). Not on sm_100, where the
-        # d=512 bound spilled 8 B (sm_90a: none).
+        # threads) only in the large-pack variant, held to fewer CTAs an SM than the
+        # default: at d=128 ratio 4 coff 2's 3, ptxas spilled 108 B under their 80
+        # registers, and small packs ran faster without (config.BWD_LARGE_PACK_ROWS). Not
+        # on sm_100, where the d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # The variant trades one CTA an SM for wide copies. It paid at every one-CTA step
-        # measured (3 -> 2, 4 -> 3, 5 -> 4, 6 -> 5: config.BWD_LARGE_PACK_ROWS); 4-6 -> 2
-        # lost. At 6 -> 5 windows of 4 slots or more spill (ratio 2 coff 2, ratio 4 coff
-        # 1: config.BWD_LARGE_MAX_SLOTS), so those keep one kernel. Shared memory holding
-        # a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1) leaves nothing to trade.
-        self.has_large_variant = (coop_ok and self.row_lanes > 1 and not large
-                                  and 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS
-                                  and self.slots <= config.BWD_LARGE_MAX_SLOTS[default_ctas - 1])
+        self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
@@ -101,6 +95,21 @@ class PoolBackward(WindowSlots):
             self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
         else:
             self.hold_to(self.target_ctas_per_sm if self.coop else 0)
+
+    def large_pack_ctas(self, default_ctas: int) -> int:
+        """CTAs an SM of the large-pack variant, 0 where there is none. The variant trades
+        CTAs for wide copies. It paid at every one-CTA step measured (3 -> 2, 4 -> 3, 5 ->
+        4, 6 -> 5: config.BWD_LARGE_PACK_ROWS) and lost at 4-6 -> 2. At 6 -> 5, windows of 4
+        slots or more spill (ratio 2 coff 2, ratio 4 coff 1: config.BWD_LARGE_MAX_SLOTS):
+        those keep one kernel, or with the candidate LARGE_TWO_LESS go 6 -> 4. Shared memory
+        holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1) leaves nothing to trade."""
+        if not 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS:
+            return 0
+        fewest = max(2, default_ctas - (2 if config.LARGE_TWO_LESS else 1))
+        for ctas in range(default_ctas - 1, fewest - 1, -1):
+            if self.slots <= config.BWD_LARGE_MAX_SLOTS[ctas]:
+                return ctas
+        return 0
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
