@@ -226,7 +226,12 @@ BWD_TARGET_CTAS_PER_SM = 6
 # slower with the variant (1x8192/128 15.6-15.8 against 15.3-15.5), 3,072 rows 0.4-0.5
 # faster (1x12288/128 18.9-19.0 / 19.3-19.5), 4,096 rows within noise (2x8192/128), 5,461
 # rows 0.7 faster (2x8192/128 ratio 3 coff 2): 4,096 stays, a threshold anywhere in
-# 2,048-4,096 moving nothing beyond noise. Variants measured and not taken: 128-thread
+# 2,048-4,096 moving nothing beyond noise. Two fewer (6 -> 4) for the 4-slot windows that
+# spill at 5 (pool_bwd.large_pack_ctas) was the candidate LARGE_TWO_LESS, predicted -1 to
+# -4; measured at d7a615e (fwd+bwd us, off / on, twice each): 1x131072/128 ratio 4 coff 1
+# 71.7-72.3 / 67.7-67.8, ratio 2 coff 2 135.8-136.0 / 135.2-135.5, 3x8192/128 ratio 2
+# coff 2 31.8-32.0 / 29.8-30.1, 1x131072/64 ratio 4 coff 1 38.8-39.0 / 36.1-36.3.
+# Variants measured and not taken: 128-thread
 # CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
 # ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
 # without them (slower everywhere at d=128).
@@ -254,13 +259,7 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-# - LARGE_TWO_LESS: the large-pack backward for the kernels at 6 CTAs an SM whose 4-slot
-#   windows spill at 5 (d=128 and d=64 ratio 4 coff 1, ratio 2 coff 2): 6 -> 4
-#   (pool_bwd.large_pack_ctas). Predicted at 1x131072 fwd+bwd: -1 to -4 against ratio 4
-#   coff 1's ~72.6 and ratio 2 coff 2's ~136.5 (one CTA fewer gained 2-13 us at ratios 1-6,
-#   four fewer lost 3.7-12.4), or a loss if two fewer costs what four did.
-LARGE_TWO_LESS = 0
-CANDIDATES = ("LARGE_TWO_LESS",)
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

@@ -99,13 +99,13 @@ class PoolBackward(WindowSlots):
     def large_pack_ctas(self, default_ctas: int) -> int:
         """CTAs an SM of the large-pack variant, 0 where there is none. The variant trades
         CTAs for wide copies. It paid at every one-CTA step measured (3 -> 2, 4 -> 3, 5 ->
-        4, 6 -> 5: config.BWD_LARGE_PACK_ROWS) and lost at 4-6 -> 2. At 6 -> 5, windows of 4
-        slots or more spill (ratio 2 coff 2, ratio 4 coff 1: config.BWD_LARGE_MAX_SLOTS):
-        those keep one kernel, or with the candidate LARGE_TWO_LESS go 6 -> 4. Shared memory
-        holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1) leaves nothing to trade."""
+        4, 6 -> 5: config.BWD_LARGE_PACK_ROWS) and at 6 -> 4 where 6 -> 5 spills (windows of
+        4 slots: ratio 2 coff 2, ratio 4 coff 1; config.BWD_LARGE_MAX_SLOTS), and lost at
+        4-6 -> 2. Shared memory holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1)
+        leaves nothing to trade."""
         if not 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS:
             return 0
-        fewest = max(2, default_ctas - (2 if config.LARGE_TWO_LESS else 1))
+        fewest = max(2, default_ctas - 2)
         for ctas in range(default_ctas - 1, fewest - 1, -1):
             if self.slots <= config.BWD_LARGE_MAX_SLOTS[ctas]:
                 return ctas
