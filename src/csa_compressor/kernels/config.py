@@ -199,42 +199,41 @@ BWD_TARGET_CTAS_PER_SM = 6
 # The backward of large packs (launch.backward_kernel; pool_bwd ``large``): where the
 # backward stacks row lanes (d=128 bf16: 4 of 64 threads) and runs 3 to
 # BWD_LARGE_MAX_DEFAULT_CTAS CTAs an SM, packs of at least BWD_LARGE_PACK_ROWS rows use a
-# second compiled variant with the warp-cooperative window copies, held to one CTA an SM
-# fewer (ratio 4 coff 2 at d=128: 2 CTAs, 128 registers). H200 sweeps at
-# 4e1170c (perf-notes v19, fwd+bwd us, default / large): 3x8192/128 (6,144 rows)
-# 30.7-31.0 / 29.5-29.8, 8x8192/128 71.4 / 69.2-69.5, 1x131072/128 136.2-136.8 /
+# second compiled variant with the warp-cooperative window copies, held to one or two CTAs
+# an SM fewer (pool_bwd.large_pack_ctas; ratio 4 coff 2 at d=128: 2 CTAs, 128 registers).
+# H200 sweeps at 4e1170c (perf-notes v19, fwd+bwd us, default / large): 3x8192/128 (6,144
+# rows) 30.7-31.0 / 29.5-29.8, 8x8192/128 71.4 / 69.2-69.5, 1x131072/128 136.2-136.8 /
 # 133.1-133.4, but 1x8192/128 (2,048 rows) 14.7-15.3 / 15.7-15.9 and 2048x64/128 (32,768
 # rows in 64-token sequences) 143.3-143.4 / 144.0-144.2; ragged (915 rows) the same. The
-# threshold sits between 2,048 and 6,144 rows. Only kernels that give up one CTA an SM for
-# it have the variant (pool_bwd has_large_variant): at 8c7ee81, where every stacked kernel
-# had it, 1x131072 fwd+bwd at d=128 ratio 1 coff 1 went 121.5 -> 131.5, ratio 2 coff 2
-# 136.5 -> 148.9, ratio 3 coff 2 140.7 -> 147.9, ratio 4 coff 1 72.6 -> 76.3 (4-6 CTAs ->
-# 2), while d=64 ratio 4 coff 2 (3 -> 2) went 70.1 -> 68.3. One fewer than 4 (4 -> 3,
-# BWD_LARGE_MAX_DEFAULT_CTAS 3 -> 4; d=128 ratio 3 coff 2, 76 registers spill-free) was the
-# candidate LARGE_ONE_LESS, predicted -1 to -3 at 1x131072; measured at ec3f8c9 (sweep,
-# fwd+bwd us, off / on, twice each): ratio 3 coff 2 1x131072 140.6-141.2 / 130.6,
-# 3x8192 31.9 / 29.8-29.9, 1x8192 (below the threshold) 17.2-17.3 / 17.3-17.5; ratio 4
-# coff 2 and ratio 1 coff 1 unchanged (132.8-133.1, 122.1-123.0). One fewer than 5-6 (6 -> 5,
-# 5 -> 4) where the window fits (BWD_LARGE_MAX_SLOTS; BWD_LARGE_MAX_DEFAULT_CTAS 4 -> 6)
-# was the candidate LARGE_FROM_6, predicted -3 to -8 at 1x131072; measured at 93dea79
-# (sweep, fwd+bwd us, off / on, twice each), 1x131072 d=128: ratio 1 coff 1 121.6-122.1 /
-# 108.8-108.9, ratio 2 coff 1 81.6-82.5 / 79.7, ratio 3 coff 1 77.4-77.8 / 73.5-73.9,
-# ratio 5 coff 1 74.5-74.8 / 67.6-67.7, ratio 1 coff 2 172.4-172.6 / 162.8-163.6; d=64
-# ratio 1 coff 1 65.4-65.7 / 59.5; 3x8192/128 ratio 1 coff 1 28.5-28.6 / 27.1-27.3;
-# 1x8192/128 ratio 4 coff 2 (unchanged kernel) 15.2-15.3 / 15.3. The threshold: a sweep at
-# 3f2540c (4,096 / 2,048 / never, fwd+bwd us, twice each) found 2,048-row packs 0.3
-# slower with the variant (1x8192/128 15.6-15.8 against 15.3-15.5), 3,072 rows 0.4-0.5
-# faster (1x12288/128 18.9-19.0 / 19.3-19.5), 4,096 rows within noise (2x8192/128), 5,461
-# rows 0.7 faster (2x8192/128 ratio 3 coff 2): 4,096 stays, a threshold anywhere in
-# 2,048-4,096 moving nothing beyond noise. Two fewer (6 -> 4) for the 4-slot windows that
-# spill at 5 (pool_bwd.large_pack_ctas) was the candidate LARGE_TWO_LESS, predicted -1 to
-# -4; measured at d7a615e (fwd+bwd us, off / on, twice each): 1x131072/128 ratio 4 coff 1
-# 71.7-72.3 / 67.7-67.8, ratio 2 coff 2 135.8-136.0 / 135.2-135.5, 3x8192/128 ratio 2
-# coff 2 31.8-32.0 / 29.8-30.1, 1x131072/64 ratio 4 coff 1 38.8-39.0 / 36.1-36.3.
-# Variants measured and not taken: 128-thread
-# CTAs (2 row lanes) with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but
-# ragged 13.7-14.1 against 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs
-# without them (slower everywhere at d=128).
+# threshold sits between 2,048 and 6,144 rows. Two CTAs from 4-6 lost: at 8c7ee81, where
+# every stacked kernel had it, 1x131072 fwd+bwd at d=128 ratio 1 coff 1 went 121.5 ->
+# 131.5, ratio 2 coff 2 136.5 -> 148.9, ratio 3 coff 2 140.7 -> 147.9, ratio 4 coff 1 72.6
+# -> 76.3 (4-6 CTAs -> 2), while d=64 ratio 4 coff 2 (3 -> 2) went 70.1 -> 68.3. One fewer
+# than 4 (4 -> 3, BWD_LARGE_MAX_DEFAULT_CTAS 3 -> 4; d=128 ratio 3 coff 2, 76 registers
+# spill-free) was the candidate LARGE_ONE_LESS, predicted -1 to -3 at 1x131072; measured
+# at ec3f8c9 (sweep, fwd+bwd us, off / on, twice each): ratio 3 coff 2 1x131072
+# 140.6-141.2 / 130.6, 3x8192 31.9 / 29.8-29.9, 1x8192 (below the threshold) 17.2-17.3 /
+# 17.3-17.5; ratio 4 coff 2 and ratio 1 coff 1 unchanged (132.8-133.1, 122.1-123.0). One
+# fewer than 5-6 (6 -> 5, 5 -> 4) where the window fits (BWD_LARGE_MAX_SLOTS;
+# BWD_LARGE_MAX_DEFAULT_CTAS 4 -> 6) was the candidate LARGE_FROM_6, predicted -3 to -8 at
+# 1x131072; measured at 93dea79 (sweep, fwd+bwd us, off / on, twice each), 1x131072 d=128:
+# ratio 1 coff 1 121.6-122.1 / 108.8-108.9, ratio 2 coff 1 81.6-82.5 / 79.7, ratio 3 coff
+# 1 77.4-77.8 / 73.5-73.9, ratio 5 coff 1 74.5-74.8 / 67.6-67.7, ratio 1 coff 2
+# 172.4-172.6 / 162.8-163.6; d=64 ratio 1 coff 1 65.4-65.7 / 59.5; 3x8192/128 ratio 1 coff
+# 1 28.5-28.6 / 27.1-27.3; 1x8192/128 ratio 4 coff 2 (unchanged kernel) 15.2-15.3 / 15.3.
+# The threshold: a sweep at 3f2540c (4,096 / 2,048 / never, fwd+bwd us, twice each) found
+# 2,048-row packs 0.3 slower with the variant (1x8192/128 15.6-15.8 against 15.3-15.5),
+# 3,072 rows 0.4-0.5 faster (1x12288/128 18.9-19.0 / 19.3-19.5), 4,096 rows within noise
+# (2x8192/128), 5,461 rows 0.7 faster (2x8192/128 ratio 3 coff 2): 4,096 stays, a
+# threshold anywhere in 2,048-4,096 moving nothing beyond noise. Two fewer (6 -> 4) for
+# the 4-slot windows that spill at 5 (pool_bwd.large_pack_ctas) was the candidate
+# LARGE_TWO_LESS, predicted -1 to -4; measured at d7a615e (fwd+bwd us, off / on, twice
+# each): 1x131072/128 ratio 4 coff 1 71.7-72.3 / 67.7-67.8, ratio 2 coff 2 135.8-136.0 /
+# 135.2-135.5, 3x8192/128 ratio 2 coff 2 31.8-32.0 / 29.8-30.1, 1x131072/64 ratio 4 coff 1
+# 38.8-39.0 / 36.1-36.3. Variants measured and not taken: 128-thread CTAs (2 row lanes)
+# with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but ragged 13.7-14.1 against
+# 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs without them (slower everywhere
+# at d=128).
 BWD_LARGE_PACK_ROWS = 4096
 BWD_LARGE_MAX_DEFAULT_CTAS = 6
 # The most window slots (ratio * coff) a large-pack backward compiles spill-free at this
