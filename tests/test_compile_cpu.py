@@ -134,18 +134,20 @@ def test_launch_asks_for_the_shared_memory_the_kernel_uses(cfg):
     assert 0 < info["smem_used"] <= info["smem_asked"], info
 
 
-LARGE_CASES = [(4, 2, ""), (8, 1, ""), (3, 2, ""), (6, 1, ""), (5, 1, ""), (1, 1, ""), (3, 1, ""),
-               (1, 2, ""), (4, 1, ""), (2, 2, "")]
+LARGE_CASES = [("bfloat16", 128, r, c) for r, c in
+               ((4, 2), (8, 1), (3, 2), (6, 1), (5, 1), (1, 1), (3, 1), (1, 2), (4, 1), (2, 2))]
+LARGE_CASES += [("float32", 64, 5, 1), ("float32", 64, 2, 2), ("float32", 64, 7, 1)]
 
 
-@pytest.mark.parametrize("ratio,coff,flags", LARGE_CASES)
-def test_large_pack_backward_compiles_for_one_wave(ratio, coff, flags):
-    """The large-pack backward at d=128 bf16, sm_90a, at each step it takes (3 -> 2 CTAs:
+@pytest.mark.parametrize("dtype,d,ratio,coff", LARGE_CASES)
+def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
+    """The large-pack backward, sm_90a, bf16 at d=128 at each step it takes (3 -> 2 CTAs:
     ratio 4 coff 2, ratio 8 coff 1; 4 -> 3: ratio 3 coff 2, ratio 6 coff 1; 5 -> 4: ratio 5
     coff 1; 6 -> 5: ratios 1 and 3 coff 1, ratio 1 coff 2; the largest windows of each
-    within config.BWD_LARGE_MAX_SLOTS; 6 -> 4: ratio 4 coff 1, ratio 2 coff 2):
-    cooperative copies, no spills, held to registers for one wave of its CTAs."""
-    info = probe("sm_90a", ("bwd_large", "bfloat16", ratio, coff, 128), flags)
+    within config.BWD_LARGE_MAX_SLOTS; 6 -> 4: ratio 4 coff 1, ratio 2 coff 2), and fp32
+    at d=64, whose defaults differ (ratio 7 coff 1: 4 -> 3): cooperative copies, no
+    spills, held to registers for one wave of its CTAs."""
+    info = probe("sm_90a", ("bwd_large", dtype, ratio, coff, d))
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == [info["target_ctas"]], info
     assert regs_for_one_wave(info) <= 65536, info
