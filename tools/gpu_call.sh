@@ -22,7 +22,9 @@
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
 #   host                 tools/perf_probe.py host (events, then perf_counter per layer)
 #   floor                tools/perf_probe.py floor (1-3 empty kernels a call; near-empty packs)
-#   parts                tools/perf_probe.py parts (fwd, bwd kernel, dape sum each on its own)
+#   parts                tools/perf_probe.py parts (fwd, bwd kernel, its row and zero-fill
+#                        CTAs, dape sum each on its own) over $PARTS_SHAPES (comma-separated)
+#                        or the five default shapes
 #   latency              tools/latency_probe.py (launch + k dependent loads against our kernels at 1x4)
 #   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES_<N>, else
 #                        $SWEEP_SHAPES, else the 5 default shapes
@@ -62,7 +64,7 @@ cmd_of() {
         ddp) echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; for r in 4 128; do python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/ddp_compressor.py --device cuda --ratio \$r || exit 1; done" ;;
         host) echo "python3 tools/perf_probe.py host" ;;
         floor) echo "python3 tools/perf_probe.py floor" ;;
-        parts) echo "python3 tools/perf_probe.py parts" ;;
+        parts) echo "python3 tools/perf_probe.py parts ${PARTS_SHAPES:-}" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
         ncuinst_*) echo "$NCU --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
         ncu_*) echo "$NCU --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;

@@ -113,7 +113,10 @@ def parts():
     kernel without its dape sum (launched as launch_backward launches it), the dape sum
     alone (on the partials the backward left), the backward with its sum (pool_backward)
     and the whole kernel-level step. What a step costs over
-    the sum of its parts is what the launches do not overlap."""
+    the sum of its parts is what the launches do not overlap. The backward kernel is also
+    timed with its row CTAs alone and its zero-fill CTAs alone (the same launch with the
+    other count 0: timing only, the gradients are then incomplete), which splits, e.g., the
+    2048x64 pack's backward against 1x131072's."""
     import math
 
     from csa_compressor.kernels import launch
@@ -145,6 +148,14 @@ def parts():
             fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, row_ctas,
                zero_ctas)
 
+        def bwd_rows(i):
+            kv, score, ape, cu, cuc, _, g = sets[i]
+            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, row_ctas, 0)
+
+        def bwd_zeros(i):
+            kv, score, ape, cu, cuc, _, g = sets[i]
+            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, 0, zero_ctas)
+
         def dape_only(i):
             kb.dape_fn(works[i].view(row_ctas, -1), grads[i][2].view(1, -1))
 
@@ -160,9 +171,11 @@ def parts():
         for i in range(n):
             bwd(i)  # the partials dape_only sums
         cells = [f"{k} {bench.time_graph(f, n):6.2f}" for k, f in (
-            ("fwd", fwd), ("bwd kernel", bwd_only), ("dape sum", dape_only),
+            ("fwd", fwd), ("bwd kernel", bwd_only), ("its rows", bwd_rows),
+            ("its zeros", bwd_zeros), ("dape sum", dape_only),
             ("bwd+dape", bwd), ("fwd+bwd+dape", step))]
-        print(f"{name:32s} sets {n:2d} row CTAs {row_ctas:4d} | " + " | ".join(cells) + " µs")
+        print(f"{name:32s} sets {n:2d} row CTAs {row_ctas:4d} zero CTAs {zero_ctas:5d} | "
+              + " | ".join(cells) + " µs")
         del sets, outs, grads, works
         torch.cuda.empty_cache()
 
