@@ -92,10 +92,11 @@ def test_large_pack_variant_only_where_it_measured_faster(ratio, coff, d, has):
     5 -> 4 and 6 -> 5, ratios 1 and 5 coff 1, at 93dea79; 6 -> 4, ratio 2 coff 2 and ratio 4
     coff 1, whose windows spill at 5, at d7a615e; 2 CTAs were slower at 8c7ee81), and not
     where it trades nothing (ratio 8 coff 2: shared memory holds 1)."""
-    assert PoolBackward(cutlass.BFloat16, ratio, coff, d).has_large_variant == has
+    small = PoolBackward(cutlass.BFloat16, ratio, coff, d)
+    assert small.has_large_variant == has
     if has:
-        default = PoolBackward(cutlass.BFloat16, ratio, coff, d).target_ctas_per_sm
-        fewer = default - PoolBackward(cutlass.BFloat16, ratio, coff, d, large=True).target_ctas_per_sm
+        large = PoolBackward(cutlass.BFloat16, ratio, coff, d, large=True)
+        fewer = small.target_ctas_per_sm - large.target_ctas_per_sm
         assert fewer == (2 if (ratio, coff) in ((2, 2), (4, 1)) else 1)
 
 

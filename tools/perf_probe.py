@@ -135,26 +135,22 @@ def parts():
         N, T = sets[0][5], sets[0][0].shape[0]
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
         grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
-        kb, fb = launch.backward_kernel(dev, torch.bfloat16, r, c, d, N)
-        rpc, row_ctas, zero_ctas = launch.backward_schedule(N, T, kb, dev)
-        works = [torch.empty(row_ctas * r, c * d, device=dev) for _ in sets]
+        kb, fb, (rpc, row_ctas, zero_ctas), ws = launch.backward_plan(
+            dev, torch.bfloat16, r, c, d, N, T)
+        works = [torch.empty(ws, device=dev) for _ in sets]
 
         def fwd(i):
             kv, score, ape, cu, cuc = sets[i][:5]
             pool_forward(kv, score, ape, cu, cuc, outs[i], ratio=r, coff=c)
 
-        def bwd_only(i):
-            kv, score, ape, cu, cuc, _, g = sets[i]
-            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, row_ctas,
-               zero_ctas)
-
-        def bwd_rows(i):
-            kv, score, ape, cu, cuc, _, g = sets[i]
-            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, row_ctas, 0)
-
-        def bwd_zeros(i):
-            kv, score, ape, cu, cuc, _, g = sets[i]
-            fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, 0, zero_ctas)
+        def bwd_kernel(rows, zeros):
+            """The backward kernel alone (as launch_backward launches it), with ``rows`` row
+            CTAs and ``zeros`` zero-fill CTAs."""
+            def launch_it(i):
+                kv, score, ape, cu, cuc, _, g = sets[i]
+                fb(kv, score, ape, cu, cuc, g, grads[i][0], grads[i][1], works[i], rpc, rows,
+                   zeros)
+            return launch_it
 
         def dape_only(i):
             kb.dape_fn(works[i].view(row_ctas, -1), grads[i][2].view(1, -1))
@@ -171,8 +167,9 @@ def parts():
         for i in range(n):
             bwd(i)  # the partials dape_only sums
         cells = [f"{k} {bench.time_graph(f, n):6.2f}" for k, f in (
-            ("fwd", fwd), ("bwd kernel", bwd_only), ("its rows", bwd_rows),
-            ("its zeros", bwd_zeros), ("dape sum", dape_only),
+            ("fwd", fwd), ("bwd kernel", bwd_kernel(row_ctas, zero_ctas)),
+            ("its rows", bwd_kernel(row_ctas, 0)), ("its zeros", bwd_kernel(0, zero_ctas)),
+            ("dape sum", dape_only),
             ("bwd+dape", bwd), ("fwd+bwd+dape", step))]
         print(f"{name:32s} sets {n:2d} row CTAs {row_ctas:4d} zero CTAs {zero_ctas:5d} | "
               + " | ".join(cells) + " µs")

@@ -82,12 +82,18 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
     return kernel, fn
 
 
+def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens):
+    """(kernel, compiled function, backward_schedule, shape of its fp32 dape partials) of
+    one backward launch."""
+    kernel, fn = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
+    schedule = backward_schedule(total_comp, num_tokens, kernel, device)
+    return kernel, fn, schedule, (schedule[1] * ratio, coff * head_dim)
+
+
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
     """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
-    device = torch.device(device)
-    kernel, _ = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
-    _, row_ctas, _ = backward_schedule(total_comp, num_tokens, kernel, device)
-    return (row_ctas * ratio, coff * head_dim)
+    return backward_plan(torch.device(device), dtype, ratio, coff, head_dim, total_comp,
+                         num_tokens)[3]
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
@@ -117,9 +123,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         grad_score.zero_()
         grad_ape.zero_()
         return grad_kv, grad_score, grad_ape
-    kernel, fn = backward_kernel(dev, dt, ratio, coff, d, N)
-    rows_per_cta, row_ctas, zero_ctas = backward_schedule(N, T, kernel, dev)
-    shape = (row_ctas * ratio, coff * d)
+    kernel, fn, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(
+        dev, dt, ratio, coff, d, N, T)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.float32, device=dev)
     elif tuple(workspace.shape) != shape:

@@ -77,7 +77,8 @@ class PoolBackward(WindowSlots):
         default_ctas = self.target_ctas_per_sm
         large_ctas = self.large_pack_ctas(default_ctas)
         if stacked_coop:
-            self.target_ctas_per_sm = large_ctas or max(1, default_ctas - 1)
+            assert large_ctas, "this configuration has no large-pack variant (has_large_variant)"
+            self.target_ctas_per_sm = large_ctas
         # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
         # measured in config.py, "Adopted at v17"). With stacked row lanes (d=128: 256
         # threads) only in the large-pack variant, held to fewer CTAs an SM than the
