@@ -78,7 +78,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         # 32 chunks of 8 B a row: halved to 64 chunks (config.FWD_MIN_CHUNKS_PER_ROW).
         designed = config.FWD_MIN_VEC_BYTES
     if ratio > 8:
-        designed = config.LONG_VEC_BYTES
+        designed = config.LONG_VEC_BYTES if direction == "fwd" else config.LONG_BWD_VEC_BYTES
     assert width == designed, info  # head_dim 512/128 bf16 allow the designed width
     # The short-window kernels' warps are 32 column lanes of one row, so the first segment
     # search of a walk is the warp-wide one (common.find_segment_warp). (The long backward's

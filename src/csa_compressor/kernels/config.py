@@ -280,6 +280,11 @@ LONG_CTA_THREADS = 512
 LONG_BWD_CTA_THREADS = 256
 LONG_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 2
+LONG_BWD_SLOTS_PER_THREAD = 8
+LONG_BWD_VEC_BYTES = 8
+# Register bounds (min CTAs an SM; 0: none) of the long forward and backward: sweep knobs.
+LONG_FWD_BOUND_CTAS_PER_SM = 0
+LONG_BWD_BOUND_CTAS_PER_SM = 0
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""
@@ -325,5 +330,5 @@ def long_window(num_slots: int) -> bool:
     return num_slots > MAX_REG_SLOTS
 
 
-def long_slots_per_thread(num_slots: int) -> int:
-    return max(c for c in range(1, LONG_SLOTS_PER_THREAD + 1) if num_slots % c == 0)
+def long_slots_per_thread(num_slots: int, most: int) -> int:
+    return max(c for c in range(1, most + 1) if num_slots % c == 0)

@@ -20,12 +20,12 @@ from .pool_bwd import PoolBackward
 
 
 class _LongShape:
-    def _setup(self, dtype, ratio, coff, head_dim, cta_threads):
+    def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
-        self.vec = config.vector_elems(head_dim, dtype.width // 8, config.LONG_VEC_BYTES)
+        self.vec = config.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
-        self.chunk_slots = config.long_slots_per_thread(self.slots)  # slots per thread
+        self.chunk_slots = config.long_slots_per_thread(self.slots, slots_per_thread)
         self.groups = self.slots // self.chunk_slots
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
         self.col_groups = math.ceil(self.cpr / self.lanes)
@@ -78,7 +78,9 @@ class _LongShape:
 
 class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
-        self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS)
+        self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
+                    config.LONG_SLOTS_PER_THREAD)
+        self.hold_to(config.LONG_FWD_BOUND_CTAS_PER_SM)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         return 1
@@ -91,7 +93,8 @@ class LongPoolForward(_LongShape, WindowSlots):
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
             grid=[mOut.shape[0], self.col_groups, 1], block=[self.lanes, self.groups, 1],
-            smem=self.smem_bytes, stream=stream)
+            smem=self.smem_bytes, stream=stream, preferred_smem_carveout=self.carveout,
+            min_blocks_per_mp=self.min_ctas)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -136,11 +139,14 @@ class LongPoolBackward(PoolBackward):
     CTAs are the short-window backward's."""
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
-        _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS)
+        _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS,
+                          config.LONG_BWD_VEC_BYTES, config.LONG_BWD_SLOTS_PER_THREAD)
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
-        self.hold_to(0)  # PoolBackward.__call__'s launch: no bound, config's carveout
+        # PoolBackward.__call__'s launch: a register bound of that many CTAs (and the grid
+        # sized for them) where the knob asks for one, else none and config's carveout.
+        self.hold_to(config.LONG_BWD_BOUND_CTAS_PER_SM)
 
     pdl = False  # its kernel() has no griddepcontrol.wait
     shared = _LongShape.shared
