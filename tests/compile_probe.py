@@ -80,6 +80,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
+                  "chunk_slots": getattr(kernel, "chunk_slots", 0),  # slots a thread reads
                   "coop": bool(getattr(kernel, "coop", False)),
                   "target_ctas": getattr(kernel, "target_ctas_per_sm", 0),
                   "threads": getattr(kernel, "threads", 0),

@@ -64,12 +64,27 @@ Adopted from that sweep (were flags until measured, each bitwise equal to the co
   coff 2 d 512): forward 2000 -> 1872, backward 1616 -> 1440 instructions.
 BWD_CTA_THREADS: backward CTAs of register-resident windows stack row lanes on top of the
   column lanes up to this many threads; their dape partials meet in shared memory.
-LONG_SLOTS_PER_THREAD / LONG_CTA_THREADS / LONG_VEC_BYTES / LONG_BWD_CTAS_PER_SM: windows
-  longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kernels (pool_long.py): a
-  CTA holds one row at a time, its threads split the slots (this many each) and the
-  columns; the serial sums run over shared memory in slot order, so results stay bitwise
-  equal to the fp32 reference. The one-thread-per-row design ran ratio 128 at 2-11% of
-  the floor (61 us forward at 1x8192/128, H200, 2026-11-29).
+LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kernels
+  (pool_long.py): a CTA holds one row at a time, its threads split the slots (at most
+  LONG_SLOTS_PER_THREAD / LONG_BWD_SLOTS_PER_THREAD each) and the columns (vectors of
+  LONG_VEC_BYTES / LONG_BWD_VEC_BYTES); the serial sums run over shared memory in slot
+  order, so results stay bitwise equal to the fp32 reference. The one-thread-per-row
+  design ran ratio 128 at 2-11% of the floor (61 us forward at 1x8192/128, H200,
+  2026-11-29). The backward is compiled for LONG_BWD_CTAS_PER_SM resident CTAs (a
+  register bound) and its grid sized for them.
+  Chosen by occupancy (H200 sweep at 7deda87, 2026-11-29, perf-notes v21; ratio 128 coff
+  1, fwd / fwd+bwd us): the forward had been 512 threads of 8-byte vectors, 97 registers,
+  one CTA an SM; 256 threads of 4-byte vectors take 48 and run 5: 3x8192/512 59.4 -> 31.0,
+  8x8192/512 146.1 -> 72.7, 1x8192/512 22.3 -> 13.7, 1x8192/128 11.1 -> 6.6. 4 slots a
+  thread instead of 8 (more slot groups, fewer threads in the serial sums) was slower at
+  every width (3x8192/512 forward 43.9-58.5). The backward had been 8 slots a thread, 167
+  registers, one CTA an SM under a grid sized for 2; 4 slots a thread bounded at 3 CTAs (80
+  registers, spill-free): backward alone (fwd+bwd minus fwd) 3x8192/512 81.8 -> 67.2,
+  8x8192/512 192.1 -> 168.7, 1x8192/512 32.0 -> 29.8, but 1x8192/128 11.2 -> 12.5 (64
+  rows: one a CTA either way, the smaller CTA is no faster alone). 8 slots with the grid
+  sized for the one CTA that fits: 3x8192/512 76.7; 4 slots in 4-byte vectors at 5 CTAs:
+  88.4; 128-thread CTAs at 8: 143.9. Bounds that spill (forward 6 CTAs: 56 B, backward 4:
+  112 B) not swept.
 DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
   (common.softmax_row, common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
@@ -275,16 +290,13 @@ CANDIDATES = ()
 BWD_BOUND_CTAS_PER_SM = 0
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 8
-LONG_CTA_THREADS = 512
+LONG_CTA_THREADS = 256
+LONG_VEC_BYTES = 4
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
 LONG_BWD_CTA_THREADS = 256
-LONG_VEC_BYTES = 8
-LONG_BWD_CTAS_PER_SM = 2
-LONG_BWD_SLOTS_PER_THREAD = 8
+LONG_BWD_SLOTS_PER_THREAD = 4
 LONG_BWD_VEC_BYTES = 8
-# Register bounds (min CTAs an SM; 0: none) of the long forward and backward: sweep knobs.
-LONG_FWD_BOUND_CTAS_PER_SM = 0
-LONG_BWD_BOUND_CTAS_PER_SM = 0
+LONG_BWD_CTAS_PER_SM = 3
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""

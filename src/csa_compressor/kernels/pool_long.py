@@ -80,7 +80,7 @@ class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
                     config.LONG_SLOTS_PER_THREAD)
-        self.hold_to(config.LONG_FWD_BOUND_CTAS_PER_SM)
+        self.hold_to(0)  # unbounded (48 registers at d=512 bf16); bounds that fit more spilled
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         return 1
@@ -143,10 +143,9 @@ class LongPoolBackward(PoolBackward):
                           config.LONG_BWD_VEC_BYTES, config.LONG_BWD_SLOTS_PER_THREAD)
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
-        self.target_ctas_per_sm = config.LONG_BWD_CTAS_PER_SM
-        # PoolBackward.__call__'s launch: a register bound of that many CTAs (and the grid
-        # sized for them) where the knob asks for one, else none and config's carveout.
-        self.hold_to(config.LONG_BWD_BOUND_CTAS_PER_SM)
+        # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
+        # for them (config.LONG_BWD_CTAS_PER_SM).
+        self.hold_to(config.LONG_BWD_CTAS_PER_SM)
 
     pdl = False  # its kernel() has no griddepcontrol.wait
     shared = _LongShape.shared
