@@ -4,8 +4,9 @@ where buffer sizes are not multiples of their alignment), long-window fwd/bwd
 (ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
 caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
 counts; all of it twice, the second time with the backward's large-pack variant forced
-(config.BWD_LARGE_PACK_ROWS = 0). CSA_CONFIG="K=V,..." runs it with kernels/config.py
-constants overridden."""
+(config.BWD_LARGE_PACK_ROWS = 0) and every grid sized for a 4-SM GPU (CTAs walk many rows,
+across segments). CSA_CONFIG="K=V,..." runs it with kernels/config.py constants
+overridden."""
 
 import os
 import sys
@@ -14,7 +15,7 @@ import torch
 
 import csa_compressor as C
 from csa_compressor.bench import make_inputs, parse_shape
-from csa_compressor.kernels import config
+from csa_compressor.kernels import config, launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from packs import CORRUPT_OFFSETS  # noqa: E402
@@ -23,10 +24,13 @@ config.override(os.environ.get("CSA_CONFIG", ""))
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 # Twice: with the backward's large-pack variant where packs reach its threshold (none of
-# these do), then forced on every pack that has one (threshold 0).
-for large_from in (config.BWD_LARGE_PACK_ROWS, 0):
+# these do) and the GPU's own schedules, then the variant forced on every pack that has
+# one (threshold 0) and the schedules of a 4-SM GPU.
+sm_count = launch.sm_count
+for large_from, sms in ((config.BWD_LARGE_PACK_ROWS, None), (0, 4)):
     config.BWD_LARGE_PACK_ROWS = large_from
-    print("backward large-pack variant from", large_from, "rows")
+    launch.sm_count = sm_count if sms is None else (lambda index, sms=sms: sms)
+    print("backward large-pack variant from", large_from, "rows; schedules for", sms or "all", "SMs")
     for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:128:3:2", 2, bf16),
                                ("37+0+3+64+129+1:128:1:1", 2, bf16), ("37+0+3+64+129+1:64:5:1", 1, fp32),
                                ("37+0+3+64+129+1:128:2:2", 2, bf16),
@@ -34,6 +38,7 @@ for large_from in (config.BWD_LARGE_PACK_ROWS, 0):
                                ("37+0+3+64+129+1:65:4:2", 2, fp32), ("37+0+3+64+129+1:65:3:1", 1, fp32),
                                ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
                                ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),
+                               ("8192+3000+0+127+1100:512:128:1", 3, bf16),
                                ("64+64:128:4:2", -9, bf16)):
         s = parse_shape(spec)
         kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))

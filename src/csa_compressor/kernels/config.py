@@ -273,7 +273,7 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("LONG_FWD_CTAS_PER_SM", "LONG_BWD_STAGED")
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,
@@ -297,6 +297,20 @@ LONG_BWD_CTA_THREADS = 256
 LONG_BWD_SLOTS_PER_THREAD = 4
 LONG_BWD_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 3
+# Candidate (a sweep knob, 0: one row a CTA): the long forward's grid sized for this many
+# CTAs an SM, each walking its rows with the next row's window loaded during the current
+# row's softmax (pool_long.LongPoolForward). Predicted (H200, ratio 128 coff 1, forward
+# µs, against 31.0 at 3x8192/512 and 72.7 at 8x8192/512 at 7deda87): 3x8192/512 20-24,
+# 8x8192/512 45-55, 1x8192/128 (64 rows, one a CTA either way) unchanged at ~6.6.
+LONG_FWD_CTAS_PER_SM = 0
+# Candidate (0/1): the long backward stages its rows as the forward does (the next row's
+# window copied by cp.async during the current row's work; it already walks several rows
+# a CTA). Predicted (H200, ratio 128 coff 1, backward alone = fwd+bwd minus fwd, against
+# 67.2 at 3x8192/512 at 7deda87): -5 to -12 at 3x8192/512, nothing at 1x8192/128 (one
+# row a CTA). Staged, it spills 12 B at the 3-CTA bound (80 -> 85 registers wanted) and
+# takes 92 spill-free at 2, so it runs 2 CTAs an SM.
+LONG_BWD_STAGED = 0
+LONG_BWD_STAGED_CTAS_PER_SM = 2
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""
