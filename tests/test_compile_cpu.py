@@ -63,11 +63,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     arch_major = int(arch[3:-1]) // 10
     coop = staged and (direction == "fwd" or (arch_major == 9 and (d == 512 or direction == "bwd_large")))
     assert info["coop"] == coop, info
-    # The long forward stages its rows through cp.async too (pool_long.LongPoolForward).
-    from csa_compressor.kernels import config
-
-    copied = staged or direction == "fwd" or (direction == "bwd" and config.LONG_BWD_STAGED)
-    reads = info["async_copies_by_bytes" if copied else "loads_by_bytes"]
+    reads = info["async_copies_by_bytes" if staged else "loads_by_bytes"]
     if coop:
         pieces = -(-info["slots"] * width // 16)  # 16-byte copies a lane and row, per tensor
         assert reads.get("16", 0) >= 2 * pieces, info
@@ -75,6 +71,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         assert reads.get(str(width), 0) >= 2 * info["chunk_slots"], info
     # One shared reciprocal per column instead of a division per slot (common.div_rn).
     assert info["rcp_rn"] >= 1, info
+    from csa_compressor.kernels import config
 
     designed = config.VEC_BYTES if direction == "fwd" else config.BWD_VEC_BYTES  # bwd, bwd_large
     if direction == "fwd" and d == 128:
@@ -183,19 +180,3 @@ def test_candidates_compile_without_spills(arch, cfg):
     assert min(map(int, info["async_copies_by_bytes"]), default=0) >= min(
         map(int, base["async_copies_by_bytes"]), default=0), (base, info)
     assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_long_backward_staging_candidate_compiles_without_spills(arch):
-    """The long backward's staging candidate (config.LONG_BWD_STAGED): spill-free at its own
-    bound, each of its slots copied with one cp.async of the designed width a tensor."""
-    from csa_compressor.kernels import config
-
-    if "LONG_BWD_STAGED" not in config.CANDIDATES:
-        pytest.skip("LONG_BWD_STAGED is not a pending candidate")
-    info = probe(arch, ("bwd", "bfloat16", 128, 1, 512), "LONG_BWD_STAGED=1")
-    assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
-    assert info["min_ctas"] == [config.LONG_BWD_STAGED_CTAS_PER_SM], info
-    width = str(info["vec"] * info["elem_bytes"])
-    assert info["async_copies_by_bytes"].get(width, 0) >= 2 * 2 * info["chunk_slots"], info
-    assert info["smem_used"] <= info["smem_asked"], info

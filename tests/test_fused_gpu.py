@@ -150,32 +150,6 @@ def test_long_windows(ratio, coff, d):
     assert_never_worse_than_upstream(fused, up, oracle)
 
 
-@pytest.mark.parametrize("ratio,coff,d", [(128, 1, 512), (16, 2, 128), (12, 1, 65)])
-def test_long_forward_walking_many_rows_a_cta(ratio, coff, d, monkeypatch):
-    """The long forward with several rows a CTA (the next row's window staged while the
-    current one computes; segment changes, empty segments and padding rows inside one CTA's
-    walk) gives bitwise what one row a CTA gives, and meets the contract. The schedule is
-    sized for a 16-SM GPU so that small packs walk many rows a CTA on any GPU."""
-    from csa_compressor.kernels import compile as cc
-    from csa_compressor.kernels import config, launch
-
-    lens = [64 * ratio + 5, ratio - 1, 0, 23 * ratio, 3, 64 * ratio + ratio // 2]
-    kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=torch.bfloat16,
-                                           device="cuda", extra_rows=5, seed=ratio + d)
-    kernel, _ = cc.get_kernel("fwd", kv.device, torch.bfloat16, ratio, coff, d)
-    monkeypatch.setattr(launch, "sm_count", lambda index: 16)
-    outs = {}
-    for ctas in (0, 1, 4):
-        monkeypatch.setattr(config, "LONG_FWD_CTAS_PER_SM", ctas)
-        assert (kernel.rows_per_thread(N, 16) > 1) == (ctas > 0)  # the schedule under test
-        out = torch.full((N, d), float("nan"), dtype=kv.dtype, device="cuda")
-        pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
-        outs[ctas] = out
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[4], outs[0])
-    ref = reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff, mode="fp32")
-    assert_forward_contract(outs[4], ref)
-
-
 @pytest.mark.parametrize("coff", [1, 2])
 def test_capacity_padding_rows_ignore_their_gradient(coff):
     kv, score, ape, cu, cuc, N = make_pack([40, 7, 0, 21], 128, 4, coff, dtype=torch.bfloat16,

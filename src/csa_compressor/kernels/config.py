@@ -85,6 +85,14 @@ LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kern
   sized for the one CTA that fits: 3x8192/512 76.7; 4 slots in 4-byte vectors at 5 CTAs:
   88.4; 128-thread CTAs at 8: 143.9. Bounds that spill (forward 6 CTAs: 56 B, backward 4:
   112 B) not swept.
+  Measured and dropped at 53085d5 (H200 sweep, 2026-11-29, perf-notes v21): rows walked
+  by a CTA with the next row's window staged by cp.async during the current row's work.
+  Forward (64 registers, 51 KB of shared memory, 4 CTAs an SM; predicted 3x8192/512 20-24):
+  one row a CTA 42.7-42.8, several rows a CTA sized for 4 / 3 / 2 CTAs an SM 46.3 / 50.9
+  / 58.5, against 31.0 for the unstaged kernel above. Backward staged (92 registers, 2
+  CTAs an SM; predicted -5 to -12): 79.9 alone at 3x8192/512 against 78.9 unstaged at 2
+  CTAs and 70.9 unstaged at 3. More concurrent one-row CTAs beat fewer walking rows:
+  the per-row chain of barriers and serial sums, not the loads, sets the pace.
 DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
   (common.softmax_row, common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones
@@ -273,7 +281,7 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ("LONG_FWD_CTAS_PER_SM", "LONG_BWD_STAGED")
+CANDIDATES = ()
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,
@@ -297,20 +305,6 @@ LONG_BWD_CTA_THREADS = 256
 LONG_BWD_SLOTS_PER_THREAD = 4
 LONG_BWD_VEC_BYTES = 8
 LONG_BWD_CTAS_PER_SM = 3
-# Candidate (a sweep knob, 0: one row a CTA): the long forward's grid sized for this many
-# CTAs an SM, each walking its rows with the next row's window loaded during the current
-# row's softmax (pool_long.LongPoolForward). Predicted (H200, ratio 128 coff 1, forward
-# µs, against 31.0 at 3x8192/512 and 72.7 at 8x8192/512 at 7deda87): 3x8192/512 20-24,
-# 8x8192/512 45-55, 1x8192/128 (64 rows, one a CTA either way) unchanged at ~6.6.
-LONG_FWD_CTAS_PER_SM = 0
-# Candidate (0/1): the long backward stages its rows as the forward does (the next row's
-# window copied by cp.async during the current row's work; it already walks several rows
-# a CTA). Predicted (H200, ratio 128 coff 1, backward alone = fwd+bwd minus fwd, against
-# 67.2 at 3x8192/512 at 7deda87): -5 to -12 at 3x8192/512, nothing at 1x8192/128 (one
-# row a CTA). Staged, it spills 12 B at the 3-CTA bound (80 -> 85 registers wanted) and
-# takes 92 spill-free at 2, so it runs 2 CTAs an SM.
-LONG_BWD_STAGED = 0
-LONG_BWD_STAGED_CTAS_PER_SM = 2
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""
