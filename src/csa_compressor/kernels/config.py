@@ -85,6 +85,14 @@ LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kern
   sized for the one CTA that fits: 3x8192/512 76.7; 4 slots in 4-byte vectors at 5 CTAs:
   88.4; 128-thread CTAs at 8: 143.9. Bounds that spill (forward 6 CTAs: 56 B, backward 4:
   112 B) not swept.
+  Then (H200 sweep at ae41bb2, twice each for the control): the forward at 16 slots a
+  thread (8 slot groups of 32 lanes, 64 columns a CTA; 80 registers, 3 CTAs an SM):
+  3x8192/512 31.2-31.3 -> 28.9, 8x8192/512 73.1-73.5 -> 67.8, 1x8192/128 6.5-6.6 -> 6.6;
+  512 and 128 threads were slower (37.1, 41.2 at 3x8192/512). The backward in 4-byte
+  vectors at 8 slots a thread held to 2 CTAs (96 registers; 16 slot groups of 16 lanes)
+  against 8-byte vectors at 4 slots held to 3: backward alone 1x8192/128 12.2-12.4 -> 9.5,
+  3x8192/512 68.1 -> 64.2, 8x8192/512 169.2-169.5 -> 159.9; 512 threads at 1 CTA: 92.1 at
+  3x8192/512. Both adopted (ae41bb2's kernels with these constants).
   Measured and dropped at 53085d5 (H200 sweep, 2026-11-29, perf-notes v21): rows walked
   by a CTA with the next row's window staged by cp.async during the current row's work.
   Forward (64 registers, 51 KB of shared memory, 4 CTAs an SM; predicted 3x8192/512 20-24):
@@ -297,14 +305,14 @@ CANDIDATES = ()
 # is the limit (which COOP_STAGING then confirmed). Off.
 BWD_BOUND_CTAS_PER_SM = 0
 DIV_FAST_MIN = 2.0 ** -64
-LONG_SLOTS_PER_THREAD = 8
+LONG_SLOTS_PER_THREAD = 16
 LONG_CTA_THREADS = 256
 LONG_VEC_BYTES = 4
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
 LONG_BWD_CTA_THREADS = 256
-LONG_BWD_SLOTS_PER_THREAD = 4
-LONG_BWD_VEC_BYTES = 8
-LONG_BWD_CTAS_PER_SM = 3
+LONG_BWD_SLOTS_PER_THREAD = 8
+LONG_BWD_VEC_BYTES = 4
+LONG_BWD_CTAS_PER_SM = 2
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""
