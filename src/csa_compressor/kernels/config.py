@@ -92,7 +92,10 @@ LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kern
   vectors at 8 slots a thread held to 2 CTAs (96 registers; 16 slot groups of 16 lanes)
   against 8-byte vectors at 4 slots held to 3: backward alone 1x8192/128 12.2-12.4 -> 9.5,
   3x8192/512 68.1 -> 64.2, 8x8192/512 169.2-169.5 -> 159.9; 512 threads at 1 CTA: 92.1 at
-  3x8192/512. Both adopted (ae41bb2's kernels with these constants).
+  3x8192/512. Both adopted (ae41bb2's kernels with these constants). Measured at 57e582e
+  and not taken (backward alone at 3x8192/512, against 64.3-64.6): 128-thread backward
+  CTAs at 4 an SM 78.8, 512-thread ones at 1 69.4; 128-thread forward CTAs 30.3 against
+  28.9-29.6 (ratio 128 coff 2 at 1x8192/512: 44.8 against 36.0-36.5).
   Measured and dropped at 53085d5 (H200 sweep, 2026-11-29, perf-notes v21): rows walked
   by a CTA with the next row's window staged by cp.async during the current row's work.
   Forward (64 registers, 51 KB of shared memory, 4 CTAs an SM; predicted 3x8192/512 20-24):
