@@ -85,6 +85,14 @@ LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kern
   sized for the one CTA that fits: 3x8192/512 76.7; 4 slots in 4-byte vectors at 5 CTAs:
   88.4; 128-thread CTAs at 8: 143.9. Bounds that spill (forward 6 CTAs: 56 B, backward 4:
   112 B) not swept.
+  Measured and dropped at 53085d5 (H200 sweep, 2026-11-29, perf-notes v21): rows walked
+  by a CTA with the next row's window staged by cp.async during the current row's work.
+  Forward (64 registers, 51 KB of shared memory, 4 CTAs an SM; predicted 3x8192/512 20-24):
+  one row a CTA 42.7-42.8, several rows a CTA sized for 4 / 3 / 2 CTAs an SM 46.2 / 50.9
+  / 58.5, against 31.0 for the unstaged kernel above. Backward staged (92 registers, 2
+  CTAs an SM; predicted -5 to -12): 79.9 alone at 3x8192/512 against 78.9 unstaged at 2
+  CTAs and 70.9 unstaged at 3. More concurrent one-row CTAs beat fewer walking rows:
+  the per-row chain of barriers and serial sums, not the loads, sets the pace.
   Then (H200 sweep at ae41bb2, twice each for the control): the forward at 16 slots a
   thread (8 slot groups of 32 lanes, 64 columns a CTA; 80 registers, 3 CTAs an SM):
   3x8192/512 31.2-31.3 -> 28.9, 8x8192/512 73.1-73.5 -> 67.8, 1x8192/128 6.5-6.6 -> 6.6;
@@ -96,14 +104,6 @@ LONG_*: windows longer than MAX_REG_SLOTS (ratio 128) use the slot-parallel kern
   and not taken (backward alone at 3x8192/512, against 64.3-64.6): 128-thread backward
   CTAs at 4 an SM 78.8, 512-thread ones at 1 69.4; 128-thread forward CTAs 30.3 against
   28.9-29.6 (ratio 128 coff 2 at 1x8192/512: 44.8 against 36.0-36.5).
-  Measured and dropped at 53085d5 (H200 sweep, 2026-11-29, perf-notes v21): rows walked
-  by a CTA with the next row's window staged by cp.async during the current row's work.
-  Forward (64 registers, 51 KB of shared memory, 4 CTAs an SM; predicted 3x8192/512 20-24):
-  one row a CTA 42.7-42.8, several rows a CTA sized for 4 / 3 / 2 CTAs an SM 46.3 / 50.9
-  / 58.5, against 31.0 for the unstaged kernel above. Backward staged (92 registers, 2
-  CTAs an SM; predicted -5 to -12): 79.9 alone at 3x8192/512 against 78.9 unstaged at 2
-  CTAs and 70.9 unstaged at 3. More concurrent one-row CTAs beat fewer walking rows:
-  the per-row chain of barriers and serial sums, not the loads, sets the pace.
 DIV_FAST_MIN: smallest softmax numerator that takes the shared-reciprocal division
   (common.softmax_row, common.divide_column); with denominators in [1, 2^40] every intermediate of the fast path stays
   a normal number from there up, so it is exact (tests/test_division_cpu.py). Smaller ones

@@ -80,7 +80,7 @@ class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
                     config.LONG_SLOTS_PER_THREAD)
-        self.hold_to(0)  # unbounded (48 registers at d=512 bf16); bounds that fit more spilled
+        self.hold_to(0)  # unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         return 1
