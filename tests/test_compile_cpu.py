@@ -157,7 +157,8 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     assert regs_for_one_wave(info) <= 65536, info
 
 
-CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("bwd", "bfloat16", 4, 2, 512),
+CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("dape", "float32", 128, 1, 512),
+                     ("bwd", "bfloat16", 4, 2, 512),
                      ("fwd", "bfloat16", 4, 2, 128)]
 
 

@@ -10,10 +10,9 @@ from csa_compressor.kernels.compile import get_kernel
 pytestmark = pytest.mark.gpu
 
 
-def fixed_order_sum(work: torch.Tensor) -> torch.Tensor:
+def fixed_order_sum(work: torch.Tensor, lanes: int) -> torch.Tensor:
     """Row lane y sums rows y, y + lanes, ... in turn; then the lanes' sums in lane order."""
     P, C = work.shape
-    lanes = config.REDUCE_ROW_LANES
     sums = []
     for y in range(lanes):
         acc = torch.zeros(C, dtype=torch.float32)
@@ -27,8 +26,9 @@ def fixed_order_sum(work: torch.Tensor) -> torch.Tensor:
 
 
 # (ratio, coff, head_dim): 16-byte vectors (C = 1024, 260), 8-byte (C = 2*3*7 = 42),
-# scalars (C = 195), fewer column vectors than a CTA's lanes (C = 28)
-SHAPES = [(4, 2, 128), (4, 1, 65), (3, 2, 7), (3, 1, 65), (2, 2, 7)]
+# scalars (C = 195), fewer column vectors than a CTA's lanes (C = 28), ratio 128's many
+# columns (C = 16,384: the wide layout where config.DAPE_WIDE is on)
+SHAPES = [(4, 2, 128), (4, 1, 65), (3, 2, 7), (3, 1, 65), (2, 2, 7), (128, 1, 128)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 65, 257, 1000])
@@ -38,9 +38,11 @@ def test_reduction_is_the_fixed_order_sum(ratio, coff, d, rows):
     gen = torch.Generator().manual_seed(rows * 7 + C)
     # Wide exponent spread, so a different order would round differently.
     work = torch.randn(rows, C, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, C), generator=gen).float())
-    _, fn = get_kernel("dape", torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
-                       ratio, coff, d)
+    kernel, fn = get_kernel("dape", torch.device("cuda", torch.cuda.current_device()),
+                            torch.bfloat16, ratio, coff, d)
+    assert kernel.row_lanes == (config.REDUCE_WIDE_ROW_LANES if config.DAPE_WIDE and C // kernel.vec
+                                >= config.REDUCE_WIDE_MIN_CHUNKS else config.REDUCE_ROW_LANES)
     out = torch.full((1, C), float("nan"), device="cuda")
     fn(work.cuda(), out)
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu()[0], fixed_order_sum(work))
+    assert torch.equal(out.cpu()[0], fixed_order_sum(work, kernel.row_lanes))

@@ -292,7 +292,18 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("DAPE_WIDE",)
+# Candidate (0/1): the dape sum of partials with at least REDUCE_WIDE_MIN_CHUNKS column
+# vectors (ratio 128: C = 128 * d) in CTAs of REDUCE_WIDE_COL_LANES column lanes by
+# REDUCE_WIDE_ROW_LANES row lanes instead of 8 x 64. ncu at a794e5d (perf-notes v21):
+# at 3x8192/512 ratio 128 the sum took 7.9 us for 4 MB, 2,048 CTAs over 16 partial rows,
+# 48 of each CTA's 64 row lanes idle. Predicted (H200, fwd+bwd µs): ratio 128
+# 3x8192/512 -2 to -3 (the sum 4.8 -> ~2 in a graph), 1x8192/128 -0.5 to -1.5 (64
+# rows); every other shape's sum (at most 1,024 column vectors) unchanged, PTX identical.
+DAPE_WIDE = 0
+REDUCE_WIDE_MIN_CHUNKS = 4096
+REDUCE_WIDE_COL_LANES = 64
+REDUCE_WIDE_ROW_LANES = 8
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
 # as it is): compile the short-window backward for this many resident CTAs an SM (a
 # register bound) and size its grid for them. ncu at 33c6121 (3x8192/512): 80 registers,

@@ -6,8 +6,8 @@ us at 3x8192/512 (ncu, H200, 69f7321), longer than the backward kernel itself at
 small shape. Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
 lane y sums rows y, y + row_lanes, ... (independent loads, unrolled, so many are in
 flight), then row lane 0 adds the lanes' sums in lane order from shared memory. The order
-depends only on P and the constants in config.py, so the result is bitwise reproducible
-(tests/test_dape_reduce_gpu.py replays it with torch on the CPU).
+depends only on P, C and the constants in config.py, so the result is bitwise
+reproducible (tests/test_dape_reduce_gpu.py replays it with torch on the CPU).
 """
 
 import cutlass
@@ -22,8 +22,12 @@ class DapeReduce:
         self.cols = cols
         self.vec = next(v for v in (4, 2, 1) if cols % v == 0)  # 16-byte loads where C allows
         self.cpr = cols // self.vec
-        self.col_lanes = min(config.REDUCE_COL_LANES, self.cpr)
-        self.row_lanes = config.REDUCE_ROW_LANES
+        col_lanes, self.row_lanes = config.REDUCE_COL_LANES, config.REDUCE_ROW_LANES
+        if config.DAPE_WIDE and self.cpr >= config.REDUCE_WIDE_MIN_CHUNKS:
+            # Ratio 128 leaves few partial rows of many columns (3x8192/512: 16 x 65,536):
+            # most of 64 row lanes would have nothing to add (config.DAPE_WIDE).
+            col_lanes, self.row_lanes = config.REDUCE_WIDE_COL_LANES, config.REDUCE_WIDE_ROW_LANES
+        self.col_lanes = min(col_lanes, self.cpr)
         self.smem_bytes = self.row_lanes * self.col_lanes * self.vec * 4
         # Programmatic dependent launch: the backward lets this grid be scheduled early
         # (griddepcontrol.launch_dependents), and this kernel waits for the backward's end
