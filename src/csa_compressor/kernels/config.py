@@ -292,7 +292,17 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ("DAPE_WIDE",)
+CANDIDATES = ("DAPE_WIDE", "SEARCH_SEED")
+# Candidate (0/1): the warp segment searches (common.find_segment_warp) of packs of more
+# than 32 segments start with one round around x // (total // B), the place x would have
+# were the segments equal (tests/test_segment_search_cpu.py replays it). v21 `parts`: the
+# 2048x64 backward's zero-fill CTAs alone take 16.7 us against 5.4 at 1x131072, each
+# thread starting with a 3-round search over 2,049 offsets and a load of its span.
+# Only the zero-fill walks seed their search (in the row walks the extra division made the
+# sm_100a d=128 forward spill 40 B at its 7-CTA bound). Predicted (H200, fwd+bwd µs):
+# 2048x64 -2 to -4 (the zero-fill searches 3 rounds -> 1), packs of at most 32 segments
+# unchanged (a skipped branch), other many-segment packs within noise.
+SEARCH_SEED = 0
 # Candidate (0/1): the dape sum of partials with at least REDUCE_WIDE_MIN_CHUNKS column
 # vectors (ratio 128: C = 128 * d) in CTAs of REDUCE_WIDE_COL_LANES column lanes by
 # REDUCE_WIDE_ROW_LANES row lanes instead of 8 x 64. ncu at a794e5d (perf-notes v21):
