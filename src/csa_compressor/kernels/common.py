@@ -533,6 +533,34 @@ class WindowSlots:
                           cute.make_tensor(sV.iterator + sm, vl))
 
     @cute.jit
+    def prime_stages(self, issue, walk, row0, count):
+        """Start the staged row pipeline: ``issue(walk, row, stage)`` (a kernel's issue_row,
+        returning the issuing walk) for the thread's first ``stages - 1`` rows of ``count``
+        (``row_lanes`` apart from ``row0``), one commit group a stage."""
+        for p in cutlass.range_constexpr(self.stages - 1):
+            if p < count:
+                walk = issue(walk, row0 + p * self.row_lanes, p)
+            cute.arch.cp_async_commit_group()
+        return walk
+
+    @cute.jit
+    def advance_stages(self, issue, walk, row0, i, count):
+        """Step ``i`` of the pipeline: issue row ``i + stages - 1`` into the stage row
+        ``i - 1`` left, then wait until row ``i``'s stage has landed. Where the warp stages
+        cooperatively (``coop``) lanes read each other's copies: a warp sync before the
+        issue (the stage was read last step) and after the wait."""
+        if cutlass.const_expr(self.coop):
+            cute.arch.sync_warp()
+        ahead = i + (self.stages - 1)
+        if ahead < count:
+            walk = issue(walk, row0 + ahead * self.row_lanes, ahead % self.stages)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(self.stages - 1)
+        if cutlass.const_expr(self.coop):
+            cute.arch.sync_warp()
+        return walk
+
+    @cute.jit
     def load_ape(self, gApe, apef, chunk):
         """The thread's APE values of every slot into registers ``apef`` (slots, vec): they
         are the same for every row the thread walks."""

@@ -214,28 +214,17 @@ class PoolBackward(WindowSlots):
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
                     atom = (self.copy_atom(), self.window_atom())  # (grad_out, window)
                     thr = ty * self.lanes + tid
-                    walk_in = walk
-                    for p in cutlass.range_constexpr(P - 1):
-                        if p < mine:
-                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
-                                                     walk_in, row0 + p * self.row_lanes, p, thr,
-                                                     chunk, num_rows, num_tokens, num_seqs)
-                        cute.arch.cp_async_commit_group()
+
+                    def issue(w, row, stage):
+                        return self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, w,
+                                              row, stage, thr, chunk, num_rows, num_tokens,
+                                              num_seqs)
+
+                    walk_in = self.prime_stages(issue, walk, row0, mine)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
-                        if cutlass.const_expr(self.coop):
-                            cute.arch.sync_warp()  # the stage issued next was read last step
-                        ahead = i + (self.stages - 1)
-                        if ahead < mine:
-                            walk_in = self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc,
-                                                     walk_in, row0 + ahead * self.row_lanes,
-                                                     ahead % self.stages, thr, chunk, num_rows,
-                                                     num_tokens, num_seqs)
-                        cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(self.stages - 1)
-                        if cutlass.const_expr(self.coop):
-                            cute.arch.sync_warp()  # other lanes' copies of this row landed
+                        walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
                                                    self.coff)

@@ -137,26 +137,15 @@ class PoolForward(WindowSlots):
                 atom = self.window_atom()
                 apef = cute.make_rmem_tensor((CH, vec), Float32)
                 self.load_ape(gApe, apef, chunk)
-                walk_in = walk
-                for p in cutlass.range_constexpr(P - 1):
-                    if p < rows_per_thread:
-                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
-                                                 row0 + p * self.row_lanes, p, thr, chunk,
-                                                 num_rows, num_tokens, num_seqs)
-                    cute.arch.cp_async_commit_group()
+
+                def issue(w, row, stage):
+                    return self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, w, row, stage, thr,
+                                          chunk, num_rows, num_tokens, num_seqs)
+
+                walk_in = self.prime_stages(issue, walk, row0, rows_per_thread)
             for i in cutlass.range(rows_per_thread):
                 if cutlass.const_expr(self.staged):
-                    if cutlass.const_expr(self.coop):
-                        cute.arch.sync_warp()  # the stage issued next was read last step
-                    ahead = i + (P - 1)
-                    if ahead < rows_per_thread:
-                        walk_in = self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, walk_in,
-                                                 row0 + ahead * self.row_lanes, ahead % P, thr,
-                                                 chunk, num_rows, num_tokens, num_seqs)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(P - 1)
-                    if cutlass.const_expr(self.coop):
-                        cute.arch.sync_warp()  # other lanes' copies of this row landed
+                    walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                 if row < num_rows:
