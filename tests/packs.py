@@ -37,8 +37,7 @@ CORRUPT_OFFSETS = [
     ([10, 50, 300], [0, 10, 22]),  # cu_seqlens[0] != 0
     ([0, 60, 300], [5, -7, 2**31 - 1]),  # garbage row offsets
     ([-2**31, 0, 300], [-2**31, 0, 25]),
-    # 40 segments, scrambled: more than 32, so the warp searches take their seeded first
-    # round where config.SEARCH_SEED is on
+    # 40 segments, scrambled: more than 32, so the warp searches take more than one round
     ([0] + [(i * 7919) % 400 - 50 for i in range(1, 41)],
      [0] + [(i * 104729) % 60 - 10 for i in range(1, 41)]),
 ]

@@ -114,9 +114,10 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_dape_reduction_compiles_with_wide_loads(arch):
-    """The partials' reduction: no spills, and 16-byte loads, unrolled (C = 4*2*512)."""
-    info = probe(arch, ("dape", "float32", 4, 2, 512))
+@pytest.mark.parametrize("layout,ratio,coff,d", [("dape", 4, 2, 512), ("dape_wide", 128, 1, 512)])
+def test_dape_reduction_compiles_with_wide_loads(arch, layout, ratio, coff, d):
+    """The partials' reduction in both layouts: no spills, and 16-byte loads, unrolled."""
+    info = probe(arch, (layout, "float32", ratio, coff, d))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["vec"] == 4 and info["loads_by_bytes"].get("16", 0) >= 2, info
     # Always a programmatic dependent of the backward: it must wait before reading.
@@ -157,7 +158,7 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     assert regs_for_one_wave(info) <= 65536, info
 
 
-CANDIDATE_CONFIGS = [("dape", "float32", 4, 2, 128), ("dape", "float32", 128, 1, 512),
+CANDIDATE_CONFIGS = [("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
                      ("bwd", "bfloat16", 4, 2, 512),
                      ("fwd", "bfloat16", 4, 2, 128)]
 

@@ -169,3 +169,21 @@ def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(arch_major, sms):
     assert wide.min_ctas == 0 and wide.carveout is None
     odd = PoolForward(cutlass.Float16, 3, 2, 65, arch_major)
     assert not odd.staged and odd.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major]
+
+
+@pytest.mark.parametrize("ratio,coff,d,tokens,wide", [
+    (128, 1, 512, 3 * 8192, True),  # 16 partial rows of 65,536 columns (measured faster wide)
+    (128, 1, 128, 8192, False),  # 64 rows of 16,384 (measured faster in the default layout)
+    (128, 1, 512, 128, True),  # one row
+    (4, 2, 512, 3 * 8192, False),  # 4,096 columns: too few for the wide layout
+    (4, 2, 128, 64, False),
+])
+def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, tokens, wide):
+    """The backward's dape sum takes the wide layout for few partial rows of many columns
+    (config.REDUCE_WIDE_*), as the sweep at 748cd3e measured, chosen from the schedule."""
+    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
+    cls = LongPoolBackward if config.long_window(ratio * coff) else PoolBackward
+    k = cls(cutlass.BFloat16, ratio, coff, d)
+    _, row_ctas, _ = launch.backward_schedule(tokens // ratio, tokens, k, torch.device("cuda", 0))
+    k.dape_fn, k.dape_wide_fn = "default", "wide" if config.dape_has_wide(ratio * coff * d) else None
+    assert launch.dape_sum(k, ratio * coff * d, row_ctas) == ("wide" if wide else "default")

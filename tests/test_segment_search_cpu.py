@@ -22,28 +22,10 @@ def find_segment(cu, x):
     return lo
 
 
-def find_segment_warp(cu, x, total=None):
-    """common.find_segment_warp, the 32 lanes simulated; returns (answer, rounds, reads).
-    ``total`` given: with config.SEARCH_SEED's first round around x // (total // B)."""
+def find_segment_warp(cu, x):
+    """common.find_segment_warp, the 32 lanes simulated; returns (answer, rounds, reads)."""
     lo, hi = 0, len(cu) - 1
     rounds, reads = 0, set()
-    B = hi
-    if total is not None and B > 32:
-        mean = max(total // B, 1)  # total >= 0, B > 0: C and Python division agree
-        g0 = min(max(x // mean - 15, 1), B - 31)
-        ballot = []
-        for lane in range(32):
-            assert 1 <= g0 + lane <= B
-            reads.add(g0 + lane)
-            ballot.append(cu[g0 + lane] <= x)
-        k = sum(ballot)
-        if k == 0:
-            hi = g0 - 1
-        elif k == 32:
-            lo = g0 + 31
-        else:
-            lo = hi = g0 + k - 1
-        rounds += 1
     while hi > lo:
         step = (hi - lo + 31) // 32
         ballot = []
@@ -94,34 +76,3 @@ def test_any_offsets_stay_in_range_and_terminate(seed):
         for x in [rng.randrange(-10, 6000) for _ in range(50)]:
             got, _, _ = find_segment_warp(cu, x)
             assert 0 <= got <= B
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_seeded_search_matches_and_settles_equal_segments_in_one_round(seed):
-    """config.SEARCH_SEED: the same answers, one round more at most, and one round in all
-    for packs of equal segments (2048x64) whatever the row or token."""
-    rng = random.Random(200 + seed)
-    for cu in _packs(rng):
-        B = len(cu) - 1
-        xs = {0, cu[-1], cu[-1] + 5} | {rng.randrange(cu[-1] + 2) for _ in range(200)} | set(cu)
-        for total in (cu[-1], cu[-1] + rng.randrange(1, 500)):  # tokens, or N >= Nv rows
-            for x in xs:
-                got, rounds, _ = find_segment_warp(cu, x, total)
-                assert got == find_segment(cu, x), (B, x, total)
-                assert rounds <= (math.ceil(math.log(B, 32)) + 2 if B > 1 else 1)
-    for B, n in ((33, 64), (2048, 64), (2048, 16), (40000, 3)):
-        cu = [n * s for s in range(B + 1)]
-        for x in [rng.randrange(cu[-1]) for _ in range(300)]:
-            got, rounds, _ = find_segment_warp(cu, x, cu[-1])
-            assert got == x // n and rounds == 1, (B, n, x)
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_seeded_search_on_any_offsets_stays_in_range_and_terminates(seed):
-    rng = random.Random(300 + seed)
-    for B in (33, 500, 3000):
-        cu = [rng.randrange(-50, 5000) for _ in range(B + 1)]
-        for x in [rng.randrange(0, 6000) for _ in range(50)]:
-            for total in (0, 1, rng.randrange(0, 10**6), 2**31 - 1):
-                got, _, reads = find_segment_warp(cu, x, total)
-                assert 0 <= got <= B and all(1 <= q <= B for q in reads)

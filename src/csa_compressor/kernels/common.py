@@ -179,35 +179,16 @@ def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
 
 
 @cute.jit
-def find_segment_warp(cu: cute.Tensor, x: Int32, num_seqs: Int32, total=None) -> Int32:
+def find_segment_warp(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
     """find_segment with the 32 lanes of a warp probing together: every lane must be active
     and search the same ``x``. Each round the lanes probe 32 evenly spaced offsets of the
     interval left and one ballot narrows it to one gap: ceil(log32(B)) + 1 dependent loads
     at most instead of log2(B) (B = 6: 1 instead of 3; B = 2048: 3 instead of 11). The
     upper bound for non-decreasing offsets; in [0, B] and terminating for any offsets
-    (tests/test_segment_search_cpu.py replays it).
-
-    ``total``: what the offsets count (tokens or rows; cu[B] or more). With the candidate
-    config.SEARCH_SEED and B > 32 a first round probes the 32 offsets around where x
-    would fall were the segments equal (x // (total // B)): one round for packs of many
-    similar segments (2048x64: 1 instead of 3), the window's side narrowed otherwise. Only
-    the zero-fill walks pass ``total`` (v21: their searches are the 2048x64 backward's gap;
-    in the row walks the extra division spilled the sm_100a d=128 forward at its bound)."""
+    (tests/test_segment_search_cpu.py replays it)."""
     lo = Int32(0)
     hi = num_seqs
     lane = cute.arch.lane_idx()
-    if cutlass.const_expr(config.SEARCH_SEED and total is not None):
-        if num_seqs > 32:
-            mean = cutlass.max(total // num_seqs, Int32(1))
-            g0 = cutlass.min(cutlass.max(x // mean - 15, Int32(1)), num_seqs - 31)
-            k = cute.arch.popc(cute.arch.vote_ballot_sync(cu[g0 + lane] <= x))  # [1, B]
-            if k == 0:
-                hi = g0 - 1
-            elif k == 32:
-                lo = g0 + 31
-            else:  # offsets g0 .. g0+k-1 at or below x, g0+k above: the upper bound
-                lo = g0 + k - 1
-                hi = lo
     while hi > lo:
         step = (hi - lo + 31) // 32
         p = lo + 1 + lane * step
@@ -357,11 +338,10 @@ class WindowSlots:
         self.bf16_bits = self.dtype is cutlass.BFloat16 and self.vec % 2 == 0
 
     @cute.jit
-    def search(self, cu: cute.Tensor, x: Int32, num_seqs: Int32, total=None) -> Int32:
-        """find_segment, as a warp where specialise() allowed it (``total``: see
-        find_segment_warp)."""
+    def search(self, cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
+        """find_segment, as a warp where specialise() allowed it."""
         if cutlass.const_expr(self.warp_search):
-            return find_segment_warp(cu, x, num_seqs, total)
+            return find_segment_warp(cu, x, num_seqs)
         else:
             return find_segment(cu, x, num_seqs)
 

@@ -5,7 +5,8 @@ batch size and the workspace size stay symbolic, so packs change without recompi
 Directions: "fwd", "bwd", "bwd_large" (the backward's variant for large packs, where it
 differs: compiled with "bwd", chosen by launch.backward_kernel), and "dape" (the
 backward's partial-sum reduction, fp32, one per (ratio, coff, head_dim) whatever the
-dtype).
+dtype) with "dape_wide", its layout for few rows of many columns (compiled with "bwd"
+where the columns allow it, chosen by launch.launch_backward).
 Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 """
 
@@ -17,6 +18,8 @@ import re
 import threading
 
 import torch
+
+from . import config
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -67,7 +70,6 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     import cutlass.cute as cute
     from cutlass import Int32
 
-    from . import config
     from .dape_reduce import DapeReduce
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
@@ -81,8 +83,8 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     long = config.long_window(coff * ratio)
-    if direction == "dape":
-        kernel = DapeReduce(ratio * W)
+    if direction in ("dape", "dape_wide"):
+        kernel = DapeReduce(ratio * W, wide=direction == "dape_wide")
         fn = cute.compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
                           _fake(cutlass.Float32, (1, ratio * W), 16), stream,
                           options="--enable-tvm-ffi")
@@ -125,7 +127,7 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record
     and can invalidate the capture, so a miss during capture raises instead.
     """
-    if direction == "dape":
+    if direction in ("dape", "dape_wide"):
         dtype = torch.float32  # the partials are fp32 whatever the inputs are
     key = (direction, device.type, device.index, dtype, ratio, coff, head_dim)
     hit = _CACHE.get(key)
@@ -141,10 +143,13 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     if err:
         raise RuntimeError(f"csa_compressor: {err}")
     # A backward always runs with its dape sum: compiled first, it rides on the backward's
-    # entry (kernel.dape_fn), so a launch makes one cache lookup, not two.
-    dape = None
+    # entry (kernel.dape_fn, and kernel.dape_wide_fn where the partials have enough columns
+    # for the wide layout), so a launch makes one cache lookup, not two.
+    dape = dape_wide = None
     if direction in ("bwd", "bwd_large"):
         dape = get_kernel("dape", device, dtype, ratio, coff, head_dim)[1]
+        if config.dape_has_wide(ratio * coff * head_dim):
+            dape_wide = get_kernel("dape_wide", device, dtype, ratio, coff, head_dim)[1]
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
@@ -154,7 +159,7 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
             else:
                 hit = _build(direction, dtype, ratio, coff, head_dim)
             if dape is not None:
-                hit[0].dape_fn = dape
+                hit[0].dape_fn, hit[0].dape_wide_fn = dape, dape_wide
             _CACHE[key] = hit
     if direction == "bwd" and hit[0].has_large_variant:
         # Compiled with the backward, so a warm-up or precompile before CUDA-graph capture

@@ -292,26 +292,22 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ("DAPE_WIDE", "SEARCH_SEED")
-# Candidate (0/1): the warp segment searches (common.find_segment_warp) of packs of more
-# than 32 segments start with one round around x // (total // B), the place x would have
-# were the segments equal (tests/test_segment_search_cpu.py replays it). v21 `parts`: the
-# 2048x64 backward's zero-fill CTAs alone take 16.7 us against 5.4 at 1x131072, each
-# thread starting with a 3-round search over 2,049 offsets and a load of its span.
-# Only the zero-fill walks seed their search (in the row walks the extra division made the
-# sm_100a d=128 forward spill 40 B at its 7-CTA bound). Predicted (H200, fwd+bwd µs):
-# 2048x64 -2 to -4 (the zero-fill searches 3 rounds -> 1), packs of at most 32 segments
-# unchanged (a skipped branch), other many-segment packs within noise.
-SEARCH_SEED = 0
-# Candidate (0/1): the dape sum of partials with at least REDUCE_WIDE_MIN_CHUNKS column
-# vectors (ratio 128: C = 128 * d) in CTAs of REDUCE_WIDE_COL_LANES column lanes by
-# REDUCE_WIDE_ROW_LANES row lanes instead of 8 x 64. ncu at a794e5d (perf-notes v21):
-# at 3x8192/512 ratio 128 the sum took 7.9 us for 4 MB, 2,048 CTAs over 16 partial rows,
-# 48 of each CTA's 64 row lanes idle. Predicted (H200, fwd+bwd µs): ratio 128
-# 3x8192/512 -2 to -3 (the sum 4.8 -> ~2 in a graph), 1x8192/128 -0.5 to -1.5 (64
-# rows); every other shape's sum (at most 1,024 column vectors) unchanged, PTX identical.
-DAPE_WIDE = 0
+CANDIDATES = ()
+# The dape sum's wide layout (dape_reduce.py; was the candidate DAPE_WIDE): partials of at
+# least REDUCE_WIDE_MIN_CHUNKS column vectors (ratio 128: C = 128 * d) and at most
+# REDUCE_WIDE_MAX_ROWS rows are summed in CTAs of REDUCE_WIDE_COL_LANES column lanes by
+# REDUCE_WIDE_ROW_LANES row lanes instead of 8 x 64; launch.dape_sum picks the layout on
+# the host from the partials' rows. ncu at a794e5d (perf-notes v21): at 3x8192/512 ratio
+# 128 the 8 x 64 sum took 7.9 us for 4 MB, 2,048 CTAs over 16 partial rows, 48 of each
+# CTA's 64 row lanes idle. Predicted (H200, fwd+bwd us): ratio 128 3x8192/512 -2 to -3,
+# 1x8192/128 -0.5 to -1.5. H200 sweep at 748cd3e (2026-11-29, two runs each, fwd+bwd us,
+# 8 x 64 -> 64 x 8 for every C of 4,096 vectors or more): ratio 128 3x8192/512 (16 rows
+# of 65,536) 93.3-93.6 -> 90.4-90.5; ratio 128 1x8192/128 (64 rows of 16,384)
+# 16.3 -> 16.9; the ratio 4 shapes (C <= 1,024 vectors) unchanged. So the layout follows
+# the rows: wide at 16 rows, the default at 64; REDUCE_WIDE_MAX_ROWS = 32 splits the two
+# measured points (rows in between not measured).
 REDUCE_WIDE_MIN_CHUNKS = 4096
+REDUCE_WIDE_MAX_ROWS = 32
 REDUCE_WIDE_COL_LANES = 64
 REDUCE_WIDE_ROW_LANES = 8
 # A sweep knob, not a candidate (it does not compile spill-free, so it cannot be adopted
@@ -384,3 +380,18 @@ def long_window(num_slots: int) -> bool:
 
 def long_slots_per_thread(num_slots: int, most: int) -> int:
     return max(c for c in range(1, most + 1) if num_slots % c == 0)
+
+
+def dape_vector(cols: int) -> int:
+    """Columns of one load in the dape sum: 16-byte loads where C allows."""
+    return next(v for v in (4, 2, 1) if cols % v == 0)
+
+
+def dape_has_wide(cols: int) -> bool:
+    """Whether partials of ``cols`` columns have the wide layout as well (REDUCE_WIDE_*)."""
+    return cols // dape_vector(cols) >= REDUCE_WIDE_MIN_CHUNKS
+
+
+def dape_use_wide(cols: int, rows: int) -> bool:
+    """The dape sum's layout for ``rows`` partial rows of ``cols`` columns (host-side)."""
+    return dape_has_wide(cols) and rows <= REDUCE_WIDE_MAX_ROWS

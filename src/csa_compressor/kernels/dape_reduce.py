@@ -18,14 +18,16 @@ from . import config
 
 
 class DapeReduce:
-    def __init__(self, cols: int):
+    """``wide``: few partial rows of many columns (ratio 128 at d=512: 16 x 65,536), where
+    most of the default layout's 64 row lanes would have nothing to add; see
+    config.REDUCE_WIDE_* for when launch.py picks it and what it measured."""
+
+    def __init__(self, cols: int, wide: bool = False):
         self.cols = cols
-        self.vec = next(v for v in (4, 2, 1) if cols % v == 0)  # 16-byte loads where C allows
+        self.vec = config.dape_vector(cols)
         self.cpr = cols // self.vec
         col_lanes, self.row_lanes = config.REDUCE_COL_LANES, config.REDUCE_ROW_LANES
-        if config.DAPE_WIDE and self.cpr >= config.REDUCE_WIDE_MIN_CHUNKS:
-            # Ratio 128 leaves few partial rows of many columns (3x8192/512: 16 x 65,536):
-            # most of 64 row lanes would have nothing to add (config.DAPE_WIDE).
+        if wide:
             col_lanes, self.row_lanes = config.REDUCE_WIDE_COL_LANES, config.REDUCE_WIDE_ROW_LANES
         self.col_lanes = min(col_lanes, self.cpr)
         self.smem_bytes = self.row_lanes * self.col_lanes * self.vec * 4

@@ -90,6 +90,12 @@ def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens):
     return kernel, fn, schedule, (schedule[1] * ratio, coff * head_dim)
 
 
+def dape_sum(kernel, cols: int, rows: int):
+    """The backward's compiled dape sum for ``rows`` partial rows of ``cols`` columns: the
+    wide layout for few rows of many columns (config.REDUCE_WIDE_*)."""
+    return kernel.dape_wide_fn if config.dape_use_wide(cols, rows) else kernel.dape_fn
+
+
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
     """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
     return backward_plan(torch.device(device), dtype, ratio, coff, head_dim, total_comp,
@@ -132,6 +138,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
     with _on_device(dev):
         fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv, grad_score,
            workspace, rows_per_cta, row_ctas, zero_ctas)
-        # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here).
-        kernel.dape_fn(workspace.view(row_ctas, ratio * coff * d), grad_ape.view(1, ratio * coff * d))
+        # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
+        # the layout for this many partial rows (config.REDUCE_WIDE_*).
+        C = ratio * coff * d
+        dape_sum(kernel, C, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape

@@ -293,7 +293,7 @@ class PoolBackward(WindowSlots):
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
-        s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs, num_tokens)
+        s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
         # Threads whose tokens are all read (almost every zero CTA in a pack of full
         # sequences) skip the walk: -1.1 us fwd+bwd at 1x8192/128 and 3x8192/128 (v15).
