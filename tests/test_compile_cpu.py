@@ -159,8 +159,8 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
 
 
 CANDIDATE_CONFIGS = [("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
-                     ("bwd", "bfloat16", 4, 2, 512),
-                     ("fwd", "bfloat16", 4, 2, 128)]
+                     ("bwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
+                     ("bwd_large", "bfloat16", 4, 2, 128)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

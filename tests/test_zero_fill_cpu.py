@@ -29,12 +29,24 @@ def advance(cu, s, x):
     return s
 
 
-def walk_stores(cu, cuc, t0, Z, ratio, coff, num_rows, T):
-    """zero_tokens: the (token, half) pairs it zeroes ("own" columns, "prev" columns)."""
+def first_unread(cu, cuc, t0, Z, ratio, coff, num_rows, T):
+    """PoolBackward.first_unread after zero_unread's one search (config.ZERO_FROM_TAIL)."""
+    s = find_segment(cu, min(t0, T))
+    start, end, nb, rowb = span(cu, cuc, s, ratio)
+    k = min(nb, num_rows - rowb) - (1 if coff == 2 else 0)
+    if start >= 0 and end >= start and t0 >= start and k > 0:
+        assert start + k * ratio <= end <= INT32_MAX  # no int32 overflow in the kernel
+        return min(max(start + k * ratio - t0, 0), Z)
+    return 0
+
+
+def walk_stores(cu, cuc, t0, Z, ratio, coff, num_rows, T, j0=0):
+    """zero_tokens from t0 + j0: the (token, half) pairs it zeroes ("own" columns, "prev"
+    columns)."""
     s = find_segment(cu, min(t0, T))
     start, end, nb, rowb = span(cu, cuc, s, ratio)
     stores = set()
-    for t in range(t0, t0 + Z):
+    for t in range(t0 + j0, t0 + Z):
         if t < T:
             if t >= end:
                 s = advance(cu, s, t)
@@ -88,6 +100,10 @@ def test_skipped_threads_would_store_nothing(ratio, coff):
             for t0 in sorted({*range(0, T + Z, Z), *(rng.randrange(T + 5) for _ in range(5))}):
                 if all_read(cu, cuc, t0, Z, ratio, coff, N, T):
                     assert not walk_stores(cu, cuc, t0, Z, ratio, coff, N, T), (cu, cuc, T, N, t0, Z)
+                # The tokens first_unread skips are ones the walk would store nothing for.
+                j0 = first_unread(cu, cuc, t0, Z, ratio, coff, N, T)
+                assert (walk_stores(cu, cuc, t0, Z, ratio, coff, N, T, j0)
+                        == walk_stores(cu, cuc, t0, Z, ratio, coff, N, T)), (cu, cuc, T, N, t0, Z, j0)
 
 
 @pytest.mark.parametrize("coff", [1, 2])
@@ -103,3 +119,18 @@ def test_full_sequences_skip_almost_every_thread(coff):
     assert len(walked) == (3 if coff == 2 else 0), walked
     for t0 in walked:
         assert walk_stores(cu, cuc, t0, Z, ratio, coff, N, T)
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+def test_many_short_sequences_walk_only_their_tail(coff):
+    """2048x64, ratio 4, 32 tokens a thread: with coff 2 every segment's second thread walks
+    (its last block's first d columns are nobody's previous block); first_unread starts it
+    at that block, 4 tokens from its end (config.ZERO_FROM_TAIL)."""
+    ratio, Z, B = 4, 32, 2048
+    cu = [64 * s for s in range(B + 1)]
+    cuc = [16 * s for s in range(B + 1)]
+    T, N = cu[-1], cuc[-1]
+    walked = [t0 for t0 in range(0, T, Z) if not all_read(cu, cuc, t0, Z, ratio, coff, N, T)]
+    assert len(walked) == (B if coff == 2 else 0)
+    for t0 in walked:
+        assert first_unread(cu, cuc, t0, Z, ratio, coff, N, T) == Z - ratio

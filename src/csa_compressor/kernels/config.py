@@ -292,7 +292,37 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("LONG_SMEM_SPLIT", "LONG_PDL", "ZERO_FROM_TAIL")
+# Candidate (0/1): the long kernels' shared buffers (pool_long._LongShape) without bank
+# conflicts. Thread (chunk lane t, element e) owns shared column t * vec + e today: with
+# 2-element vectors a warp's stores of one slot hit every other bank (2-way conflicts),
+# and so do the serial sums' loads (one warp a vector element, columns 2t + e). Split,
+# column e * lanes + t: consecutive lanes in consecutive banks; where a warp holds several
+# slot groups (the backward: 16 lanes each) the slot and group strides are padded so the
+# groups land lanes banks apart (pool_long.bank_stride). Same sums in the same order:
+# bitwise the same results. ncu at a794e5d (3x8192/512 ratio 128 forward): L1/shared
+# pipe 66%, barrier stalls 31%; counted per row CTA (sm_90, 2 wavefronts a conflicted
+# access), ~2,100 shared wavefronts -> ~900. Predicted (H200, us): ratio 128 3x8192/512
+# forward -2 to -5, backward alone -2 to -6; 1x8192/128 within 0.5; ratio <= 8 untouched
+# (PTX identical).
+LONG_SMEM_SPLIT = 0
+# Candidate (0/1): the long forward and backward as programmatic dependent launches
+# (griddepcontrol.wait first; the backward also lets its dape sum be scheduled early), as
+# the short-window kernels have been since v15 (-0.3 to -0.6 us a kernel boundary at the
+# small shapes). Predicted: ratio 128 1x8192/128 fwd+bwd -0.3 to -1.0, 3x8192/512 within
+# noise.
+LONG_PDL = 0
+# Candidate (0/1): a zero-fill thread that has to walk (all_read failed) starts at the
+# first block of its segment that is not read (coff 1) or not read with its successor
+# (coff 2): the tokens before it would store nothing (pool_bwd.first_unread,
+# tests/test_zero_fill_cpu.py). With coff 2 every segment's last block leaves its first
+# d columns unread, so in 2048x64 (64-token segments, 32 tokens a thread) half the zero
+# threads walk all 32 tokens, one dependent branch chain a token, for 4 tokens' zeros;
+# v21 `parts`: that pack's zero-fill CTAs alone 16.7 us against 5.4 at 1x131072, and the
+# seeded search (SEARCH_SEED, dropped this session) moved nothing, so the walks, not the
+# searches, are the gap. Predicted (H200, fwd+bwd us): 2048x64 -3 to -8; packs of long
+# sequences (3 walking threads) and the ragged pack within noise.
+ZERO_FROM_TAIL = 0
 # The dape sum's wide layout (dape_reduce.py; was the candidate DAPE_WIDE): partials of at
 # least REDUCE_WIDE_MIN_CHUNKS column vectors (ratio 128: C = 128 * d) and at most
 # REDUCE_WIDE_MAX_ROWS rows are summed in CTAs of REDUCE_WIDE_COL_LANES column lanes by

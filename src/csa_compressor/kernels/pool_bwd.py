@@ -299,8 +299,26 @@ class PoolBackward(WindowSlots):
         # sequences) skip the walk: -1.1 us fwd+bwd at 1x8192/128 and 3x8192/128 (v15).
         if ~self.all_read(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb, num_rows,
                           num_tokens):
+            j0 = Int32(0)
+            if cutlass.const_expr(config.ZERO_FROM_TAIL):
+                j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
+                                       num_rows)
             self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs,
-                             zero, own_col, s, start, end, nb, rowb)
+                             zero, own_col, s, start, end, nb, rowb, j0)
+
+    @cute.jit
+    def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
+        """How many of tokens t0 .. t0 + Z - 1 zero_tokens may skip (config.ZERO_FROM_TAIL):
+        those of segment [start, end) before its first block that is not read with its
+        successor (coff 2) or not read (coff 1), where it would store nothing
+        (tests/test_zero_fill_cpu.py). Only for spans whose arithmetic cannot overflow
+        int32 (0 <= start <= end, so end - start and start + k * ratio <= end stay in range);
+        0 otherwise, and the walk covers every token as before."""
+        k = cutlass.min(nb, num_rows - rowb) - int(self.coff == 2)
+        j0 = Int32(0)
+        if (start >= 0) & (end >= start) & (t0 >= start) & (k > 0):
+            j0 = cutlass.min(cutlass.max(start + k * self.ratio - t0, Int32(0)), Int32(Z))
+        return j0
 
     @cute.jit
     def all_read(self, t0, Z: int, start, end, nb, rowb, num_rows, num_tokens):
@@ -328,10 +346,10 @@ class PoolBackward(WindowSlots):
 
     @cute.jit
     def zero_tokens(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
-                    own_col, s, start, end, nb, rowb):
-        """zero_unread's walk over its tokens, from segment ``s``'s span."""
+                    own_col, s, start, end, nb, rowb, j0):
+        """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s span."""
         ratio = self.ratio
-        for j in cutlass.range(config.ZERO_TOKENS_PER_THREAD):
+        for j in cutlass.range(j0, config.ZERO_TOKENS_PER_THREAD):
             t = t0 + j
             if t < num_tokens:
                 if t >= end:

@@ -19,6 +19,15 @@ from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_r
 from .pool_bwd import PoolBackward
 
 
+def bank_stride(cols: int, step: int, lanes: int) -> int:
+    """A stride of at least ``cols`` words between slots (groups) of a shared buffer such
+    that the slot groups of one warp (``lanes`` lanes each, ``step`` slots apart) start
+    ``lanes`` banks apart; ``cols`` where a warp is one group or no stride fits."""
+    if lanes >= 32:
+        return cols
+    return next((s for s in range(cols, cols + 32) if step * s % 32 == lanes), cols)
+
+
 class _LongShape:
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
@@ -30,18 +39,34 @@ class _LongShape:
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.cols = self.lanes * self.vec  # columns of one CTA
+        # Shared columns: thread (chunk tid, element e) owns column tid * vec + e, or with
+        # config.LONG_SMEM_SPLIT e * lanes + tid (consecutive lanes in consecutive banks),
+        # with slot and group strides padded so the slot groups that share a warp land in
+        # other banks (bank_stride).
+        self.split = bool(config.LONG_SMEM_SPLIT)
+        self.slot_stride = self.group_stride = self.cols
+        if self.split:
+            self.slot_stride = bank_stride(self.cols, self.chunk_slots, self.lanes)
+            self.group_stride = bank_stride(self.cols, 1, self.lanes)
         # per-slot values, the group maxima, two per-column scalars
-        self.smem_bytes = (self.slots + self.groups + 2) * self.cols * 4 + 64
+        self.smem_bytes = (self.slots * self.slot_stride + self.groups * self.group_stride
+                           + 2 * self.cols) * 4 + 64
         # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
         self.specialise()
 
     @cute.jit
     def shared(self):
         smem = cutlass.memory.SmemAllocator()
-        buf = smem.allocate_tensor(Float32, cute.make_layout((self.cols, self.slots)), 16)
-        gmax = smem.allocate_tensor(Float32, cute.make_layout((self.cols, self.groups)), 16)
+        buf = smem.allocate_tensor(
+            Float32, cute.make_layout((self.cols, self.slots), stride=(1, self.slot_stride)), 16)
+        gmax = smem.allocate_tensor(
+            Float32, cute.make_layout((self.cols, self.groups), stride=(1, self.group_stride)), 16)
         stat = smem.allocate_tensor(Float32, cute.make_layout((self.cols, 2)), 16)
         return buf, gmax, stat
+
+    def col(self, tid, e):
+        """The shared column of chunk lane ``tid``'s element ``e``."""
+        return e * self.lanes + tid if self.split else tid * self.vec + e
 
     @cute.jit
     def softmax_den(self, sf, buf, gmax, stat, tid, g):
@@ -51,15 +76,15 @@ class _LongShape:
             mx = sf[0, e]
             for k in cutlass.range_constexpr(1, CH):
                 mx = max_nan(mx, sf[k, e])
-            gmax[tid * vec + e, g] = mx
+            gmax[self.col(tid, e), g] = mx
         cute.arch.barrier()
         for e in cutlass.range_constexpr(vec):
-            mx = gmax[tid * vec + e, 0]
+            mx = gmax[self.col(tid, e), 0]
             for h in cutlass.range_constexpr(1, self.groups):
-                mx = max_nan(mx, gmax[tid * vec + e, h])
+                mx = max_nan(mx, gmax[self.col(tid, e), h])
             for k in cutlass.range_constexpr(CH):
                 sf[k, e] = cute.math.exp(sf[k, e] - mx)
-                buf[tid * vec + e, g * CH + k] = sf[k, e]
+                buf[self.col(tid, e), g * CH + k] = sf[k, e]
         cute.arch.barrier()
         self.serial_sum(buf, stat, tid, g, 0)
 
@@ -68,7 +93,7 @@ class _LongShape:
         """stat[col, slot] <- buf[col, 0] + buf[col, 1] + ... in slot order; thread g of a
         chunk sums that chunk's column g (g < vec), then all threads meet at a barrier."""
         if g < self.vec:
-            col = tid * self.vec + g
+            col = self.col(tid, g)
             acc = buf[col, 0]
             for k in cutlass.range(1, self.slots, 1, unroll=8):
                 acc = acc + buf[col, k]
@@ -93,12 +118,15 @@ class LongPoolForward(_LongShape, WindowSlots):
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
             grid=[mOut.shape[0], self.col_groups, 1], block=[self.lanes, self.groups, 1],
-            smem=self.smem_bytes, stream=stream, preferred_smem_carveout=self.carveout,
-            min_blocks_per_mp=self.min_ctas)
+            smem=self.smem_bytes, stream=stream, use_pdl=bool(config.LONG_PDL),
+            preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
+        if cutlass.const_expr(config.LONG_PDL):
+            # As pool_fwd: nothing is read or written before the previous kernel completed.
+            cute.arch.griddepcontrol_wait()
         tid, g, _ = cute.arch.thread_idx()
         row, by, _ = cute.arch.block_idx()
         vec, CH = self.vec, self.chunk_slots
@@ -120,13 +148,13 @@ class LongPoolForward(_LongShape, WindowSlots):
                 self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
             self.softmax_den(sf, buf, gmax, stat, tid, g)
             for e in cutlass.range_constexpr(vec):
-                divide_column(sf, e, CH, stat[tid * vec + e, 0])
+                divide_column(sf, e, CH, stat[self.col(tid, e), 0])
                 for k in cutlass.range_constexpr(CH):
-                    buf[tid * vec + e, g * CH + k] = mul_rn(vf[k, e], sf[k, e])
+                    buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
             cute.arch.barrier()
             self.serial_sum(buf, stat, tid, g, 1)
             if active & (g < vec):
-                mOut[row, chunk * vec + g] = stat[tid * vec + g, 1].to(self.dtype)
+                mOut[row, chunk * vec + g] = stat[self.col(tid, g), 1].to(self.dtype)
         else:
             if active & (g < vec):
                 mOut[row, chunk * vec + g] = Float32(0.0).to(self.dtype)
@@ -146,9 +174,10 @@ class LongPoolBackward(PoolBackward):
         # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
         # for them (config.LONG_BWD_CTAS_PER_SM).
         self.hold_to(config.LONG_BWD_CTAS_PER_SM)
+        self.pdl = bool(config.LONG_PDL)  # its kernel() waits only with config.LONG_PDL
 
-    pdl = False  # its kernel() has no griddepcontrol.wait
     shared = _LongShape.shared
+    col = _LongShape.col
     softmax_den = _LongShape.softmax_den
     serial_sum = _LongShape.serial_sum
     # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
@@ -158,6 +187,11 @@ class LongPoolBackward(PoolBackward):
                mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
                gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
                num_row_ctas: Int32):
+        if cutlass.const_expr(config.LONG_PDL):
+            # As pool_bwd: the dape sum may be scheduled early, and nothing is read or
+            # written before the previous kernel completed.
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
         tid, g, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, ratio = self.vec, self.chunk_slots, self.ratio
@@ -185,17 +219,17 @@ class LongPoolBackward(PoolBackward):
                         self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
                     for e in cutlass.range_constexpr(vec):
-                        divide_column(sf, e, CH, stat[tid * vec + e, 0])
+                        divide_column(sf, e, CH, stat[self.col(tid, e), 0])
                         for k in cutlass.range_constexpr(CH):
                             p = sf[k, e]
                             pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
                             sf[k, e] = p
                             vf[k, e] = pdp
-                            buf[tid * vec + e, g * CH + k] = pdp
+                            buf[self.col(tid, e), g * CH + k] = pdp
                     cute.arch.barrier()
                     self.serial_sum(buf, stat, tid, g, 1)
                     for e in cutlass.range_constexpr(vec):
-                        S = stat[tid * vec + e, 1]
+                        S = stat[self.col(tid, e), 1]
                         for k in cutlass.range_constexpr(CH):
                             p = sf[k, e]
                             sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
