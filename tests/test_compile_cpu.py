@@ -85,12 +85,10 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     # slot groups are 16 lanes wide: binary search there.)
     if staged:
         assert info["ballots"] >= 1, info
-        # Launched as programmatic dependents (pool_fwd / pool_bwd, use_pdl): the wait must
-        # come before any global memory access, or a kernel could read inputs its
-        # predecessor is still writing.
-        assert info["pdl_wait"] and info["pdl_wait_first"], info
-    else:
-        assert not info["pdl_wait"], info  # the long kernels are plain launches
+    # Launched as programmatic dependents (pool_fwd / pool_bwd / pool_long, use_pdl): the
+    # wait must come before any global memory access, or a kernel could read inputs its
+    # predecessor is still writing.
+    assert info["pdl_wait"] and info["pdl_wait_first"], info
     if staged:
         # The grid is sized for one wave of target_ctas CTAs an SM (launch.py, pool_fwd
         # rows_per_thread): their registers must fit the SM's 64K, or the last CTAs wait

@@ -30,7 +30,7 @@ def advance(cu, s, x):
 
 
 def first_unread(cu, cuc, t0, Z, ratio, coff, num_rows, T):
-    """PoolBackward.first_unread after zero_unread's one search (config.ZERO_FROM_TAIL)."""
+    """PoolBackward.first_unread after zero_unread's one search."""
     s = find_segment(cu, min(t0, T))
     start, end, nb, rowb = span(cu, cuc, s, ratio)
     k = min(nb, num_rows - rowb) - (1 if coff == 2 else 0)
@@ -125,7 +125,7 @@ def test_full_sequences_skip_almost_every_thread(coff):
 def test_many_short_sequences_walk_only_their_tail(coff):
     """2048x64, ratio 4, 32 tokens a thread: with coff 2 every segment's second thread walks
     (its last block's first d columns are nobody's previous block); first_unread starts it
-    at that block, 4 tokens from its end (config.ZERO_FROM_TAIL)."""
+    at that block, 4 tokens from its end (config.py: -10 us fwd+bwd on that pack)."""
     ratio, Z, B = 4, 32, 2048
     cu = [64 * s for s in range(B + 1)]
     cuc = [16 * s for s in range(B + 1)]

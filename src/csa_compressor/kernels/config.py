@@ -292,37 +292,44 @@ SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
 # (H200, µs, written before any measurement).
-CANDIDATES = ("LONG_SMEM_SPLIT", "LONG_PDL", "ZERO_FROM_TAIL")
-# Candidate (0/1): the long kernels' shared buffers (pool_long._LongShape) without bank
-# conflicts. Thread (chunk lane t, element e) owns shared column t * vec + e today: with
-# 2-element vectors a warp's stores of one slot hit every other bank (2-way conflicts),
-# and so do the serial sums' loads (one warp a vector element, columns 2t + e). Split,
-# column e * lanes + t: consecutive lanes in consecutive banks; where a warp holds several
-# slot groups (the backward: 16 lanes each) the slot and group strides are padded so the
-# groups land lanes banks apart (pool_long.bank_stride). Same sums in the same order:
-# bitwise the same results. ncu at a794e5d (3x8192/512 ratio 128 forward): L1/shared
-# pipe 66%, barrier stalls 31%; counted per row CTA (sm_90, 2 wavefronts a conflicted
-# access), ~2,100 shared wavefronts -> ~900. Predicted (H200, us): ratio 128 3x8192/512
-# forward -2 to -5, backward alone -2 to -6; 1x8192/128 within 0.5; ratio <= 8 untouched
-# (PTX identical).
-LONG_SMEM_SPLIT = 0
-# Candidate (0/1): the long forward and backward as programmatic dependent launches
-# (griddepcontrol.wait first; the backward also lets its dape sum be scheduled early), as
-# the short-window kernels have been since v15 (-0.3 to -0.6 us a kernel boundary at the
-# small shapes). Predicted: ratio 128 1x8192/128 fwd+bwd -0.3 to -1.0, 3x8192/512 within
-# noise.
-LONG_PDL = 0
-# Candidate (0/1): a zero-fill thread that has to walk (all_read failed) starts at the
-# first block of its segment that is not read (coff 1) or not read with its successor
-# (coff 2): the tokens before it would store nothing (pool_bwd.first_unread,
-# tests/test_zero_fill_cpu.py). With coff 2 every segment's last block leaves its first
-# d columns unread, so in 2048x64 (64-token segments, 32 tokens a thread) half the zero
-# threads walk all 32 tokens, one dependent branch chain a token, for 4 tokens' zeros;
-# v21 `parts`: that pack's zero-fill CTAs alone 16.7 us against 5.4 at 1x131072, and the
-# seeded search (SEARCH_SEED, dropped this session) moved nothing, so the walks, not the
-# searches, are the gap. Predicted (H200, fwd+bwd us): 2048x64 -3 to -8; packs of long
-# sequences (3 walking threads) and the ragged pack within noise.
-ZERO_FROM_TAIL = 0
+CANDIDATES = ()
+# Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
+# LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
+# passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
+# against each flag alone, then all three:
+#   ratio 128 3x8192/512: 28.9-29.2 / 90.4-90.6; split 26.3 / 85.9; PDL 28.7 / 88.4;
+#     zero walks 29.1 / 90.9; all 26.1 / 84.8
+#   ratio 128 1x8192/128: 6.8 / 16.4-16.6; split 6.4 / 16.0; PDL 6.3 / 15.1; all 6.0 / 14.5
+#   ratio 128 coff 2 1x8192/512: 36.0-36.3 / 99.7-99.9; split 42.2 / 103.2; PDL 35.6 /
+#     97.3; all 41.7 / 100.4 (see the forward's padding below)
+#   2048x64: 45.0-45.4 / 144.0-145.0; zero walks 44.8 / 134.5; all 44.7 / 134.0
+#   1x131072, 1x8192/128 and the ragged pack at ratio 4: within noise for each.
+# - The long kernels' shared columns (pool_long._LongShape.col): thread (chunk lane t,
+#   element e) had column t * vec + e, so with 2-element vectors a warp's stores of one
+#   slot and the serial sums' loads (one warp a vector element) hit every other bank
+#   (2-way conflicts); now e * lanes + t. ncu at a794e5d (3x8192/512 ratio 128 forward):
+#   L1/shared pipe 66%, barrier stalls 31%. Where a warp holds two slot groups (16 lanes
+#   each: the backward, and the forward at coff 2) they still meet in the same banks
+#   unless the slot stride is padded (pool_long.bank_stride): the backward pads (coff 1
+#   stride 34; registers unchanged under its 2-CTA bound). The forward at coff 2 keeps the
+#   old columns: split and padded (stride 33) it took 86 registers instead of 80, 2 CTAs
+#   an SM instead of 3, and measured 42.2 against 36.0-36.3 above (held to 3 CTAs it
+#   spilled 16 B; split without the padding it still took 86, ptxas sm_90a). Same sums in
+#   the same order: bitwise the same results. Predicted 3x8192/512 forward -2 to -5
+#   (measured -2.8), backward alone -2 to -6 (-1.9).
+# - The long forward and backward as programmatic dependents (griddepcontrol.wait first;
+#   the backward lets its dape sum be scheduled early), as the short-window kernels since
+#   v15. Predicted ratio 128 1x8192/128 fwd+bwd -0.3 to -1.0 (measured -1.4), 3x8192/512
+#   within noise (-2.1).
+# - Zero-fill walks from the first unread block (pool_bwd.first_unread): a zero-fill
+#   thread that has to walk starts at the first block of its segment that is not read
+#   (coff 1) or not read with its successor (coff 2); the tokens before it would store
+#   nothing (tests/test_zero_fill_cpu.py). With coff 2 every segment's last block leaves
+#   its first d columns unread, so in 2048x64 half the zero threads walked all 32 of their
+#   tokens for 4 tokens' zeros. Predicted 2048x64 fwd+bwd -3 to -8 (measured -10).
+#   The seeded segment search (SEARCH_SEED, measured at 748cd3e: 2048x64 fwd+bwd
+#   144.2-144.6 against 143.0-144.3, predicted -2 to -4) was dropped: the walks, not the
+#   searches, were that pack's gap.
 # The dape sum's wide layout (dape_reduce.py; was the candidate DAPE_WIDE): partials of at
 # least REDUCE_WIDE_MIN_CHUNKS column vectors (ratio 128: C = 128 * d) and at most
 # REDUCE_WIDE_MAX_ROWS rows are summed in CTAs of REDUCE_WIDE_COL_LANES column lanes by

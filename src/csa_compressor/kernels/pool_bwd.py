@@ -31,10 +31,8 @@ class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
     has_large_variant = False  # see __init__
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
-    # (kernel()): the launch and CTA start-up overlap the previous kernel's tail (-0.3 to
-    # -0.6 us a step at d=128, docs/perf-notes.md v15). pool_long.LongPoolBackward shares
-    # __call__ but not kernel(), so it turns this off.
-    pdl = True
+    # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
+    # previous kernel's tail (-0.3 to -0.6 us a step at d=128, docs/perf-notes.md v15).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False):
@@ -126,7 +124,7 @@ class PoolBackward(WindowSlots):
             num_row_ctas,
         ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=self.pdl, preferred_smem_carveout=self.carveout,
+                 use_pdl=True, preferred_smem_carveout=self.carveout,
                  min_blocks_per_mp=self.min_ctas)
 
     def grid(self, ctas):
@@ -299,16 +297,16 @@ class PoolBackward(WindowSlots):
         # sequences) skip the walk: -1.1 us fwd+bwd at 1x8192/128 and 3x8192/128 (v15).
         if ~self.all_read(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb, num_rows,
                           num_tokens):
-            j0 = Int32(0)
-            if cutlass.const_expr(config.ZERO_FROM_TAIL):
-                j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
-                                       num_rows)
+            # Those that walk start at their segment's first unread block (config.py,
+            # "Zero-fill walks from the first unread block").
+            j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
+                                   num_rows)
             self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs,
                              zero, own_col, s, start, end, nb, rowb, j0)
 
     @cute.jit
     def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
-        """How many of tokens t0 .. t0 + Z - 1 zero_tokens may skip (config.ZERO_FROM_TAIL):
+        """How many of tokens t0 .. t0 + Z - 1 zero_tokens may skip:
         those of segment [start, end) before its first block that is not read with its
         successor (coff 2) or not read (coff 1), where it would store nothing
         (tests/test_zero_fill_cpu.py). Only for spans whose arithmetic cannot overflow

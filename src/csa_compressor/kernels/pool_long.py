@@ -29,7 +29,8 @@ def bank_stride(cols: int, step: int, lanes: int) -> int:
 
 
 class _LongShape:
-    def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread):
+    def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
+               pad: bool):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
         self.vec = config.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
@@ -39,13 +40,14 @@ class _LongShape:
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.cols = self.lanes * self.vec  # columns of one CTA
-        # Shared columns: thread (chunk tid, element e) owns column tid * vec + e, or with
-        # config.LONG_SMEM_SPLIT e * lanes + tid (consecutive lanes in consecutive banks),
-        # with slot and group strides padded so the slot groups that share a warp land in
-        # other banks (bank_stride).
-        self.split = bool(config.LONG_SMEM_SPLIT)
+        # Shared columns without bank conflicts (col(): consecutive lanes in consecutive
+        # banks) and, with ``pad``, slot and group strides padded so the slot groups that
+        # share a warp land in other banks (bank_stride). The forward takes neither where
+        # two slot groups share a warp (coff 2: 16 lanes): there both took it from 80
+        # registers to 86, 2 CTAs an SM instead of 3 (config.py, "Adopted at v22").
+        self.split = pad or self.lanes >= 32
         self.slot_stride = self.group_stride = self.cols
-        if self.split:
+        if pad:
             self.slot_stride = bank_stride(self.cols, self.chunk_slots, self.lanes)
             self.group_stride = bank_stride(self.cols, 1, self.lanes)
         # per-slot values, the group maxima, two per-column scalars
@@ -65,7 +67,9 @@ class _LongShape:
         return buf, gmax, stat
 
     def col(self, tid, e):
-        """The shared column of chunk lane ``tid``'s element ``e``."""
+        """The shared column of chunk lane ``tid``'s element ``e``: split, a warp's accesses
+        to one slot, and the serial sums' (one warp a vector element), hit consecutive
+        banks (tid * vec + e has 2-way conflicts with 2-element vectors)."""
         return e * self.lanes + tid if self.split else tid * self.vec + e
 
     @cute.jit
@@ -104,7 +108,7 @@ class _LongShape:
 class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
-                    config.LONG_SLOTS_PER_THREAD)
+                    config.LONG_SLOTS_PER_THREAD, pad=False)
         self.hold_to(0)  # unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
@@ -118,15 +122,15 @@ class LongPoolForward(_LongShape, WindowSlots):
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
             grid=[mOut.shape[0], self.col_groups, 1], block=[self.lanes, self.groups, 1],
-            smem=self.smem_bytes, stream=stream, use_pdl=bool(config.LONG_PDL),
+            smem=self.smem_bytes, stream=stream, use_pdl=True,
             preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
-        if cutlass.const_expr(config.LONG_PDL):
-            # As pool_fwd: nothing is read or written before the previous kernel completed.
-            cute.arch.griddepcontrol_wait()
+        # A programmatic dependent as pool_fwd (config.py, "The long kernels as programmatic
+        # dependents"): nothing is read or written before the previous kernel completed.
+        cute.arch.griddepcontrol_wait()
         tid, g, _ = cute.arch.thread_idx()
         row, by, _ = cute.arch.block_idx()
         vec, CH = self.vec, self.chunk_slots
@@ -168,13 +172,12 @@ class LongPoolBackward(PoolBackward):
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS,
-                          config.LONG_BWD_VEC_BYTES, config.LONG_BWD_SLOTS_PER_THREAD)
+                          config.LONG_BWD_VEC_BYTES, config.LONG_BWD_SLOTS_PER_THREAD, pad=True)
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
         # for them (config.LONG_BWD_CTAS_PER_SM).
         self.hold_to(config.LONG_BWD_CTAS_PER_SM)
-        self.pdl = bool(config.LONG_PDL)  # its kernel() waits only with config.LONG_PDL
 
     shared = _LongShape.shared
     col = _LongShape.col
@@ -187,11 +190,10 @@ class LongPoolBackward(PoolBackward):
                mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
                gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
                num_row_ctas: Int32):
-        if cutlass.const_expr(config.LONG_PDL):
-            # As pool_bwd: the dape sum may be scheduled early, and nothing is read or
-            # written before the previous kernel completed.
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
+        # As pool_bwd: the dape sum may be scheduled early, and nothing is read or written
+        # before the previous kernel completed.
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
         tid, g, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, ratio = self.vec, self.chunk_slots, self.ratio
