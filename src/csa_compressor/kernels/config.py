@@ -288,6 +288,14 @@ REDUCE_UNROLL = 4
 # ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
+# A sweep knob: the largest window (slots, ratio * coff) a narrow forward is held to
+# FWD_BOUND_CTAS_PER_SM for. ptxas (bf16, d=64 and d=128, at b22ca99) spills under the bound
+# for every window of 10 or more slots (ratios 5-8 coff 2: 72-216 B on sm_90a, 32-232 B
+# on sm_100a), and for ratio 6 coff 1 on sm_90a (24 B) and ratio 8 coff 1 on sm_100a
+# (48 B); ratio 4 coff 2 (8 slots) and the others compile spill-free. 16 holds every
+# window (the measured ratio-4 behaviour); 8 lets the windows of 10+ slots go unbounded.
+# Not measured yet.
+FWD_BOUND_MAX_SLOTS = 16
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
