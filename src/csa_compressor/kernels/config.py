@@ -288,14 +288,22 @@ REDUCE_UNROLL = 4
 # ptxas at 5d264c3+: sm_90a 79 registers unbounded, 64 at 8 (no spills); sm_100a 72
 # unbounded, 72 at 7, 64 with 32 B of spills at 8.
 FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
-# A sweep knob: the largest window (slots, ratio * coff) a narrow forward is held to
-# FWD_BOUND_CTAS_PER_SM for. ptxas (bf16, d=64 and d=128, at b22ca99) spills under the bound
-# for every window of 10 or more slots (ratios 5-8 coff 2: 72-216 B on sm_90a, 32-232 B
-# on sm_100a), and for ratio 6 coff 1 on sm_90a (24 B) and ratio 8 coff 1 on sm_100a
-# (48 B); ratio 4 coff 2 (8 slots) and the others compile spill-free. 16 holds every
-# window (the measured ratio-4 behaviour); 8 lets the windows of 10+ slots go unbounded.
-# Not measured yet.
-FWD_BOUND_MAX_SLOTS = 16
+# FWD_BOUND_MAX_ELEMS: the largest window (slots x vector elements a thread: 2 for bf16
+# and fp16, 1 for fp32 and odd head_dim) a narrow forward is held to FWD_BOUND_CTAS_PER_SM
+# for. ptxas (bf16, d=64 and d=128, at b22ca99) spilled under the
+# bound for every window of 10 or more slots (ratios 5-8 coff 2: 72-216 B on sm_90a,
+# 32-232 B on sm_100a); unbounded they take 96-128 registers, spill-free, and their grid
+# is sized for FWD_TARGET_CTAS_PER_SM. H200 sweep at 22a19a6 (2026-11-29, two runs each,
+# fwd / fwd+bwd us, every window held -> bf16 windows up to 8 slots, that is 16
+# elements; was the sweep knob FWD_BOUND_MAX_SLOTS 16 -> 8): 1x8192/128 ratio 8 coff 2
+# 9.7-9.9 / 19.6-19.9 -> 7.1-7.2 / 17.2, 3x8192/128 ratio 8 coff 2 18.5-18.6 / 42.4-42.5
+# -> 12.3-12.4 / 33.4-33.5, 3x8192/128 ratio 6 coff 2 18.0-18.1 / 40.7 -> 11.1-11.5 /
+# 31.4-31.6, 1x8192/64 ratio 5 coff 2 6.5-6.7 / 14.4-14.7 -> 5.5-5.6 / 13.4-13.5; the GPU
+# suite (230 passed) and memcheck (0 errors) ran with it. Still spilling under the bound:
+# ratio 6 coff 1 on sm_90a (24 B) and ratio 8 coff 1 on sm_100a (48 B), not measured.
+# One-element windows stay held up to 16 slots (fp32 ratio 8 coff 2: 80 registers
+# spill-free under the bound), as before the sweep.
+FWD_BOUND_MAX_ELEMS = 16
 SMEM_CARVEOUT = -1
 # Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
 # them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
