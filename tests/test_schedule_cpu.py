@@ -186,4 +186,4 @@ def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, token
     k = cls(cutlass.BFloat16, ratio, coff, d)
     _, row_ctas, _ = launch.backward_schedule(tokens // ratio, tokens, k, torch.device("cuda", 0))
     k.dape_fn, k.dape_wide_fn = "default", "wide" if config.dape_has_wide(ratio * coff * d) else None
-    assert launch.dape_sum(k, ratio * coff * d, row_ctas) == ("wide" if wide else "default")
+    assert launch.dape_sum(k, row_ctas) == ("wide" if wide else "default")

@@ -154,7 +154,7 @@ def parts():
 
         def dape_only(i):
             C = grads[i][2].numel()
-            launch.dape_sum(kb, C, row_ctas)(works[i].view(row_ctas, C), grads[i][2].view(1, C))
+            launch.dape_sum(kb, row_ctas)(works[i].view(row_ctas, C), grads[i][2].view(1, C))
 
         def bwd(i):
             kv, score, ape, cu, cuc, _, g = sets[i]

@@ -443,8 +443,3 @@ def dape_vector(cols: int) -> int:
 def dape_has_wide(cols: int) -> bool:
     """Whether partials of ``cols`` columns have the wide layout as well (REDUCE_WIDE_*)."""
     return cols // dape_vector(cols) >= REDUCE_WIDE_MIN_CHUNKS
-
-
-def dape_use_wide(cols: int, rows: int) -> bool:
-    """The dape sum's layout for ``rows`` partial rows of ``cols`` columns (host-side)."""
-    return dape_has_wide(cols) and rows <= REDUCE_WIDE_MAX_ROWS

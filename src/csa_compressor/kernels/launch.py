@@ -90,10 +90,12 @@ def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens):
     return kernel, fn, schedule, (schedule[1] * ratio, coff * head_dim)
 
 
-def dape_sum(kernel, cols: int, rows: int):
-    """The backward's compiled dape sum for ``rows`` partial rows of ``cols`` columns: the
-    wide layout for few rows of many columns (config.REDUCE_WIDE_*)."""
-    return kernel.dape_wide_fn if config.dape_use_wide(cols, rows) else kernel.dape_fn
+def dape_sum(kernel, rows: int):
+    """The backward's compiled dape sum for ``rows`` partial rows: the wide layout for few
+    rows where the partials have the columns for it (kernel.dape_wide_fn, else None;
+    config.REDUCE_WIDE_*)."""
+    wide = kernel.dape_wide_fn
+    return wide if wide is not None and rows <= config.REDUCE_WIDE_MAX_ROWS else kernel.dape_fn
 
 
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
@@ -141,5 +143,5 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows (config.REDUCE_WIDE_*).
         C = ratio * coff * d
-        dape_sum(kernel, C, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
+        dape_sum(kernel, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape
