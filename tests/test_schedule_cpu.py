@@ -187,3 +187,30 @@ def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, token
     _, row_ctas, _ = launch.backward_schedule(tokens // ratio, tokens, k, torch.device("cuda", 0))
     k.dape_fn, k.dape_wide_fn = "default", "wide" if config.dape_has_wide(ratio * coff * d) else None
     assert launch.dape_sum(k, row_ctas) == ("wide" if wide else "default")
+
+
+@pytest.mark.parametrize("cls,ratio,coff,d,free", [
+    ("fwd", 128, 1, 512, True), ("fwd", 128, 1, 128, True), ("bwd", 128, 1, 512, True),
+    ("bwd", 128, 2, 512, True), ("bwd", 128, 1, 128, True),
+    ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (config.py, v22)
+])
+def test_long_kernels_shared_stores_and_sums_avoid_bank_conflicts(cls, ratio, coff, d, free):
+    """The long kernels' shared buffer (pool_long._LongShape): a warp's stores of one slot
+    (each thread its own column and slot group) and the serial sums' loads (threads g <
+    vec of each chunk lane, one column each) touch 32 different banks where designed."""
+    from csa_compressor.kernels.pool_long import LongPoolForward
+
+    k = (LongPoolForward if cls == "fwd" else LongPoolBackward)(cutlass.BFloat16, ratio, coff, d)
+    threads = [(t, g) for g in range(k.groups) for t in range(k.lanes)]  # x fastest
+    stores = serial = True
+    for w in range(0, len(threads), 32):
+        warp = threads[w:w + 32]
+        for e in range(k.vec):
+            for s in range(k.chunk_slots):
+                banks = {(k.col(t, e) + (g * k.chunk_slots + s) * k.slot_stride) % 32 for t, g in warp}
+                stores &= len(banks) == len(warp)
+        readers = [(t, g) for t, g in warp if g < k.vec]
+        if readers:
+            serial &= len({k.col(t, g) % 32 for t, g in readers}) == len(readers)
+    assert serial
+    assert stores == free

@@ -6,7 +6,7 @@ Directions: "fwd", "bwd", "bwd_large" (the backward's variant for large packs, w
 differs: compiled with "bwd", chosen by launch.backward_kernel), and "dape" (the
 backward's partial-sum reduction, fp32, one per (ratio, coff, head_dim) whatever the
 dtype) with "dape_wide", its layout for few rows of many columns (compiled with "bwd"
-where the columns allow it, chosen by launch.launch_backward).
+where the columns allow it, chosen by launch.dape_sum).
 Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 """
 
