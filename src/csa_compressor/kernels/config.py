@@ -343,6 +343,11 @@ CANDIDATES = ()
 #   nothing (tests/test_zero_fill_cpu.py). With coff 2 every segment's last block leaves
 #   its first d columns unread, so in 2048x64 half the zero threads walked all 32 of their
 #   tokens for 4 tokens' zeros. Predicted 2048x64 fwd+bwd -3 to -8 (measured -10).
+#   With the split columns the forward's shape constants were swept again (H200 at
+#   f93ab05, ratio 128, fwd / fwd+bwd us, 3x8192/512 and 1x8192/128): the defaults 25.5-26.0
+#   / 83.8-85.3 and 5.9-6.3 / 14.4-14.8; LONG_SLOTS_PER_THREAD=8 31.1 / 90.1 and 6.2 /
+#   14.7; LONG_CTA_THREADS=512 37.0 / 98.0 and 7.5 / 15.7; 128 30.0 / 89.0 and 6.4 / 15.1.
+#   The defaults stay.
 #   The seeded segment search (SEARCH_SEED, measured at 748cd3e: 2048x64 fwd+bwd
 #   144.2-144.6 against 143.0-144.3, predicted -2 to -4) was dropped: the walks, not the
 #   searches, were that pack's gap.
