@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from csa_compressor.kernels import config, launch  # noqa: E402
 from csa_compressor.kernels.pool_bwd import PoolBackward  # noqa: E402
 from csa_compressor.kernels.pool_fwd import PoolForward  # noqa: E402
-from csa_compressor.kernels.pool_long import LongPoolBackward  # noqa: E402
+from csa_compressor.kernels.pool_long import LongPoolBackward, LongPoolForward  # noqa: E402
 
 SMS = 132  # H200
 FWD = [(cutlass.BFloat16, 4, 2, 512), (cutlass.BFloat16, 4, 2, 128), (cutlass.BFloat16, 2, 2, 512),
@@ -198,8 +198,6 @@ def test_long_kernels_shared_stores_and_sums_avoid_bank_conflicts(cls, ratio, co
     """The long kernels' shared buffer (pool_long._LongShape): a warp's stores of one slot
     (each thread its own column and slot group) and the serial sums' loads (threads g <
     vec of each chunk lane, one column each) touch 32 different banks where designed."""
-    from csa_compressor.kernels.pool_long import LongPoolForward
-
     k = (LongPoolForward if cls == "fwd" else LongPoolBackward)(cutlass.BFloat16, ratio, coff, d)
     threads = [(t, g) for g in range(k.groups) for t in range(k.lanes)]  # x fastest
     stores = serial = True
