@@ -167,7 +167,9 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     assert regs_for_one_wave(info) <= 65536, info
 
 
-CANDIDATE_CONFIGS = [("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
+CANDIDATE_CONFIGS = [("fwd", "bfloat16", 4, 2, 512), ("fwd", "bfloat16", 4, 2, 128),
+                     ("fwd", "bfloat16", 8, 2, 128), ("fwd", "float32", 4, 2, 512),
+                     ("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
                      ("bwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
                      ("bwd_large", "bfloat16", 4, 2, 128)]
 
@@ -182,7 +184,7 @@ def test_candidates_compile_without_spills(arch, cfg):
     if not config.CANDIDATES:
         pytest.skip("no candidate behind a flag in config.CANDIDATES")
     base = probe(arch, cfg)
-    info = probe(arch, cfg, ",".join(f"{k}=1" for k in config.CANDIDATES))
+    info = probe(arch, cfg, ",".join(config.CANDIDATES))
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     # The same bytes staged per thread, in copies no narrower than before (a candidate may
     # widen them, as the warp-cooperative staging of v17 did: 16-byte pieces).

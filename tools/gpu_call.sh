@@ -12,7 +12,7 @@
 #   info                 GPUs, torch, DSL, package
 #   tests                the whole GPU suite; tests_bounds / tests_fused / tests_rest are its
 #                        three shards (run them side by side), tests_fused_k a -k "$TESTS_K" subset
-#   tests_candidates     the whole GPU suite with every config.CANDIDATES flag on
+#   tests_candidates     the whole GPU suite with every config.CANDIDATES setting on
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py;
 #                        sanitize_candidates the same with the candidates on
 #                        (the *_candidates steps take the last GPU, so on a two-GPU machine
@@ -43,7 +43,7 @@ END=$((SECONDS + ${DEADLINE:-560}))
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 LAST_GPU="CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? NGPU - 1 : 0 ))"
 # CAND_CONFIG="K=V,..." instead: a variant of sweep knobs that are not 0/1 flags.
-CAND="${CAND_CONFIG:-$(python3 -c 'from csa_compressor.kernels import config; print(",".join(k + "=1" for k in config.CANDIDATES))')}"
+CAND="${CAND_CONFIG:-$(python3 -c 'from csa_compressor.kernels import config; print(",".join(config.CANDIDATES))')}"
 
 # ncu over the forward, backward and dape sum of the profile probe's third and fourth steps.
 NCU="ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3"

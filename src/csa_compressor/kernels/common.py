@@ -551,18 +551,17 @@ class WindowSlots:
                 apef[k, e] = a32[e]
 
     @cute.jit
-    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
+    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None,
+                    values: cutlass.Constexpr[bool] = True):
         """The staged window into fp32 registers (score + ape, value); empty slots get
-        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
+        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given. With
+        ``values`` False only the scores (the values stay staged: read_staged_values)."""
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
-                if cutlass.const_expr(self.bf16_bits):
-                    s32 = widen_bf16(sS[(None, thr, k, stage)], self.vec)
-                    v32 = widen_bf16(sV[(None, thr, k, stage)], self.vec)
-                else:
-                    s32 = sS[(None, thr, k, stage)].load().to(Float32)
-                    v32 = sV[(None, thr, k, stage)].load().to(Float32)
+                s32 = self.staged_vector(sS, k, stage, thr)
+                if cutlass.const_expr(values):
+                    v32 = self.staged_vector(sV, k, stage, thr)
                 if cutlass.const_expr(apef is None):
                     a32 = gApe[(None, (arow, colc))].load()
                     for e in cutlass.range_constexpr(self.vec):
@@ -570,12 +569,22 @@ class WindowSlots:
                 else:
                     for e in cutlass.range_constexpr(self.vec):
                         sf[k, e] = s32[e] + apef[k, e]
-                for e in cutlass.range_constexpr(self.vec):
-                    vf[k, e] = v32[e]
+                if cutlass.const_expr(values):
+                    for e in cutlass.range_constexpr(self.vec):
+                        vf[k, e] = v32[e]
             else:
                 for e in cutlass.range_constexpr(self.vec):
                     sf[k, e] = -Float32.inf
-                    vf[k, e] = Float32(0.0)
+                    if cutlass.const_expr(values):
+                        vf[k, e] = Float32(0.0)
+
+    @cute.jit
+    def staged_vector(self, s, k, stage, thr):
+        """This thread's staged vector of slot ``k`` in fp32."""
+        if cutlass.const_expr(self.bf16_bits):
+            return widen_bf16(s[(None, thr, k, stage)], self.vec)
+        else:
+            return s[(None, thr, k, stage)].load().to(Float32)
 
     @cute.jit
     def slot_coords(self, k, t0, has_prev, chunk):

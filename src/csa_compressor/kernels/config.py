@@ -305,10 +305,35 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 # spill-free under the bound), as before the sweep.
 FWD_BOUND_MAX_ELEMS = 16
 SMEM_CARVEOUT = -1
-# Flags that switch an unmeasured candidate on. A GPU session runs the suite with all of
-# them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each carries its prediction
-# (H200, µs, written before any measurement).
-CANDIDATES = ()
+# Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
+# suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
+# carries its prediction (H200, µs, written before any measurement).
+#
+# FWD_LATE_VALUES: the staged forward reads a window's values from shared memory at their
+#   products (pool_fwd.pool_row_staged) instead of beside the scores, so the values' 8 x
+#   vec fp32 registers are not live through the softmax. Same op order, bitwise the same
+#   output. Prediction (sm_90a ptxas here: d=512 bf16 ratio 4 coff 2 128 -> see
+#   perf-notes v23): alone nothing beyond noise (the grid stays at 4 CTAs an SM).
+# FWD_WIDE_BOUND_CTAS: forwards of wider vectors (d=512 bf16: 8 bytes) compiled for this
+#   many CTAs an SM and their grid sized for them (0: unbounded, 4 from
+#   FWD_TARGET_CTAS_PER_SM). With FWD_LATE_VALUES, 5 (<= 102 registers): 3x8192/512
+#   forward 32.0 -> 29-30.5 (4 -> 5 warps a scheduler against ncu's 31% of cycles with no
+#   eligible warp), 1x8192/512 13.3 -> 12.5-13.3; d=128 unchanged (a narrow forward).
+# FWD_APE_LOADS: the staged forward loads its APE vectors every row (ld.global, L1 hits
+#   after the first rows) instead of holding 8 x vec fp32 registers of them for the whole
+#   walk (v9 put them in registers when the window's values were live beside them). With
+#   FWD_LATE_VALUES and FWD_WIDE_BOUND_CTAS=6 (the most CTAs the 33 KB of staging allow
+#   at d=512): 3x8192/512 forward 32.0 -> 28.5-30.5 if the L1 takes the extra 16 KB a row
+#   a CTA; slower at d=128 (its grid is bound by the narrow bound already) is a no-go.
+# FWD_NARROW_BOUND_CTAS: a sweep knob over FWD_BOUND_CTAS_PER_SM (0: the table). With
+#   FWD_LATE_VALUES and FWD_APE_LOADS the d=128 forward needs fewer registers; at 12 CTAs
+#   (40 registers) 3x8192/128 runs one row a thread in one wave: forward 11.3 -> 9.5-10.5;
+#   1x8192/128 (one wave already) unchanged.
+FWD_NARROW_BOUND_CTAS = 0
+FWD_LATE_VALUES = 0
+FWD_WIDE_BOUND_CTAS = 0
+FWD_APE_LOADS = 0
+CANDIDATES = ("FWD_LATE_VALUES=1", "FWD_WIDE_BOUND_CTAS=5", "FWD_APE_LOADS=1")
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
