@@ -193,3 +193,11 @@ def test_candidates_compile_without_spills(arch, cfg):
     assert min(map(int, info["async_copies_by_bytes"]), default=0) >= min(
         map(int, base["async_copies_by_bytes"]), default=0), (base, info)
     assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)
+
+
+def test_measurement_knobs_ship_off():
+    """config.WHATIF_MATH swaps SPEC §5's softmax for approximate math or none, for a sweep
+    to price the numerics; the shipped kernels must never have it on."""
+    from csa_compressor.kernels import config
+
+    assert config.WHATIF_MATH == 0

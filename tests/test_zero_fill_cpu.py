@@ -1,8 +1,9 @@
-"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and its
-shortcut (all_read: a thread whose tokens are all read skips the walk) replayed in Python: wherever the shortcut skips
-a thread's tokens, the walk would have stored nothing, for valid packs (short, empty and
-tail segments, tokens past cu_seqlens[B], rows cut off by total_comp) and corrupt offsets
-alike; and on a pack of full sequences it does skip almost every thread."""
+"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and where it starts
+(first_unread: the tokens before the segment's first unread block are skipped, all of
+them where every token is read) replayed in Python: the tokens it skips are ones the walk
+would have stored nothing for, for valid packs (short, empty and tail segments, tokens
+past cu_seqlens[B], rows cut off by total_comp) and corrupt offsets alike; and on a pack
+of full sequences almost every thread skips all its tokens."""
 
 import random
 
@@ -60,18 +61,6 @@ def walk_stores(cu, cuc, t0, Z, ratio, coff, num_rows, T, j0=0):
     return stores
 
 
-def all_read(cu, cuc, t0, Z, ratio, coff, num_rows, T):
-    """PoolBackward.all_read after zero_unread's one search."""
-    s = find_segment(cu, min(t0, T))
-    start, end, nb, rowb = span(cu, cuc, s, ratio)
-    t_last = t0 + Z - 1
-    blk = (t_last - start) // ratio
-    ok = t0 >= start and t_last < end and t_last < T and blk < nb and rowb + blk < num_rows
-    if coff == 2:
-        ok = ok and blk + 1 < nb and rowb + blk + 1 < num_rows
-    return ok
-
-
 def _valid_pack(rng, ratio):
     lens = [rng.choice([0, 1, ratio - 1, ratio, ratio + 1, 2 * ratio + 3, rng.randrange(200)])
             for _ in range(rng.randrange(1, 8))]
@@ -98,10 +87,11 @@ def test_skipped_threads_would_store_nothing(ratio, coff):
             cu, cuc, T, N = _valid_pack(rng, ratio)
         for Z in (1, 4, 7, 32):
             for t0 in sorted({*range(0, T + Z, Z), *(rng.randrange(T + 5) for _ in range(5))}):
-                if all_read(cu, cuc, t0, Z, ratio, coff, N, T):
-                    assert not walk_stores(cu, cuc, t0, Z, ratio, coff, N, T), (cu, cuc, T, N, t0, Z)
                 # The tokens first_unread skips are ones the walk would store nothing for.
                 j0 = first_unread(cu, cuc, t0, Z, ratio, coff, N, T)
+                assert 0 <= j0 <= Z
+                if j0 == Z:
+                    assert not walk_stores(cu, cuc, t0, Z, ratio, coff, N, T), (cu, cuc, T, N, t0, Z)
                 assert (walk_stores(cu, cuc, t0, Z, ratio, coff, N, T, j0)
                         == walk_stores(cu, cuc, t0, Z, ratio, coff, N, T)), (cu, cuc, T, N, t0, Z, j0)
 
@@ -115,7 +105,7 @@ def test_full_sequences_skip_almost_every_thread(coff):
     cuc = [0, 2048, 4096, 6144]
     T, N = 24576, 6144
     starts = range(0, T, Z)
-    walked = [t0 for t0 in starts if not all_read(cu, cuc, t0, Z, ratio, coff, N, T)]
+    walked = [t0 for t0 in starts if first_unread(cu, cuc, t0, Z, ratio, coff, N, T) < Z]
     assert len(walked) == (3 if coff == 2 else 0), walked
     for t0 in walked:
         assert walk_stores(cu, cuc, t0, Z, ratio, coff, N, T)
@@ -130,7 +120,7 @@ def test_many_short_sequences_walk_only_their_tail(coff):
     cu = [64 * s for s in range(B + 1)]
     cuc = [16 * s for s in range(B + 1)]
     T, N = cu[-1], cuc[-1]
-    walked = [t0 for t0 in range(0, T, Z) if not all_read(cu, cuc, t0, Z, ratio, coff, N, T)]
+    walked = [t0 for t0 in range(0, T, Z) if first_unread(cu, cuc, t0, Z, ratio, coff, N, T) < Z]
     assert len(walked) == (B if coff == 2 else 0)
     for t0 in walked:
         assert first_unread(cu, cuc, t0, Z, ratio, coff, N, T) == Z - ratio

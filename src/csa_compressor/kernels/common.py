@@ -137,6 +137,26 @@ def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Con
 
 
 @cute.jit
+def whatif_softmax(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
+    """Measurement only (config.WHATIF_MATH; breaks SPEC §5, never a default): 1, the
+    softmax with the approximate exponential and a multiply by an approximate reciprocal;
+    2, none at all (the weights are the raw scores). What the numerics cost a kernel."""
+    if cutlass.const_expr(config.WHATIF_MATH == 1):
+        for e in cutlass.range_constexpr(vec):
+            mx = sf[0, e]
+            for k in cutlass.range_constexpr(1, slots):
+                mx = max_nan(mx, sf[k, e])
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = cute.math.exp(sf[k, e] - mx, fastmath=True)
+            dn = sf[0, e]
+            for k in cutlass.range_constexpr(1, slots):
+                dn = dn + sf[k, e]
+            r = cute.arch.rcp_approx(dn)
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = sf[k, e] * r
+
+
+@cute.jit
 def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
     """Every column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max) / sum``,
     in the fp32 reference's order (serial max, serial sum, true division). The division
@@ -146,6 +166,9 @@ def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Con
     quotients, so the result is bitwise what a check a column gives; without a branch
     between columns their chains interleave (one check a column measured 3x8192/128
     forward 12.0-12.1 against 11.4 us, perf-notes v17)."""
+    if cutlass.const_expr(config.WHATIF_MATH):
+        whatif_softmax(sf, vec, slots)
+        return
     dns = []
     mn = None
     for e in cutlass.range_constexpr(vec):
@@ -551,17 +574,18 @@ class WindowSlots:
                 apef[k, e] = a32[e]
 
     @cute.jit
-    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None,
-                    values: cutlass.Constexpr[bool] = True):
+    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
         """The staged window into fp32 registers (score + ape, value); empty slots get
-        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given. With
-        ``values`` False only the scores (the values stay staged: read_staged_values)."""
+        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
-                s32 = self.staged_vector(sS, k, stage, thr)
-                if cutlass.const_expr(values):
-                    v32 = self.staged_vector(sV, k, stage, thr)
+                if cutlass.const_expr(self.bf16_bits):
+                    s32 = widen_bf16(sS[(None, thr, k, stage)], self.vec)
+                    v32 = widen_bf16(sV[(None, thr, k, stage)], self.vec)
+                else:
+                    s32 = sS[(None, thr, k, stage)].load().to(Float32)
+                    v32 = sV[(None, thr, k, stage)].load().to(Float32)
                 if cutlass.const_expr(apef is None):
                     a32 = gApe[(None, (arow, colc))].load()
                     for e in cutlass.range_constexpr(self.vec):
@@ -569,22 +593,12 @@ class WindowSlots:
                 else:
                     for e in cutlass.range_constexpr(self.vec):
                         sf[k, e] = s32[e] + apef[k, e]
-                if cutlass.const_expr(values):
-                    for e in cutlass.range_constexpr(self.vec):
-                        vf[k, e] = v32[e]
+                for e in cutlass.range_constexpr(self.vec):
+                    vf[k, e] = v32[e]
             else:
                 for e in cutlass.range_constexpr(self.vec):
                     sf[k, e] = -Float32.inf
-                    if cutlass.const_expr(values):
-                        vf[k, e] = Float32(0.0)
-
-    @cute.jit
-    def staged_vector(self, s, k, stage, thr):
-        """This thread's staged vector of slot ``k`` in fp32."""
-        if cutlass.const_expr(self.bf16_bits):
-            return widen_bf16(s[(None, thr, k, stage)], self.vec)
-        else:
-            return s[(None, thr, k, stage)].load().to(Float32)
+                    vf[k, e] = Float32(0.0)
 
     @cute.jit
     def slot_coords(self, k, t0, has_prev, chunk):

@@ -123,8 +123,9 @@ Adopted at v15 (H200 sweep at f929db6, 2026-11-29, tools/perf_probe.py sweep; fo
     1x4/128 3.6/8.8 -> 3.2/8.2, 1x8192/128 6.5/18.1 -> 6.3/17.6, 3x8192/128 12.3/33.6 ->
     12.0/33.0, 3x8192/512 34.3/106.5 -> 34.3/105.9, 1x8192/65 9.8/22.5 -> 9.3/21.9
     (predicted -0.3 to -0.8 a kernel boundary at the small shapes, nothing at 3x8192/512).
-  - the zero-fill shortcut (pool_bwd.all_read): a thread whose ZERO_TOKENS_PER_THREAD
-    tokens all lie inside one segment's computed blocks skips its per-token walk.
+  - the zero-fill shortcut (then pool_bwd.all_read; since v23 first_unread skipping all of
+    them): a thread whose ZERO_TOKENS_PER_THREAD tokens all lie inside one segment's
+    computed blocks skips its per-token walk.
     fwd+bwd 1x8192/128 18.1 -> 16.9, 3x8192/128 33.6 -> 32.5, 3x8192/512 106.5 -> 105.7,
     2048x64 and the ragged pack unchanged (predicted -1 to -2 at 3x8192/512, nothing where
     segments are short).
@@ -305,35 +306,29 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 # spill-free under the bound), as before the sweep.
 FWD_BOUND_MAX_ELEMS = 16
 SMEM_CARVEOUT = -1
+# WHATIF_MATH: a measurement knob, never a default (tests/test_compile_cpu.py checks it is
+# 0): the short-window kernels' softmax (common.whatif_softmax) with approximate math (1)
+# or none (2), so a sweep can tell what SPEC §5's numerics (accurate exponential, true
+# division) cost against the kernels' memory traffic. Outputs are wrong under it.
+WHATIF_MATH = 0
+# Measured and dropped at 906794e (H200 sweep, 2026-11-30, perf-notes v23; fwd / fwd+bwd
+# µs, two runs of the code before: 3x8192/512 31.2 / 101.3-101.7, 1x8192/512 13.0-13.4 /
+# 38.1-38.9, 3x8192/128 11.0-11.1 / 29.1-29.4, 1x8192/128 5.2-5.5 / 14.5-15.2, 2048x64
+# 44.9-45.3 / 134.6-135.7). Fewer registers in the forward, so more of it resident:
+# - FWD_LATE_VALUES, a window's values read from the stage at their products, not
+#   beside the scores (d=512: 128 -> 96 registers, same 4 CTAs an SM): 3x8192/512 32.5 /
+#   101.1; held to 5 CTAs an SM: 34.0 / 103.0 (predicted 29-30.5).
+# - with FWD_APE_LOADS as well, the APE vectors loaded every row instead of held (71
+#   registers), held to 6 CTAs an SM: 3x8192/512 40.0-40.3, 1x8192/512 17.2, 2048x64 48.0;
+#   and the d=128 forward held to 12 CTAs (40 registers; one row a thread at 3x8192/128):
+#   3x8192/128 12.6 against 11.0, 1x8192/128 6.6, 2048x64 54.8.
+# Reading the values late cost 1.3 at the same occupancy (presumably their shared loads,
+# now in the product chain); each step to more resident CTAs lost more, as more backward
+# warps did at v17: too few warps is not what holds the forward (not profiled further).
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-#
-# FWD_LATE_VALUES: the staged forward reads a window's values from shared memory at their
-#   products (pool_fwd.pool_row_staged) instead of beside the scores, so the values' 8 x
-#   vec fp32 registers are not live through the softmax. Same op order, bitwise the same
-#   output. Prediction (sm_90a ptxas here: d=512 bf16 ratio 4 coff 2 128 -> see
-#   perf-notes v23): alone nothing beyond noise (the grid stays at 4 CTAs an SM).
-# FWD_WIDE_BOUND_CTAS: forwards of wider vectors (d=512 bf16: 8 bytes) compiled for this
-#   many CTAs an SM and their grid sized for them (0: unbounded, 4 from
-#   FWD_TARGET_CTAS_PER_SM). With FWD_LATE_VALUES, 5 (<= 102 registers): 3x8192/512
-#   forward 32.0 -> 29-30.5 (4 -> 5 warps a scheduler against ncu's 31% of cycles with no
-#   eligible warp), 1x8192/512 13.3 -> 12.5-13.3; d=128 unchanged (a narrow forward).
-# FWD_APE_LOADS: the staged forward loads its APE vectors every row (ld.global, L1 hits
-#   after the first rows) instead of holding 8 x vec fp32 registers of them for the whole
-#   walk (v9 put them in registers when the window's values were live beside them). With
-#   FWD_LATE_VALUES and FWD_WIDE_BOUND_CTAS=6 (the most CTAs the 33 KB of staging allow
-#   at d=512): 3x8192/512 forward 32.0 -> 28.5-30.5 if the L1 takes the extra 16 KB a row
-#   a CTA; slower at d=128 (its grid is bound by the narrow bound already) is a no-go.
-# FWD_NARROW_BOUND_CTAS: a sweep knob over FWD_BOUND_CTAS_PER_SM (0: the table). With
-#   FWD_LATE_VALUES and FWD_APE_LOADS the d=128 forward needs fewer registers; at 12 CTAs
-#   (40 registers) 3x8192/128 runs one row a thread in one wave: forward 11.3 -> 9.5-10.5;
-#   1x8192/128 (one wave already) unchanged.
-FWD_NARROW_BOUND_CTAS = 0
-FWD_LATE_VALUES = 0
-FWD_WIDE_BOUND_CTAS = 0
-FWD_APE_LOADS = 0
-CANDIDATES = ("FWD_LATE_VALUES=1", "FWD_WIDE_BOUND_CTAS=5", "FWD_APE_LOADS=1")
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

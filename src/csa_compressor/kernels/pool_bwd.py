@@ -293,16 +293,14 @@ class PoolBackward(WindowSlots):
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
-        # Threads whose tokens are all read (almost every zero CTA in a pack of full
-        # sequences) skip the walk: -1.1 us fwd+bwd at 1x8192/128 and 3x8192/128 (v15).
-        if ~self.all_read(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb, num_rows,
-                          num_tokens):
-            # Those that walk start at their segment's first unread block (config.py,
-            # "Zero-fill walks from the first unread block").
-            j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
-                                   num_rows)
-            self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs,
-                             zero, own_col, s, start, end, nb, rowb, j0)
+        # The walk starts at the segment's first unread block (config.py, "Zero-fill walks
+        # from the first unread block"); a thread whose tokens are all read (almost every
+        # zero CTA in a pack of full sequences) walks none (-1.1 us fwd+bwd at 1x8192/128
+        # and 3x8192/128 when that shortcut came in, v15).
+        j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
+                               num_rows)
+        self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
+                         own_col, s, start, end, nb, rowb, j0)
 
     @cute.jit
     def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
@@ -317,23 +315,6 @@ class PoolBackward(WindowSlots):
         if (start >= 0) & (end >= start) & (t0 >= start) & (k > 0):
             j0 = cutlass.min(cutlass.max(start + k * self.ratio - t0, Int32(0)), Int32(Z))
         return j0
-
-    @cute.jit
-    def all_read(self, t0, Z: int, start, end, nb, rowb, num_rows, num_tokens):
-        """Every element of tokens t0 .. t0 + Z - 1 is read by a computed row, so
-        zero_tokens would store nothing (tests/test_zero_fill_cpu.py). The range lies
-        in one segment ([start, end), nb blocks from row rowb) and below num_tokens; a
-        token's block and row only grow with the token, so the last token decides: its
-        own block (columns d..2d with coff 2, all of them with coff 1) is a computed row's
-        current block, and (coff 2) the next block, whose row reads the first d columns as
-        its previous block, is one too. Corrupt offsets (end < start, nb < 0) fail it."""
-        t_last = t0 + (Z - 1)
-        blk = (t_last - start) // self.ratio
-        ok = (t0 >= start) & (t_last < end) & (t_last < num_tokens)
-        ok = ok & self.block_read(blk, rowb + blk, nb, num_rows)
-        if cutlass.const_expr(self.coff == 2):
-            ok = ok & self.block_read(blk + 1, rowb + blk + 1, nb, num_rows)
-        return ok
 
     @cute.jit
     def block_read(self, blk, row, nb, num_rows):

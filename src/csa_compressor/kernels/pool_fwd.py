@@ -57,16 +57,9 @@ class PoolForward(WindowSlots):
         # Narrow-vector forwards are compiled for FWD_BOUND_CTAS_PER_SM[arch] resident CTAs
         # (a register bound) and their grid sized for that many. See
         # config.FWD_BOUND_CTAS_PER_SM for what it measured.
-        bound = config.FWD_NARROW_BOUND_CTAS or config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
+        bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
         bounded = bound and narrow and self.slots * self.vec <= config.FWD_BOUND_MAX_ELEMS
-        # Candidates (config.CANDIDATES): the values read at their products, and wide
-        # vectors held to FWD_WIDE_BOUND_CTAS CTAs an SM (what the freed registers allow).
-        self.late_values = bool(config.FWD_LATE_VALUES) and self.staged
-        wide_bound = 0 if narrow else config.FWD_WIDE_BOUND_CTAS
-        if bounded:
-            self.hold_to(max(1, min(bound, fit)))
-        else:
-            self.hold_to(max(1, min(wide_bound, fit)) if wide_bound else 0)
+        self.hold_to(max(1, min(bound, fit)) if bounded else 0)
         self.specialise()
         # Warp-cooperative 16-byte staging copies where every warp holds one row
         # (common.stage_window_warp; measured in config.py, "Adopted at v17").
@@ -117,26 +110,6 @@ class PoolForward(WindowSlots):
                 a = a + mul_rn(vf[k, e], sf[k, e])
             acc[e] = a
 
-    @cute.jit
-    def pool_row_staged(self, sf, sV, acc, t0, has_prev, stage, thr, chunk):
-        """pool_row with the values read from the stage at their products
-        (config.FWD_LATE_VALUES): the window's values never sit in registers beside its
-        scores. Empty slots multiply 0 as read_staged would have given them."""
-        CH = self.slots
-        softmax_row(sf, self.vec, CH)
-        prod = cute.make_rmem_tensor((self.vec,), Float32)
-        for k in cutlass.range_constexpr(CH):
-            _, _, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
-            if valid:
-                v32 = self.staged_vector(sV, k, stage, thr)
-                for e in cutlass.range_constexpr(self.vec):
-                    prod[e] = mul_rn(v32[e], sf[k, e])
-            else:
-                for e in cutlass.range_constexpr(self.vec):
-                    prod[e] = mul_rn(Float32(0.0), sf[k, e])
-            for e in cutlass.range_constexpr(self.vec):
-                acc[e] = prod[e] if k == 0 else acc[e] + prod[e]
-
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
@@ -163,10 +136,8 @@ class PoolForward(WindowSlots):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
                 atom = self.window_atom()
-                apef = None  # per row from global memory (L1): config.FWD_APE_LOADS
-                if cutlass.const_expr(not config.FWD_APE_LOADS):
-                    apef = cute.make_rmem_tensor((CH, vec), Float32)
-                    self.load_ape(gApe, apef, chunk)
+                apef = cute.make_rmem_tensor((CH, vec), Float32)
+                self.load_ape(gApe, apef, chunk)
 
                 def issue(w, row, stage):
                     return self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, w, row, stage, thr,
@@ -184,17 +155,11 @@ class PoolForward(WindowSlots):
                     for e in cutlass.range_constexpr(vec):
                         acc[e] = Float32(0.0)
                     if ok:
-                        if cutlass.const_expr(self.staged and self.late_values):
+                        if cutlass.const_expr(self.staged):
                             self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
-                                             apef, values=False)
-                            self.pool_row_staged(sf, sV, acc, t0, has_prev, i % P, thr, chunk)
+                                             apef)
                         else:
-                            if cutlass.const_expr(self.staged):
-                                self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr,
-                                                 chunk, apef)
-                            else:
-                                self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev,
-                                                chunk)
-                            self.pool_row(sf, vf, acc)
+                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                        self.pool_row(sf, vf, acc)
                     res.store(acc.load().to(self.dtype))
                     gOut[(None, (row, chunk))].store(res.load())
