@@ -328,6 +328,17 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
+# BWD_APE_SMEM: the short-window backward keeps each thread's APE vectors in shared memory
+#   (loaded once, 8 KB a CTA at d=512) instead of loading them from global memory for
+#   every row (pool_bwd.PoolBackward.ape_smem; only where the CTAs fitting an SM stay as
+#   many). ncu at 9d68d42 (3x8192/512): the backward spends 5.5 of its 9.8 cycles between
+#   a warp's instructions waiting on L1TEX loads, and inside the row loop the APE loads
+#   are its only global loads (window and grad_out are staged by cp.async); L1 hit rate
+#   30%. Prediction: backward at 3x8192/512 -4 to -8 µs (fwd+bwd 101 -> 93-97),
+#   1x8192/512 -1 to -3; d=128 (4 row lanes: the buffer would cost it a CTA an SM, so it
+#   keeps the global loads) unchanged. On for the measurement call that runs the suite,
+#   memcheck and bench on it; its sweep runs BWD_APE_SMEM=0 beside it.
+BWD_APE_SMEM = 1
 CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
