@@ -310,6 +310,10 @@ SMEM_CARVEOUT = -1
 # 0): the short-window kernels' softmax (common.whatif_softmax) with approximate math (1)
 # or none (2), so a sweep can tell what SPEC §5's numerics (accurate exponential, true
 # division) cost against the kernels' memory traffic. Outputs are wrong under it.
+# Measured at 9d68d42 (H200, perf-notes v23), fwd / fwd+bwd µs, SPEC math -> approximate ->
+# none: 3x8192/512 30.5-31.2 / 101.0-101.1 -> 29.2-29.6 / 97.8-98.4 -> 28.3 / 95.9;
+# 1x8192/128 5.3-5.6 / 14.7-15.2 -> 4.7-5.1 / 13.3-13.7 -> 4.7 / 13.6. Even with no math
+# the short-window kernels miss issue 3's targets: their memory path is what is left.
 WHATIF_MATH = 0
 # Measured and dropped at 906794e (H200 sweep, 2026-11-30, perf-notes v23; fwd / fwd+bwd
 # µs, two runs of the code before: 3x8192/512 31.2 / 101.3-101.7, 1x8192/512 13.0-13.4 /
@@ -325,20 +329,16 @@ WHATIF_MATH = 0
 # Reading the values late cost 1.3 at the same occupancy (presumably their shared loads,
 # now in the product chain); each step to more resident CTAs lost more, as more backward
 # warps did at v17: too few warps is not what holds the forward (not profiled further).
+# Measured and dropped at 519277d (same sweep method, two runs each, off / on): BWD_APE_SMEM,
+# each backward thread's APE vectors in shared memory (loaded once; 8 KB more a CTA at
+# d=512, still 6 CTAs an SM) instead of loaded from global memory every row. ncu at 9d68d42
+# has the 3x8192/512 backward waiting on L1TEX loads 5.5 of its 9.8 cycles between a
+# warp's instructions; predicted -4 to -8 µs there. Measured fwd+bwd 3x8192/512
+# 100.9-101.3 / 102.6-102.9, 1x8192/512 38.4-38.8 / 40.4, the rest within noise: those
+# stalls are not the APE loads (the suite, memcheck and bench passed with it on).
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-# BWD_APE_SMEM: the short-window backward keeps each thread's APE vectors in shared memory
-#   (loaded once, 8 KB a CTA at d=512) instead of loading them from global memory for
-#   every row (pool_bwd.PoolBackward.ape_smem; only where the CTAs fitting an SM stay as
-#   many). ncu at 9d68d42 (3x8192/512): the backward spends 5.5 of its 9.8 cycles between
-#   a warp's instructions waiting on L1TEX loads, and inside the row loop the APE loads
-#   are its only global loads (window and grad_out are staged by cp.async); L1 hit rate
-#   30%. Prediction: backward at 3x8192/512 -4 to -8 µs (fwd+bwd 101 -> 93-97),
-#   1x8192/512 -1 to -3; d=128 (4 row lanes: the buffer would cost it a CTA an SM, so it
-#   keeps the global loads) unchanged. On for the measurement call that runs the suite,
-#   memcheck and bench on it; its sweep runs BWD_APE_SMEM=0 beside it.
-BWD_APE_SMEM = 1
 CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230

@@ -72,16 +72,6 @@ class PoolBackward(WindowSlots):
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
         # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
-        # Candidate BWD_APE_SMEM (config.CANDIDATES): each thread's APE vectors in shared
-        # memory, loaded once, instead of loaded from global memory every row; only where
-        # the extra buffer leaves as many CTAs fitting an SM as the grid is sized for.
-        self.ape_bytes = self.slots * self.vec * self.threads * 4
-        self.ape_smem = False
-        if config.BWD_APE_SMEM and self.staged:
-            self.smem_bytes += smem_footprint(self.ape_bytes)
-            self.ape_smem = self.ctas_fitting_smem() >= self.target_ctas_per_sm
-            if not self.ape_smem:
-                self.smem_bytes -= smem_footprint(self.ape_bytes)
         default_ctas = self.target_ctas_per_sm
         large_ctas = self.large_pack_ctas(default_ctas)
         if stacked_coop:
@@ -220,16 +210,6 @@ class PoolBackward(WindowSlots):
                     P = self.stages
                     sS, sV = self.alloc_staging(smem, P)
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
-                    apef = None  # APE from global memory every row (read_staged)
-                    if cutlass.const_expr(self.ape_smem):
-                        # (vec, thread, slot): a warp's vectors of one slot are consecutive.
-                        sA = smem.allocate_tensor(
-                            Float32, cute.make_layout((vec, self.threads, CH)), 16)
-                        apef = cute.make_tensor(
-                            sA.iterator + (ty * self.lanes + tid) * vec,
-                            cute.make_layout((CH, vec), stride=(vec * self.threads, 1)))
-                        # Each thread reads back only what it wrote: no barrier.
-                        self.load_ape(gApe, apef, chunk)
                     atom = (self.copy_atom(), self.window_atom())  # (grad_out, window)
                     thr = ty * self.lanes + tid
 
@@ -250,8 +230,7 @@ class PoolBackward(WindowSlots):
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
                             gv.store(sG[(None, thr, stage)].load().to(Float32))
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
-                                             apef)
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk)
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
