@@ -30,6 +30,9 @@
 #                        $SWEEP_SHAPES, else the 5 default shapes
 #   ncu_<shape>          ncu of the forward, backward and dape reduction of one bench shape
 #                        (the probe runs 4 steps, the first two are skipped)
+#   ncustall_<shape>     the forward's and backward's stall reasons in full and their most
+#                        stalled SASS lines; the backward's per-SASS-line counters as CSV
+#                        into $OUT/ncu_source_bwd.csv
 #   ncuinst_<shape>      the same kernels' executed-instruction counts by opcode and their
 #                        hottest SASS lines (InstructionStats, SourceCounters): where a
 #                        row's instructions go (docs/perf-notes.md, the issue floor)
@@ -67,6 +70,7 @@ cmd_of() {
         parts) echo "python3 tools/perf_probe.py parts ${PARTS_SHAPES:-}" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
         ncuinst_*) echo "$NCU --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
+        ncustall_*) echo "ncu --clock-control none -k regex:'PoolForward|PoolBackward' --launch-skip 4 --launch-count 2 --section WarpStateStats --section SourceCounters --print-details all python3 tools/profile_probe.py ${1#ncustall_}; ncu --clock-control none -k regex:'PoolBackward' --launch-skip 2 --launch-count 1 --section SourceCounters --page source --print-source sass --csv python3 tools/profile_probe.py ${1#ncustall_} > \$OUT/ncu_source_bwd.csv" ;;
         ncu_*) echo "$NCU --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;
         sweep*) local n=${1#sweep} v="SWEEP_SHAPES_${1#sweep}"
                 echo "python3 tools/perf_probe.py sweep \"\${SWEEP_$n:?}\" \"${!v:-${SWEEP_SHAPES:-1x8192:128:4:2,3x8192:128:4:2,3x8192:512:4:2,1023+2048+509+3+0+77:128:4:2,2048x64:128:4:2}}\"" ;;
