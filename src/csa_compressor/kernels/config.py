@@ -334,8 +334,9 @@ WHATIF_MATH = 0
 # d=512, still 6 CTAs an SM) instead of loaded from global memory every row. ncu at 9d68d42
 # has the 3x8192/512 backward waiting on L1TEX loads 5.5 of its 9.8 cycles between a
 # warp's instructions; predicted -4 to -8 µs there. Measured fwd+bwd 3x8192/512
-# 100.9-101.3 / 102.6-102.9, 1x8192/512 38.4-38.8 / 40.4, the rest within noise: those
-# stalls are not the APE loads (the suite, memcheck and bench passed with it on).
+# 100.9-101.3 / 102.6-102.9, 1x8192/512 38.4-38.8 / 40.4, the rest within noise (the
+# suite, memcheck and bench passed with it on). ncu's source counters at 4616ab2 still put
+# half the backward's stall samples on the per-row APE loads: why the variant lost is open.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
