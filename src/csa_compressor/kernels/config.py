@@ -340,7 +340,17 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ()
+#
+# BWD_APE_EARLY: the short-window backward issues a row's APE loads before waiting for the
+#   row's staged window (common.WindowSlots.advance_stages) instead of after it, so their
+#   latency overlaps the wait (ncu at 4616ab2: half the backward's stall samples at
+#   3x8192/512 sit on the adds that consume these loads, issued after the wait). The same
+#   loads, values and op order: bitwise the same gradients. Costs the APE registers
+#   across the wait (d=512 bf16: see tests/test_compile_cpu.py's candidate check).
+#   Prediction (written before any measurement): 3x8192/512 backward -3 to -8 µs (fwd+bwd
+#   101 -> 93-98), 1x8192/512 -1 to -3, d=128 -0.5 to -1.5; nothing in the forward.
+BWD_APE_EARLY = 0
+CANDIDATES = ("BWD_APE_EARLY=1",)
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -219,9 +219,16 @@ class PoolBackward(WindowSlots):
                                               num_seqs)
 
                     walk_in = self.prime_stages(issue, walk, row0, mine)
+                apef = None  # APE loaded by read_staged, after the stage's wait
+                if cutlass.const_expr(self.staged and config.BWD_APE_EARLY):
+                    apef = cute.make_rmem_tensor((CH, vec), Float32)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
+                        if cutlass.const_expr(config.BWD_APE_EARLY):
+                            # Candidate (config.CANDIDATES): the row's APE loads in flight
+                            # while the stage's copies are waited for.
+                            self.load_ape(gApe, apef, chunk)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
@@ -230,7 +237,8 @@ class PoolBackward(WindowSlots):
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
                             gv.store(sG[(None, thr, stage)].load().to(Float32))
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk)
+                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
+                                             apef)
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                             self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
