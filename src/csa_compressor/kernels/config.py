@@ -346,7 +346,10 @@ WHATIF_MATH = 0
 #   latency overlaps the wait (ncu at 4616ab2: half the backward's stall samples at
 #   3x8192/512 sit on the adds that consume these loads, issued after the wait). The same
 #   loads, values and op order: bitwise the same gradients. Costs the APE registers
-#   across the wait (d=512 bf16: see tests/test_compile_cpu.py's candidate check).
+#   across the wait (d=512 bf16: 79 registers under its 6-CTA bound, spill-free on sm_90a
+#   and sm_100a). Held for the whole walk instead (loaded once, as the forward does), ptxas
+#   spilled 8 B at d=512 under that bound and took 107 registers at d=128 (ptxas at
+#   9f7afc0; v10 measured that at d=128 slower), so the per-row loads stay.
 #   Prediction (written before any measurement): 3x8192/512 backward -3 to -8 µs (fwd+bwd
 #   101 -> 93-98), 1x8192/512 -1 to -3, d=128 -0.5 to -1.5; nothing in the forward.
 BWD_APE_EARLY = 0
