@@ -577,6 +577,9 @@ class WindowSlots:
     def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
         """The staged window into fp32 registers (score + ape, value); empty slots get
         -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
+        if cutlass.const_expr(config.STAGED_READ_ALL and self.coff == 2):
+            self.read_staged_all(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef)
+            return
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
@@ -599,6 +602,40 @@ class WindowSlots:
                 for e in cutlass.range_constexpr(self.vec):
                     sf[k, e] = -Float32.inf
                     vf[k, e] = Float32(0.0)
+
+    @cute.jit
+    def read_staged_all(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
+        """read_staged for coff 2 (candidate STAGED_READ_ALL): every slot read from the
+        stage, then the previous block's slots set to -inf / 0 in one branch where the row
+        has none. What was not copied is stale shared memory (in bounds, overwritten
+        before use). The compiler otherwise sets every such slot to -inf / 0 first and
+        overwrites it on the common path (about 24 instructions a row at d=512)."""
+        for k in cutlass.range_constexpr(self.slots):
+            _, colc, arow, _ = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            s32 = self.staged_vector(sS, k, stage, thr)
+            v32 = self.staged_vector(sV, k, stage, thr)
+            if cutlass.const_expr(apef is None):
+                a32 = gApe[(None, (arow, colc))].load()
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = s32[e] + a32[e]
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = s32[e] + apef[k, e]
+            for e in cutlass.range_constexpr(self.vec):
+                vf[k, e] = v32[e]
+        if ~has_prev:
+            for k in cutlass.range_constexpr(self.ratio):
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[k, e] = -Float32.inf
+                    vf[k, e] = Float32(0.0)
+
+    @cute.jit
+    def staged_vector(self, s, k, stage, thr):
+        """This thread's staged vector of slot ``k`` in fp32."""
+        if cutlass.const_expr(self.bf16_bits):
+            return widen_bf16(s[(None, thr, k, stage)], self.vec)
+        else:
+            return s[(None, thr, k, stage)].load().to(Float32)
 
     @cute.jit
     def slot_coords(self, k, t0, has_prev, chunk):

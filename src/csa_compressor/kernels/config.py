@@ -353,7 +353,18 @@ WHATIF_MATH = 0
 #   Prediction (written before any measurement): 3x8192/512 backward -3 to -8 µs (fwd+bwd
 #   101 -> 93-98), 1x8192/512 -1 to -3, d=128 -0.5 to -1.5; nothing in the forward.
 BWD_APE_EARLY = 0
-CANDIDATES = ("BWD_APE_EARLY=1",)
+# STAGED_READ_ALL: with coff 2, the staged window read back from shared memory for every
+#   slot and the previous block's slots set to -inf / 0 in one branch where a row has none
+#   (common.WindowSlots.read_staged_all), instead of a branch a slot that the compiler
+#   turns into setting every such slot first and overwriting it. The same values for every
+#   slot that is used: bitwise the same results. sm_90a SASS of the d=512 forward
+#   (tools/sass_probe.py --dump): the 24 -inf / 0 moves a row now sit only on the path of
+#   rows without a previous block (static count 1704 -> 1720 for that path); spill-free
+#   with BWD_APE_EARLY on sm_90a and sm_100a. Prediction (before
+#   any measurement): 3x8192/512 forward -0.3 to -0.8 µs (its warps compete for issue,
+#   ncu at 4616ab2), backward within noise; d=128 within noise.
+STAGED_READ_ALL = 0
+CANDIDATES = ("BWD_APE_EARLY=1", "STAGED_READ_ALL=1")
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
