@@ -583,21 +583,7 @@ class WindowSlots:
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
-                if cutlass.const_expr(self.bf16_bits):
-                    s32 = widen_bf16(sS[(None, thr, k, stage)], self.vec)
-                    v32 = widen_bf16(sV[(None, thr, k, stage)], self.vec)
-                else:
-                    s32 = sS[(None, thr, k, stage)].load().to(Float32)
-                    v32 = sV[(None, thr, k, stage)].load().to(Float32)
-                if cutlass.const_expr(apef is None):
-                    a32 = gApe[(None, (arow, colc))].load()
-                    for e in cutlass.range_constexpr(self.vec):
-                        sf[k, e] = s32[e] + a32[e]
-                else:
-                    for e in cutlass.range_constexpr(self.vec):
-                        sf[k, e] = s32[e] + apef[k, e]
-                for e in cutlass.range_constexpr(self.vec):
-                    vf[k, e] = v32[e]
+                self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
             else:
                 for e in cutlass.range_constexpr(self.vec):
                     sf[k, e] = -Float32.inf
@@ -612,22 +598,27 @@ class WindowSlots:
         overwrites it on the common path (about 24 instructions a row at d=512)."""
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, _ = self.slot_coords(Int32(k), t0, has_prev, chunk)
-            s32 = self.staged_vector(sS, k, stage, thr)
-            v32 = self.staged_vector(sV, k, stage, thr)
-            if cutlass.const_expr(apef is None):
-                a32 = gApe[(None, (arow, colc))].load()
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = s32[e] + a32[e]
-            else:
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = s32[e] + apef[k, e]
-            for e in cutlass.range_constexpr(self.vec):
-                vf[k, e] = v32[e]
+            self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
         if ~has_prev:
             for k in cutlass.range_constexpr(self.ratio):
                 for e in cutlass.range_constexpr(self.vec):
                     sf[k, e] = -Float32.inf
                     vf[k, e] = Float32(0.0)
+
+    @cute.jit
+    def read_staged_slot(self, gApe, sS, sV, sf, vf, k: int, colc, arow, stage, thr, apef):
+        """Slot ``k`` of the staged window into ``sf`` (score + ape) and ``vf`` (value)."""
+        s32 = self.staged_vector(sS, k, stage, thr)
+        v32 = self.staged_vector(sV, k, stage, thr)
+        if cutlass.const_expr(apef is None):
+            a32 = gApe[(None, (arow, colc))].load()
+            for e in cutlass.range_constexpr(self.vec):
+                sf[k, e] = s32[e] + a32[e]
+        else:
+            for e in cutlass.range_constexpr(self.vec):
+                sf[k, e] = s32[e] + apef[k, e]
+        for e in cutlass.range_constexpr(self.vec):
+            vf[k, e] = v32[e]
 
     @cute.jit
     def staged_vector(self, s, k, stage, thr):
