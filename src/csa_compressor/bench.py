@@ -244,6 +244,7 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
     bw = copy_bandwidth(device)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     impls = _implementations(impl_names)
+    whatif = _whatif()
     elem = torch.tensor([], dtype=dtype).element_size()
     rows = []
     total = len(shapes) * len(impls)
@@ -264,12 +265,12 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
             progress(f"[{done}/{total}] {shape.name} {name} ...")
             if name == "fused" and gate_fail:
                 row["error"] = "correctness gate failed: " + "; ".join(gate_fail)
-                if not _whatif():
+                if not whatif:
                     rows.append(row)
                     continue
                 # A measurement knob that breaks the numerics on purpose: timed, and the
                 # row keeps its gate failure.
-                row["error"] = f"WHATIF_MATH={_whatif()}, " + row["error"][:60]
+                row["error"] = f"WHATIF_MATH={whatif}, " + row["error"][:60]
             leaves = [[t.detach().clone().requires_grad_(True) for t in s[:3]] for s in sets]
 
             def fwd(i, fn=fn):

@@ -137,21 +137,29 @@ def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Con
 
 
 @cute.jit
+def column_exp_sum(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
+                   fastmath: cutlass.Constexpr[bool] = False):
+    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max)`` (serial
+    NaN-propagating max), returning their serial sum."""
+    mx = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        mx = max_nan(mx, sf[k, e])
+    for k in cutlass.range_constexpr(slots):
+        sf[k, e] = cute.math.exp(sf[k, e] - mx, fastmath=fastmath)
+    dn = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        dn = dn + sf[k, e]
+    return dn
+
+
+@cute.jit
 def whatif_softmax(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
     """Measurement only (config.WHATIF_MATH; breaks SPEC §5, never a default): 1, the
     softmax with the approximate exponential and a multiply by an approximate reciprocal;
     2, none at all (the weights are the raw scores). What the numerics cost a kernel."""
     if cutlass.const_expr(config.WHATIF_MATH == 1):
         for e in cutlass.range_constexpr(vec):
-            mx = sf[0, e]
-            for k in cutlass.range_constexpr(1, slots):
-                mx = max_nan(mx, sf[k, e])
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = cute.math.exp(sf[k, e] - mx, fastmath=True)
-            dn = sf[0, e]
-            for k in cutlass.range_constexpr(1, slots):
-                dn = dn + sf[k, e]
-            r = cute.arch.rcp_approx(dn)
+            r = cute.arch.rcp_approx(column_exp_sum(sf, e, slots, fastmath=True))
             for k in cutlass.range_constexpr(slots):
                 sf[k, e] = sf[k, e] * r
 
@@ -172,15 +180,7 @@ def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Con
     dns = []
     mn = None
     for e in cutlass.range_constexpr(vec):
-        mx = sf[0, e]
-        for k in cutlass.range_constexpr(1, slots):
-            mx = max_nan(mx, sf[k, e])
-        for k in cutlass.range_constexpr(slots):
-            sf[k, e] = cute.math.exp(sf[k, e] - mx)
-        dn = sf[0, e]
-        for k in cutlass.range_constexpr(1, slots):
-            dn = dn + sf[k, e]
-        dns.append(dn)
+        dns.append(column_exp_sum(sf, e, slots))
         mn = column_min(sf, e, slots, mn)
     divide_columns(sf, list(range(vec)), slots, dns, mn)
 
@@ -585,9 +585,7 @@ class WindowSlots:
             if valid:
                 self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
             else:
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = -Float32.inf
-                    vf[k, e] = Float32(0.0)
+                self.empty_slot(sf, vf, k)
 
     @cute.jit
     def read_staged_all(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
@@ -599,6 +597,8 @@ class WindowSlots:
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, _ = self.slot_coords(Int32(k), t0, has_prev, chunk)
             self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
+        # empty_slot written out: called inside this runtime branch it changed the forward's
+        # PTX (one predicate more) from the code whose SASS config.STAGED_READ_ALL describes.
         if ~has_prev:
             for k in cutlass.range_constexpr(self.ratio):
                 for e in cutlass.range_constexpr(self.vec):
@@ -619,6 +619,13 @@ class WindowSlots:
                 sf[k, e] = s32[e] + apef[k, e]
         for e in cutlass.range_constexpr(self.vec):
             vf[k, e] = v32[e]
+
+    @cute.jit
+    def empty_slot(self, sf, vf, k: int):
+        """Slot ``k`` of a window with no token: score -inf, value 0 (exp gives it weight 0)."""
+        for e in cutlass.range_constexpr(self.vec):
+            sf[k, e] = -Float32.inf
+            vf[k, e] = Float32(0.0)
 
     @cute.jit
     def staged_vector(self, s, k, stage, thr):
@@ -652,6 +659,4 @@ class WindowSlots:
                     sf[kk, e] = s32[e] + a32[e]
                     vf[kk, e] = v32[e]
             else:
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[kk, e] = -Float32.inf
-                    vf[kk, e] = Float32(0.0)
+                self.empty_slot(sf, vf, kk)
