@@ -577,33 +577,12 @@ class WindowSlots:
     def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
         """The staged window into fp32 registers (score + ape, value); empty slots get
         -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
-        if cutlass.const_expr(config.STAGED_READ_ALL and self.coff == 2):
-            self.read_staged_all(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef)
-            return
         for k in cutlass.range_constexpr(self.slots):
             _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
             if valid:
                 self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
             else:
                 self.empty_slot(sf, vf, k)
-
-    @cute.jit
-    def read_staged_all(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
-        """read_staged for coff 2 (candidate STAGED_READ_ALL): every slot read from the
-        stage, then the previous block's slots set to -inf / 0 in one branch where the row
-        has none. What was not copied is stale shared memory (in bounds, overwritten
-        before use). The compiler otherwise sets every such slot to -inf / 0 first and
-        overwrites it on the common path (about 24 instructions a row at d=512)."""
-        for k in cutlass.range_constexpr(self.slots):
-            _, colc, arow, _ = self.slot_coords(Int32(k), t0, has_prev, chunk)
-            self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
-        # empty_slot written out: called inside this runtime branch it changed the forward's
-        # PTX (one predicate more) from the code whose SASS config.STAGED_READ_ALL describes.
-        if ~has_prev:
-            for k in cutlass.range_constexpr(self.ratio):
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[k, e] = -Float32.inf
-                    vf[k, e] = Float32(0.0)
 
     @cute.jit
     def read_staged_slot(self, gApe, sS, sV, sf, vf, k: int, colc, arow, stage, thr, apef):

@@ -337,34 +337,31 @@ WHATIF_MATH = 0
 # 100.9-101.3 / 102.6-102.9, 1x8192/512 38.4-38.8 / 40.4, the rest within noise (the
 # suite, memcheck and bench passed with it on). ncu's source counters at 4616ab2 still put
 # half the backward's stall samples on the per-row APE loads: why the variant lost is open.
+# Adopted at v24 (H200 sweep at 532daab, 2026-11-30, perf-notes v24; the GPU suite passed
+# with both candidates on, 230 passed, and memcheck printed 0 errors). Fwd / fwd+bwd µs, two
+# runs each, off -> on:
+# - the short-window backward issues a row's APE loads before waiting for the row's
+#   staged window (pool_bwd.py; was the flag BWD_APE_EARLY), so their latency overlaps the
+#   wait (ncu at 4616ab2 had half the backward's stall samples at 3x8192/512 on the adds
+#   that consume them). Same loads, values and op order: bitwise the same gradients.
+#   79 registers at d=512 bf16 under the 6-CTA bound, spill-free on sm_90a and sm_100a.
+#   3x8192/512 31.4-31.8 / 101.5-101.8 -> 31.0-31.5 / 99.0-99.6, 1x8192/512 13.3-13.4 /
+#   38.6-38.8 -> 12.9-13.2 / 36.8-36.9, 3x8192/128 11.2-11.3 / 29.6-29.7 -> 11.3-11.5 /
+#   27.9-28.0, 2048x64 44.8-45.3 / 135.1-136.0 -> 44.9 / 133.0, 1x8192/128 (5.3-5.6 /
+#   14.7-15.4 -> 5.5-5.6 / 15.1-15.6) and the ragged pack (12.4-12.6 -> 12.5) within
+#   noise. Predicted 3x8192/512 backward -3 to -8 (got ~-2), 1x8192/512 -1 to -3 (-1.9),
+#   d=128 -0.5 to -1.5 (-1.7). Held for the whole walk instead (loaded once, as the
+#   forward does) ptxas spilled 8 B at d=512 and took 107 registers at d=128, so the
+#   loads stay per row.
+# Measured and dropped in the same sweep: STAGED_READ_ALL, with coff 2 every staged slot
+#   read back and the previous block's slots set to -inf / 0 in one branch where a row has
+#   none (the forward's main path 24 moves a row shorter in sm_90a SASS). Predicted
+#   3x8192/512 forward -0.3 to -0.8; measured 32.1 against 31.4-31.8 (32.0 with the APE
+#   loads above), 3x8192/128 11.0 against 11.2-11.3, the rest within noise: nothing.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
-# carries its prediction (H200, µs, written before any measurement).
-#
-# BWD_APE_EARLY: the short-window backward issues a row's APE loads before waiting for the
-#   row's staged window (common.WindowSlots.advance_stages) instead of after it, so their
-#   latency overlaps the wait (ncu at 4616ab2: half the backward's stall samples at
-#   3x8192/512 sit on the adds that consume these loads, issued after the wait). The same
-#   loads, values and op order: bitwise the same gradients. Costs the APE registers
-#   across the wait (d=512 bf16: 79 registers under its 6-CTA bound, spill-free on sm_90a
-#   and sm_100a). Held for the whole walk instead (loaded once, as the forward does), ptxas
-#   spilled 8 B at d=512 under that bound and took 107 registers at d=128 (ptxas at
-#   9f7afc0; v10 measured that at d=128 slower), so the per-row loads stay.
-#   Prediction (written before any measurement): 3x8192/512 backward -3 to -8 µs (fwd+bwd
-#   101 -> 93-98), 1x8192/512 -1 to -3, d=128 -0.5 to -1.5; nothing in the forward.
-BWD_APE_EARLY = 0
-# STAGED_READ_ALL: with coff 2, the staged window read back from shared memory for every
-#   slot and the previous block's slots set to -inf / 0 in one branch where a row has none
-#   (common.WindowSlots.read_staged_all), instead of a branch a slot that the compiler
-#   turns into setting every such slot first and overwriting it. The same values for every
-#   slot that is used: bitwise the same results. sm_90a SASS of the d=512 forward
-#   (tools/sass_probe.py --dump): the 24 -inf / 0 moves a row now sit only on the path of
-#   rows without a previous block (static count 1704 -> 1720 for that path); spill-free
-#   with BWD_APE_EARLY on sm_90a and sm_100a. Prediction (before
-#   any measurement): 3x8192/512 forward -0.3 to -0.8 µs (its warps compete for issue,
-#   ncu at 4616ab2), backward within noise; d=128 within noise.
-STAGED_READ_ALL = 0
-CANDIDATES = ("BWD_APE_EARLY=1", "STAGED_READ_ALL=1")
+# carries its prediction (H200, µs, written before any measurement). None pending.
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -219,16 +219,16 @@ class PoolBackward(WindowSlots):
                                               num_seqs)
 
                     walk_in = self.prime_stages(issue, walk, row0, mine)
-                apef = None  # APE loaded by read_staged, after the stage's wait
-                if cutlass.const_expr(self.staged and config.BWD_APE_EARLY):
+                apef = None  # unstaged: APE loaded by load_slots
+                if cutlass.const_expr(self.staged):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
-                        if cutlass.const_expr(config.BWD_APE_EARLY):
-                            # Candidate (config.CANDIDATES): the row's APE loads in flight
-                            # while the stage's copies are waited for.
-                            self.load_ape(gApe, apef, chunk)
+                        # The row's APE loads go out before the stage's wait, so their
+                        # latency hides behind it (config.py, "Adopted at v24"); held for
+                        # the whole walk instead they spill at d=512.
+                        self.load_ape(gApe, apef, chunk)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
