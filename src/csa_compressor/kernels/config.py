@@ -360,8 +360,25 @@ WHATIF_MATH = 0
 #   loads above), 3x8192/128 11.0 against 11.2-11.3, the rest within noise: nothing.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
-# carries its prediction (H200, µs, written before any measurement). None pending.
-CANDIDATES = ()
+# carries its prediction (H200, µs, written before any measurement).
+#
+# FWD_L2_AHEAD / BWD_L2_AHEAD: the short-window forward / backward asks L2 for the windows
+#   (and the backward for the grad_out vectors) of the rows this many rows past its
+#   cp.async stages (common.WindowSlots.prefetch_window: prefetch.global.L2, one 128-byte
+#   line a lane, a warp naming its share of the window; only where every warp is one
+#   row's 32 consecutive column chunks). With 2 stages only one row is in flight while a
+#   row computes (at most ~64 KB an SM at 3x8192/512); the prefetches keep DRAM requests of
+#   the next rows in flight without shared memory or registers to hold them, and the
+#   stage's copies then come from L2. A third walk (4 registers) finds their rows. Same
+#   values and op order: bitwise the same outputs.
+#   Prediction (before any measurement), forward at 1 or 2: 1x8192/512 13.3 -> 12-12.8
+#   (its 4 rows a thread are mostly pipeline fill), 3x8192/512 within -1.5 .. +0.5 (the
+#   forward competes for issue; ~10 instructions a row more), d=128 -0.2 .. -0.6;
+#   backward at 1 or 2: 3x8192/512 fwd+bwd 99.5 -> 94-97 (45% of its cycles issue nothing),
+#   1x8192/512 -1 .. -2, d=128 -0.5 .. -1.
+FWD_L2_AHEAD = 0
+BWD_L2_AHEAD = 0
+CANDIDATES = ("FWD_L2_AHEAD=1", "BWD_L2_AHEAD=1")
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
