@@ -468,67 +468,6 @@ class WindowSlots:
                 self.copy_vec(atom, bS + self.slot_offset(k), dS)
                 self.copy_vec(atom, bV + self.slot_offset(k), dV)
 
-    def prefetchable(self) -> bool:
-        """Every warp is 32 consecutive column chunks of one row, so a warp's share of a
-        window is one contiguous run a slot (prefetch_window)."""
-        return self.staged and self.lanes % 32 == 0 and self.cpr % self.lanes == 0
-
-    @cute.jit
-    def prefetch_row(self, gKV, gSc, gGrad, walk, row0, a, count, chunk, num_rows, num_tokens,
-                     num_seqs):
-        """Ask L2 for the window (and with ``gGrad`` the grad_out vectors) of the thread's
-        row ``a`` of ``count``, ``row_lanes`` apart from ``row0``, where that row lies in the
-        segment of ``walk`` (the issuing walk, a row or two behind): rows past a segment's
-        end are left to their stage, so there is no walk of its own (its 4 registers
-        spilled the d=512 forward under its bound)."""
-        row = row0 + a * self.row_lanes
-        s, _, r1, _ = walk
-        if (a < count) & (row < r1) & (row < num_rows) & (s < num_seqs):
-            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
-            if ok:
-                self.prefetch_window(gKV, gSc, t0, has_prev, chunk)
-                if cutlass.const_expr(gGrad is not None):
-                    self.prefetch_run(gGrad, row, chunk)
-
-    @cute.jit
-    def prefetch_window(self, gKV, gSc, t0, has_prev, chunk):
-        """Ask L2 for the warp's share of a window (non-empty slots, score and kv) without
-        waiting for it: lane ``l`` names 128-byte line ``l % lines`` of slot ``l // lines``'s
-        run. Rows staged later then copy from L2, and the DRAM requests of rows beyond the
-        stages are in flight without shared memory or registers to hold them."""
-        eb = self.dtype.width // 8
-        lines = max(1, 32 * self.vec * eb // 128)  # lines of one slot's run
-        line = 128 // eb
-        lane = cute.arch.lane_idx()
-        W = self.coff * self.d
-        first = t0
-        if cutlass.const_expr(self.coff == 2):
-            first = t0 - self.ratio
-        base = first * W + (chunk - lane) * self.vec
-        for j in cutlass.range_constexpr(-(-self.slots * lines // 32)):
-            idx = lane + 32 * j
-            k = idx // lines
-            off = base + k * W + (idx % lines) * line
-            valid = k < self.slots
-            if cutlass.const_expr(self.coff == 2):
-                own = k >= self.ratio
-                if own:
-                    off = off + self.d
-                valid = valid & (own | has_prev)
-            if valid:
-                cute.arch.prefetch((gSc.iterator + off).llvm_ptr, cache_level="L2")
-                cute.arch.prefetch((gKV.iterator + off).llvm_ptr, cache_level="L2")
-
-    @cute.jit
-    def prefetch_run(self, g, row, chunk):
-        """prefetch_window for one tensor row's vectors of the warp (grad_out)."""
-        eb = self.dtype.width // 8
-        lines = max(1, 32 * self.vec * eb // 128)
-        lane = cute.arch.lane_idx()
-        if lane < lines:
-            off = row * self.d + (chunk - lane) * self.vec + lane * (128 // eb)
-            cute.arch.prefetch((g.iterator + off).llvm_ptr, cache_level="L2")
-
     def coop_stageable(self) -> bool:
         """The window can be staged by warp-cooperative 16-byte copies (stage_window_warp):
         every warp is 32 column lanes of one row lane (so of one row), and every slot's

@@ -358,27 +358,26 @@ WHATIF_MATH = 0
 #   none (the forward's main path 24 moves a row shorter in sm_90a SASS). Predicted
 #   3x8192/512 forward -0.3 to -0.8; measured 32.1 against 31.4-31.8 (32.0 with the APE
 #   loads above), 3x8192/128 11.0 against 11.2-11.3, the rest within noise: nothing.
+# Measured and dropped at cfbd5d8 (H200 sweep, 2026-11-30, perf-notes v24; the GPU suite
+#   passed with both on, 230 passed, memcheck 0 errors): FWD_L2_AHEAD / BWD_L2_AHEAD, the
+#   short-window kernels asking L2 (prefetch.global.L2, one 128-byte line a lane, a warp
+#   naming its share of a window and grad_out) for the rows K past their cp.async stages,
+#   sm_90 only, held to their grid's CTAs (spill-free). Predicted 1x8192/512 forward 13.3
+#   -> 12-12.8, 3x8192/512 fwd+bwd 99.5 -> 94-97. Fwd / fwd+bwd µs, off (two runs) / K=1
+#   (two runs) / K=2 / K=4: 3x8192/512 31.0-31.5 / 98.5-98.6 -> 34.4-34.5 / 102.2-102.5
+#   -> 36.8 / 114.3 -> 44.4 / 125.2; 1x8192/512 13.1-13.2 / 37.0-37.1 -> 14.6-15.2 /
+#   39.6-39.9 -> 16.3 / 41.0; 3x8192/128 10.9-11.0 / 28.0-28.2 -> 12.8-12.9 / 30.0;
+#   1x8192/128 5.2-5.5 / 14.6-15.0 -> 5.7 / 15.4-15.5 -> 5.7-5.8 / 17.5-17.8 -> 5.8 /
+#   17.7; 2048x64 44.7-45.1 / 130.9-131.7 -> 48.3-48.8 / 135.8-136.2 -> 50.4 / 140.3-140.5
+#   -> 52.7 / 143.1. Slower everywhere, more so the further
+#   ahead: asking DRAM earlier for rows the stages then copy does not add useful bytes in
+#   flight here (not profiled; the prefetches' line requests share the LSU path with
+#   the copies, and further ahead the prefetched lines outlive their L2 residency).
+#   The code is cfbd5d8's (common.WindowSlots.prefetch_window).
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
-# carries its prediction (H200, µs, written before any measurement).
-#
-# FWD_L2_AHEAD / BWD_L2_AHEAD: the short-window forward / backward asks L2 for the windows
-#   (and the backward for the grad_out vectors) of the rows this many rows past its
-#   cp.async stages (common.WindowSlots.prefetch_window: prefetch.global.L2, one 128-byte
-#   line a lane, a warp naming its share of the window; only where every warp is one
-#   row's 32 consecutive column chunks). With 2 stages only one row is in flight while a
-#   row computes (at most ~64 KB an SM at 3x8192/512); the prefetches keep DRAM requests of
-#   the next rows in flight without shared memory or registers to hold them, and the
-#   stage's copies then come from L2. A third walk (4 registers) finds their rows. Same
-#   values and op order: bitwise the same outputs.
-#   Prediction (before any measurement), forward at 1 or 2: 1x8192/512 13.3 -> 12-12.8
-#   (its 4 rows a thread are mostly pipeline fill), 3x8192/512 within -1.5 .. +0.5 (the
-#   forward competes for issue; ~10 instructions a row more), d=128 -0.2 .. -0.6;
-#   backward at 1 or 2: 3x8192/512 fwd+bwd 99.5 -> 94-97 (45% of its cycles issue nothing),
-#   1x8192/512 -1 .. -2, d=128 -0.5 .. -1.
-FWD_L2_AHEAD = 0
-BWD_L2_AHEAD = 0
-CANDIDATES = ("FWD_L2_AHEAD=1", "BWD_L2_AHEAD=1")
+# carries its prediction (H200, µs, written before any measurement). None pending.
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

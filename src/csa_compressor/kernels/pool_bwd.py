@@ -94,13 +94,6 @@ class PoolBackward(WindowSlots):
             self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
         else:
             self.hold_to(self.target_ctas_per_sm if self.coop else 0)
-        # Rows beyond the stages asked of L2 ahead (candidate, config.py); sm_90 only, as
-        # the cooperative copies. Held to its grid's CTAs: the prefetches' addresses took
-        # the d=128 backward from 78 registers to 82, 2 CTAs an SM instead of 3.
-        self.l2_ahead = (config.BWD_L2_AHEAD if self.prefetchable() and arch_major == 9
-                         else 0)
-        if self.l2_ahead and not self.min_ctas:
-            self.hold_to(self.target_ctas_per_sm)
 
     def large_pack_ctas(self, default_ctas: int) -> int:
         """CTAs an SM of the large-pack variant, 0 where there is none. The variant trades
@@ -226,10 +219,6 @@ class PoolBackward(WindowSlots):
                                               num_seqs)
 
                     walk_in = self.prime_stages(issue, walk, row0, mine)
-                    # Rows between the stages and the loop's first prefetch (row P - 1 + K).
-                    for q in cutlass.range_constexpr(1, self.l2_ahead):
-                        self.prefetch_row(gKV, gSc, gGrad, walk_in, row0, P - 1 + q, mine, chunk,
-                                          num_rows, num_tokens, num_seqs)
                 apef = None  # unstaged: APE loaded by load_slots
                 if cutlass.const_expr(self.staged):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
@@ -240,10 +229,6 @@ class PoolBackward(WindowSlots):
                         # latency hides behind it (config.py, "Adopted at v24"); held for
                         # the whole walk instead they spill at d=512.
                         self.load_ape(gApe, apef, chunk)
-                        if cutlass.const_expr(self.l2_ahead):
-                            self.prefetch_row(gKV, gSc, gGrad, walk_in, row0,
-                                              i + self.stages - 1 + self.l2_ahead, mine, chunk,
-                                              num_rows, num_tokens, num_seqs)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,

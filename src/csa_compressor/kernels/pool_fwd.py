@@ -64,16 +64,6 @@ class PoolForward(WindowSlots):
         # Warp-cooperative 16-byte staging copies where every warp holds one row
         # (common.stage_window_warp; measured in config.py, "Adopted at v17").
         self.coop = self.coop_stageable()
-        # Rows beyond the stages whose windows are asked of L2 ahead (candidate, config.py).
-        # Not on sm_100, where ptxas spilled it under the forwards' bounds (d=128: 40 B).
-        self.l2_ahead = (config.FWD_L2_AHEAD if self.prefetchable() and arch_major == 9
-                         else 0)
-        if self.l2_ahead and not self.min_ctas and self.slots * self.vec <= 32:
-            # The prefetches' addresses took the d=512 forward from 128 registers to 135 (3
-            # CTAs an SM instead of 4): held to the CTAs its grid is sized for. Not larger
-            # windows, which run at fewer CTAs than that anyway (bf16 ratio 8 coff 2 d=512
-            # spilled 320 B held to 3).
-            self.hold_to(self.target_ctas_per_sm)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -154,17 +144,8 @@ class PoolForward(WindowSlots):
                                           chunk, num_rows, num_tokens, num_seqs)
 
                 walk_in = self.prime_stages(issue, walk, row0, rows_per_thread)
-                if cutlass.const_expr(self.l2_ahead):
-                    # Rows between the stages and the loop's first prefetch (row P - 1 + K).
-                    for q in cutlass.range_constexpr(1, self.l2_ahead):
-                        self.prefetch_row(gKV, gSc, None, walk_in, row0, P - 1 + q,
-                                          rows_per_thread, chunk, num_rows, num_tokens, num_seqs)
             for i in cutlass.range(rows_per_thread):
                 if cutlass.const_expr(self.staged):
-                    if cutlass.const_expr(self.l2_ahead):
-                        self.prefetch_row(gKV, gSc, None, walk_in, row0,
-                                          i + P - 1 + self.l2_ahead, rows_per_thread, chunk,
-                                          num_rows, num_tokens, num_seqs)
                     walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
