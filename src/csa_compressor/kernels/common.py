@@ -536,11 +536,39 @@ class WindowSlots:
                           cute.make_tensor(sV.iterator + sm, vl))
 
     @cute.jit
-    def prime_stages(self, issue, walk, row0, count):
+    def stage_guess(self, stage_row, row0, count, num_rows, num_tokens):
+        """Candidate GUESS_FIRST_WINDOW: stage 0 (the thread's first row, ``row0``) copied
+        by ``stage_row(row, t0, has_prev, stage)`` at the window the row has where every
+        segment before it is whole blocks from token 0 (first token ``row0 * ratio``), before
+        the row walk has loaded any offset, so the copies' latency overlaps the walk's
+        dependent loads. The previous block's slots are copied wherever they exist, so only
+        the first token needs checking (fix_guess). Returns (guessed first token, copied)."""
+        t0g = row0 * self.ratio
+        has_prev_g = t0g >= self.ratio
+        okg = (count > 0) & (row0 < num_rows) & in_bounds(t0g, has_prev_g, num_tokens,
+                                                          self.ratio, self.coff)
+        if okg:
+            stage_row(row0, t0g, has_prev_g, Int32(0))
+        cute.arch.cp_async_commit_group()
+        return t0g, okg
+
+    @cute.jit
+    def fix_guess(self, stage_row, go, t0, has_prev, t0g, okg, row0):
+        """After the walk: where row ``row0`` is computed (``go``) at a first token ``t0``
+        other than the guess (or the guess copied nothing), wait for the guessed copies
+        (the new ones write the same shared memory) and copy the true window."""
+        if go & ((~okg) | (t0 != t0g)):
+            cute.arch.cp_async_wait_group(0)
+            stage_row(row0, t0, has_prev, Int32(0))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def prime_stages(self, issue, walk, row0, count, first: int = 0):
         """Start the staged row pipeline: ``issue(walk, row, stage)`` (a kernel's issue_row,
         returning the issuing walk) for the thread's first ``stages - 1`` rows of ``count``
-        (``row_lanes`` apart from ``row0``), one commit group a stage."""
-        for p in cutlass.range_constexpr(self.stages - 1):
+        (``row_lanes`` apart from ``row0``), one commit group a stage; from stage ``first``
+        where the stages before were issued otherwise (stage_guess)."""
+        for p in cutlass.range_constexpr(first, self.stages - 1):
             if p < count:
                 walk = issue(walk, row0 + p * self.row_lanes, p)
             cute.arch.cp_async_commit_group()

@@ -376,8 +376,21 @@ WHATIF_MATH = 0
 #   The code is cfbd5d8's (common.WindowSlots.prefetch_window).
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
-# carries its prediction (H200, µs, written before any measurement). None pending.
-CANDIDATES = ()
+# carries its prediction (H200, µs, written before any measurement).
+#
+# GUESS_FIRST_WINDOW: the short-window forward and backward copy their first row's window
+#   (stage 0) before the row walk, at the window the row has where every segment before it
+#   is whole blocks from token 0 (first token row * ratio: every row of 1x8192 and 3x8192,
+#   the first segment of any pack), then check it against the walk and copy again where it
+#   differs (common.WindowSlots.stage_guess / fix_guess). A one-row-a-thread kernel's
+#   serial path (v16: the small-shape fixed cost) is then the walk's dependent offset
+#   loads (2 rounds) overlapped with the window's copies instead of followed by them.
+#   Same values: bitwise the same results. Prediction (before any measurement), fwd /
+#   fwd+bwd µs: 1x8192/128 5.3-5.5 / 14.6-15.0 -> 4.7-5.1 / 13.6-14.4, 1x8192/512 -0.2 ..
+#   -0.6 / -0.4 .. -1.2, 3x8192 shapes within -0.3 (more rows a thread), the ragged pack
+#   (segments not whole blocks: most CTAs past the first segment copy twice) within +-0.5.
+GUESS_FIRST_WINDOW = 0
+CANDIDATES = ("GUESS_FIRST_WINDOW=1",)
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -85,6 +85,9 @@ class PoolBackward(WindowSlots):
         # on sm_100, where the d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
+        # Candidate; only with the cooperative copies: the d=128 default backward (78
+        # registers, 3 CTAs an SM) took 88 with it, and spilled 8 B held to 3.
+        self.guess_first = bool(config.GUESS_FIRST_WINDOW) and self.coop
         self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
@@ -155,10 +158,16 @@ class PoolBackward(WindowSlots):
         walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
         t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
         if (row < num_rows) & self.real(walk, num_seqs) & ok:
-            self.copy_vec(atom[0], gGrad[(None, (row, chunk))].iterator,
-                          sG[(None, thr, stage)].iterator)
-            self.stage_window(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr, chunk)
+            self.stage_row(gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev, stage, thr,
+                           chunk)
         return walk
+
+    @cute.jit
+    def stage_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev, stage, thr, chunk):
+        """The cp.async copies of row ``row``'s grad_out vector and window (first token t0)."""
+        self.copy_vec(atom[0], gGrad[(None, (row, chunk))].iterator,
+                      sG[(None, thr, stage)].iterator)
+        self.stage_window(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr, chunk)
 
     @cute.jit
     def real(self, walk, num_seqs):
@@ -202,7 +211,8 @@ class PoolBackward(WindowSlots):
             if bx < num_row_ctas:
                 sf, vf, gv, dacc = self.backward_registers()
                 row0 = bx * rows_per_cta + ty
-                walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
+                if cutlass.const_expr(not self.guess_first):
+                    walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
                 smem = cutlass.memory.SmemAllocator()
                 # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
                 mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
@@ -212,13 +222,27 @@ class PoolBackward(WindowSlots):
                     sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
                     atom = (self.copy_atom(), self.window_atom())  # (grad_out, window)
                     thr = ty * self.lanes + tid
+                if cutlass.const_expr(self.guess_first):
+                    def stage_row(row, t0, has_prev, stage):
+                        self.stage_row(gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev,
+                                       stage, thr, chunk)
 
+                    t0g, okg = self.stage_guess(stage_row, row0, mine, num_rows, num_tokens)
+                    walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
+                if cutlass.const_expr(self.staged):
                     def issue(w, row, stage):
                         return self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, w,
                                               row, stage, thr, chunk, num_rows, num_tokens,
                                               num_seqs)
 
-                    walk_in = self.prime_stages(issue, walk, row0, mine)
+                    if cutlass.const_expr(self.guess_first):
+                        t1, prev1, ok1 = walk_window(walk, row0, num_seqs, num_tokens, ratio,
+                                                     self.coff)
+                        go = (row0 < num_rows) & self.real(walk, num_seqs) & ok1
+                        self.fix_guess(stage_row, go, t1, prev1, t0g, okg, row0)
+                        walk_in = self.prime_stages(issue, walk, row0, mine, 1)
+                    else:
+                        walk_in = self.prime_stages(issue, walk, row0, mine)
                 apef = None  # unstaged: APE loaded by load_slots
                 if cutlass.const_expr(self.staged):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
