@@ -84,7 +84,5 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "coop": bool(getattr(kernel, "coop", False)),
                   "target_ctas": getattr(kernel, "target_ctas_per_sm", 0),
                   "threads": getattr(kernel, "threads", 0),
-                  "stages": getattr(kernel, "stages", 0) if getattr(kernel, "staged", False) else 0,
-                  "guess_first": bool(getattr(kernel, "guess_first", False)),
                   "smem_asked": getattr(kernel, "smem_bytes", 0),
                   "smem_used": max(smem_ends.values(), default=0)}))

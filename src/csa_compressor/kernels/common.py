@@ -537,7 +537,7 @@ class WindowSlots:
 
     @cute.jit
     def stage_guess(self, stage_row, row0, count, num_rows, num_tokens):
-        """Candidate GUESS_FIRST_WINDOW: stage 0 (the thread's first row, ``row0``) copied
+        """Stage 0 (the thread's first row, ``row0``) copied
         by ``stage_row(row, t0, has_prev, stage)`` at the window the row has where every
         segment before it is whole blocks from token 0 (first token ``row0 * ratio``), before
         the row walk has loaded any offset, so the copies' latency overlaps the walk's

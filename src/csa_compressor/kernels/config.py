@@ -374,23 +374,33 @@ WHATIF_MATH = 0
 #   flight here (not profiled; the prefetches' line requests share the LSU path with
 #   the copies, and further ahead the prefetched lines outlive their L2 residency).
 #   The code is cfbd5d8's (common.WindowSlots.prefetch_window).
+# Adopted at v24 for the backward, dropped for the forward (H200 sweep at 04a0978,
+#   2026-11-30, perf-notes v24; the GPU suite passed with it on, 230 passed, memcheck 0
+#   errors): the first row's window copied before the row walk at the window the row has
+#   where every segment before it is whole blocks from token 0 (first token row * ratio:
+#   every row of 1x8192 and 3x8192, the first segment of any pack), checked after the walk
+#   and copied again where it differs (common.WindowSlots.stage_guess / fix_guess; was the
+#   flag GUESS_FIRST_WINDOW), so the copies' latency overlaps the walk's dependent offset
+#   loads. Same values: bitwise the same results. In the backward only with the
+#   cooperative copies (d=512, the d=128 large-pack variant): the d=128 default backward
+#   took 88 registers with it (2 CTAs an SM) and spilled 8 B held to 3.
+#   Predicted fwd / fwd+bwd µs: 1x8192/128 5.3-5.5 / 14.6-15.0 -> 4.7-5.1 / 13.6-14.4,
+#   1x8192/512 -0.2 .. -0.6 / -0.4 .. -1.2, 3x8192 within -0.3, ragged within +-0.5.
+#   Measured, two runs each, off -> on: 1x8192/512 13.1 / 37.1-37.2 -> 12.8-13.1 /
+#   36.0-36.1; 3x8192/128 10.8-11.3 / 28.1 -> 11.5-11.6 / 27.0; 3x8192/512 31.7-32.0 /
+#   98.9-99.1 -> 31.2-31.6 / 98.7-98.8; 1x8192/128 5.6 / 15.0 -> 6.2 / 15.8; 2048x64
+#   45.2-45.3 / 131.4-132.0 -> 46.5-46.7 / 131.4-131.7; ragged 5.2-5.3 / 12.6-12.7 ->
+#   5.3-5.4 / 12.6; one-row pack 1x4 3.0-3.3 / 7.7-8.0 -> 3.1 / 7.9. So the cooperative
+#   backwards gained (fwd+bwd minus fwd: 1x8192/512 -0.8 .. -1.1, 3x8192/128 -1.3 ..
+#   -1.9), the d=128 forward lost 0.3-1.3 at every pack where it ran (not profiled; its
+#   guess is right at 1x8192/128 and 2048x64, so there is no second copy, and a guess at
+#   the cause: its walk and APE loads queue behind the window's copies, under a
+#   64-register bound), and the d=512 forward
+#   moved within noise. Adopted where it gained: the cooperative backwards.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
-# carries its prediction (H200, µs, written before any measurement).
-#
-# GUESS_FIRST_WINDOW: the short-window forward and backward copy their first row's window
-#   (stage 0) before the row walk, at the window the row has where every segment before it
-#   is whole blocks from token 0 (first token row * ratio: every row of 1x8192 and 3x8192,
-#   the first segment of any pack), then check it against the walk and copy again where it
-#   differs (common.WindowSlots.stage_guess / fix_guess). A one-row-a-thread kernel's
-#   serial path (v16: the small-shape fixed cost) is then the walk's dependent offset
-#   loads (2 rounds) overlapped with the window's copies instead of followed by them.
-#   Same values: bitwise the same results. Prediction (before any measurement), fwd /
-#   fwd+bwd µs: 1x8192/128 5.3-5.5 / 14.6-15.0 -> 4.7-5.1 / 13.6-14.4, 1x8192/512 -0.2 ..
-#   -0.6 / -0.4 .. -1.2, 3x8192 shapes within -0.3 (more rows a thread), the ragged pack
-#   (segments not whole blocks: most CTAs past the first segment copy twice) within +-0.5.
-GUESS_FIRST_WINDOW = 0
-CANDIDATES = ("GUESS_FIRST_WINDOW=1",)
+# carries its prediction (H200, µs, written before any measurement). None pending.
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -85,9 +85,12 @@ class PoolBackward(WindowSlots):
         # on sm_100, where the d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # Candidate; only with the cooperative copies: the d=128 default backward (78
-        # registers, 3 CTAs an SM) took 88 with it, and spilled 8 B held to 3.
-        self.guess_first = bool(config.GUESS_FIRST_WINDOW) and self.coop
+        # The first row's window copied at a guess before the row walk (stage_guess;
+        # config.py, "Adopted at v24"): with the cooperative copies only, and where row
+        # lanes are stacked only at 3 CTAs an SM or fewer. The d=128 default backward took
+        # 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B held
+        # to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1).
+        self.guess_first = self.coop and (self.row_lanes == 1 or self.target_ctas_per_sm <= 3)
         self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative

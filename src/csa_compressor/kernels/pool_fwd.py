@@ -64,7 +64,6 @@ class PoolForward(WindowSlots):
         # Warp-cooperative 16-byte staging copies where every warp holds one row
         # (common.stage_window_warp; measured in config.py, "Adopted at v17").
         self.coop = self.coop_stageable()
-        self.guess_first = bool(config.GUESS_FIRST_WINDOW) and self.staged  # candidate
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
@@ -132,18 +131,11 @@ class PoolForward(WindowSlots):
         res = cute.make_rmem_tensor((vec,), self.dtype)
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
+            walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
                 atom = self.window_atom()
-            if cutlass.const_expr(self.guess_first):
-                def stage_row(row, t0, has_prev, stage):
-                    self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
-
-                t0g, okg = self.stage_guess(stage_row, row0, rows_per_thread, num_rows,
-                                            num_tokens)
-            walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
-            if cutlass.const_expr(self.staged):
                 apef = cute.make_rmem_tensor((CH, vec), Float32)
                 self.load_ape(gApe, apef, chunk)
 
@@ -151,13 +143,7 @@ class PoolForward(WindowSlots):
                     return self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, w, row, stage, thr,
                                           chunk, num_rows, num_tokens, num_seqs)
 
-                if cutlass.const_expr(self.guess_first):
-                    t1, prev1, ok1 = walk_window(walk, row0, num_seqs, num_tokens, self.ratio,
-                                                 self.coff)
-                    self.fix_guess(stage_row, (row0 < num_rows) & ok1, t1, prev1, t0g, okg, row0)
-                    walk_in = self.prime_stages(issue, walk, row0, rows_per_thread, 1)
-                else:
-                    walk_in = self.prime_stages(issue, walk, row0, rows_per_thread)
+                walk_in = self.prime_stages(issue, walk, row0, rows_per_thread)
             for i in cutlass.range(rows_per_thread):
                 if cutlass.const_expr(self.staged):
                     walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
