@@ -100,6 +100,39 @@ def test_large_pack_variant_only_where_it_measured_faster(ratio, coff, d, has):
         assert fewer == (2 if (ratio, coff) in ((2, 2), (4, 1)) else 1)
 
 
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 2), (6, 1), (5, 1), (3, 1), (2, 2),
+                                        (1, 1), (8, 2)])
+def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, coff):
+    """The large-pack variants that copy their first row at a guess (sm_90, 3 CTAs an SM or
+    fewer: ratio 4 and 3 coff 2, ratio 6 coff 1) are taken from BWD_LARGE_GUESS_PACK_ROWS
+    rows, where the H200 sweep at 89d073b measured them faster; the others from
+    BWD_LARGE_PACK_ROWS. The default d=512 backward guesses too; the stacked default and
+    sm_100 do not."""
+    small = PoolBackward(cutlass.BFloat16, ratio, coff, 128)
+    guesses = (ratio, coff) in ((4, 2), (3, 2), (6, 1))
+    assert small.large_guesses == guesses and not small.guess_first
+    if small.has_large_variant:
+        assert PoolBackward(cutlass.BFloat16, ratio, coff, 128, large=True).guess_first == guesses
+    assert PoolBackward(cutlass.BFloat16, ratio, coff, 512).guess_first
+    assert not PoolBackward(cutlass.BFloat16, ratio, coff, 512, arch_major=10).guess_first
+
+    picked = []
+
+    def get_kernel(which, *args):
+        picked.append(which)
+        return small, None
+
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    dev = torch.device("cuda", 0)
+    for rows in (config.BWD_LARGE_GUESS_PACK_ROWS - 1, config.BWD_LARGE_GUESS_PACK_ROWS,
+                 config.BWD_LARGE_PACK_ROWS):
+        picked.clear()
+        launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
+        want = small.has_large_variant and rows >= (config.BWD_LARGE_GUESS_PACK_ROWS if guesses
+                                                    else config.BWD_LARGE_PACK_ROWS)
+        assert picked == (["bwd", "bwd_large"] if want else ["bwd"]), rows
+
+
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
     # The measured grids (config.py): d=512 (8-byte vectors) 4 CTAs per SM (ncu:

@@ -269,7 +269,15 @@ BWD_TARGET_CTAS_PER_SM = 6
 # with the copies at 4 or 5 CTAs an SM (2048x64 137.4-139.5, but ragged 13.7-14.1 against
 # 12.5-12.7 and 3x8192/128 no better), and 128-thread CTAs without them (slower everywhere
 # at d=128).
+# BWD_LARGE_GUESS_PACK_ROWS: the threshold for the large-pack variants that copy their
+# first row at a guess (pool_bwd: held to 3 CTAs an SM or fewer; config.py "Adopted at
+# v24"), which made them faster. H200 sweep at 89d073b (2026-11-30, perf-notes v24,
+# fwd+bwd µs, threshold 4,096 / 2,048, twice each): 1x8192/128 ratio 4 coff 2 (2,048 rows)
+# 14.6-15.0 / 14.2-14.3, ratio 3 coff 2 (2,730 rows) 16.2-16.3 / 14.7-14.8, 1x12288/128
+# (3,072 rows) 18.0-18.2 / 17.2-17.3. Below 2,048 rows not measured; the third variant the
+# rule covers (ratio 6 coff 1, 4 -> 3 CTAs) not measured at either threshold.
 BWD_LARGE_PACK_ROWS = 4096
+BWD_LARGE_GUESS_PACK_ROWS = 2048
 BWD_LARGE_MAX_DEFAULT_CTAS = 6
 # The most window slots (ratio * coff) a large-pack backward compiles spill-free at this
 # many CTAs an SM (256 threads; ptxas sm_90a at 3f2540c, bf16 d=128 and d=64): at 5, 48

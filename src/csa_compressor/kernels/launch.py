@@ -74,10 +74,15 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
-    """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant from
-    config.BWD_LARGE_PACK_ROWS rows where the kernel has one (pool_bwd ``large``)."""
+    """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant where
+    the kernel has one (pool_bwd ``large``), from config.BWD_LARGE_PACK_ROWS rows, or from
+    BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess. Both
+    read at launch (tests force the variant with BWD_LARGE_PACK_ROWS = 0)."""
     kernel, fn = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
-    if kernel.has_large_variant and total_comp >= config.BWD_LARGE_PACK_ROWS:
+    rows = config.BWD_LARGE_PACK_ROWS
+    if kernel.large_guesses:
+        rows = min(rows, config.BWD_LARGE_GUESS_PACK_ROWS)
+    if kernel.has_large_variant and total_comp >= rows:
         kernel, fn = get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
     return kernel, fn
 
