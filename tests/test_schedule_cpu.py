@@ -102,12 +102,16 @@ def test_large_pack_variant_only_where_it_measured_faster(ratio, coff, d, has):
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 2), (6, 1), (5, 1), (3, 1), (2, 2),
                                         (1, 1), (8, 2)])
-def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, coff):
+@pytest.mark.parametrize("guess_rows", [None, 2048])
+def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, coff, guess_rows):
     """The large-pack variants that copy their first row at a guess (sm_90, 3 CTAs an SM or
-    fewer: ratio 4 and 3 coff 2, ratio 6 coff 1) are taken from BWD_LARGE_GUESS_PACK_ROWS
-    rows, where the H200 sweep at 89d073b measured them faster; the others from
-    BWD_LARGE_PACK_ROWS. The default d=512 backward guesses too; the stacked default and
-    sm_100 do not."""
+    fewer: ratio 4 and 3 coff 2, ratio 6 coff 1) are taken from the smaller of
+    BWD_LARGE_PACK_ROWS and BWD_LARGE_GUESS_PACK_ROWS rows (as shipped, and at the
+    candidate's 2,048), the others from BWD_LARGE_PACK_ROWS. The default d=512 backward
+    guesses too; the stacked default and sm_100 do not. The long backward (ratio 128) has
+    neither and still picks (its missing attribute failed the bench at f9c11e4)."""
+    if guess_rows is not None:
+        monkeypatch.setattr(config, "BWD_LARGE_GUESS_PACK_ROWS", guess_rows)
     small = PoolBackward(cutlass.BFloat16, ratio, coff, 128)
     guesses = (ratio, coff) in ((4, 2), (3, 2), (6, 1))
     assert small.large_guesses == guesses and not small.guess_first
@@ -117,20 +121,26 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
     assert not PoolBackward(cutlass.BFloat16, ratio, coff, 512, arch_major=10).guess_first
 
     picked = []
+    kernel = small
 
     def get_kernel(which, *args):
         picked.append(which)
-        return small, None
+        return kernel, None
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
     dev = torch.device("cuda", 0)
-    for rows in (config.BWD_LARGE_GUESS_PACK_ROWS - 1, config.BWD_LARGE_GUESS_PACK_ROWS,
-                 config.BWD_LARGE_PACK_ROWS):
+    threshold = config.BWD_LARGE_PACK_ROWS
+    if guesses:
+        threshold = min(threshold, config.BWD_LARGE_GUESS_PACK_ROWS)
+    for rows in (threshold - 1, threshold, config.BWD_LARGE_PACK_ROWS):
         picked.clear()
         launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
-        want = small.has_large_variant and rows >= (config.BWD_LARGE_GUESS_PACK_ROWS if guesses
-                                                    else config.BWD_LARGE_PACK_ROWS)
+        want = small.has_large_variant and rows >= threshold
         assert picked == (["bwd", "bwd_large"] if want else ["bwd"]), rows
+    kernel = LongPoolBackward(cutlass.BFloat16, 128, 1, 128)
+    picked.clear()
+    assert launch.backward_kernel(dev, torch.bfloat16, 128, 1, 128, 1 << 20)[0] is kernel
+    assert picked == ["bwd"]
 
 
 @pytest.mark.parametrize("d", [128, 512])

@@ -30,6 +30,7 @@ from .common import (WindowSlots, advance_segment, mul_rn, smem_footprint, softm
 class PoolBackward(WindowSlots):
     interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
     has_large_variant = False  # see __init__
+    large_guesses = False  # see __init__ (pool_long.LongPoolBackward keeps both False)
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
     # previous kernel's tail (-0.3 to -0.6 us a step at d=128, docs/perf-notes.md v15).
