@@ -537,12 +537,14 @@ class WindowSlots:
 
     @cute.jit
     def stage_guess(self, stage_row, row0, count, num_rows, num_tokens):
-        """Stage 0 (the thread's first row, ``row0``) copied
-        by ``stage_row(row, t0, has_prev, stage)`` at the window the row has where every
-        segment before it is whole blocks from token 0 (first token ``row0 * ratio``), before
-        the row walk has loaded any offset, so the copies' latency overlaps the walk's
-        dependent loads. The previous block's slots are copied wherever they exist, so only
-        the first token needs checking (fix_guess). Returns (guessed first token, copied)."""
+        """Stage 0 (the thread's first row, ``row0``) copied by ``stage_row(row, t0,
+        has_prev, stage)`` at the window the row has where every segment before it is whole
+        blocks from token 0 (first token ``row0 * ratio``), before the row walk has loaded
+        any offset, so the copies' latency overlaps the walk's dependent loads. The previous
+        block's slots are copied wherever they exist, so only the first token needs
+        checking (fix_guess). Every thread that calls it has a row (count > 0 in the
+        kernels that use it), so its copies are waited for in the row loop. Returns
+        (guessed first token, copied)."""
         t0g = row0 * self.ratio
         has_prev_g = t0g >= self.ratio
         okg = (count > 0) & (row0 < num_rows) & in_bounds(t0g, has_prev_g, num_tokens,

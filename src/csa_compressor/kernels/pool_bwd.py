@@ -93,9 +93,9 @@ class PoolBackward(WindowSlots):
         # to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1).
         self.guess_first = self.coop and (self.row_lanes == 1 or self.target_ctas_per_sm <= 3)
         self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
-        # The large-pack variant copies its first row at a guess (held to 3 CTAs an SM or
-        # fewer, guess_first below), which made it pay from fewer rows
-        # (config.BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
+        # The large-pack variant copies its first row at a guess (where it is held to 3 CTAs
+        # an SM or fewer, as guess_first above decides for it), which may make it pay from
+        # fewer rows (config.BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
         self.large_guesses = self.has_large_variant and large_ctas <= 3
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
