@@ -417,7 +417,21 @@ WHATIF_MATH = 0
 #   run through the suite and bench). Prediction: 1x8192/128 fwd+bwd -0.4 to -0.8 µs
 #   against the same call's 4,096, ratio 3 coff 2 at 1x8192/128 -1 to -1.5, every pack of
 #   4,096 rows or more and the ragged pack (915 rows) unchanged.
-CANDIDATES = ("BWD_LARGE_GUESS_PACK_ROWS=2048",)
+# FWD_BULK_RING / FWD_RING_STAGES: the short-window forward staged by bulk copies into a
+#   ring of FWD_RING_STAGES rows a row lane (pool_fwd_ring.py): each row lane's first warp
+#   copies a row's window (one cp.async.bulk a slot and tensor) behind an mbarrier, the
+#   threads wait on it, read their vectors back and release the stage on a second one.
+#   The computing threads issue no copies (at d=512, 8 16-byte cp.async a row and thread
+#   today, inside a forward whose warps compete for issue: ncu at 4616ab2), and the bytes
+#   in flight no longer follow each thread's own two stages. Same values and op order:
+#   bitwise the same outputs. Written after the session's device time was spent: compiled
+#   for sm_90a and sm_100a only, never run. Prediction (before any measurement), forward
+#   µs: 3x8192/512 31.1 -> 28.5-30.5, 1x8192/512 13.1 -> 11.5-12.8, d=128 shapes within
+#   +-0.5 (their bound holds 64 registers; the mbarrier waits add instructions). Time it
+#   with WHATIF_MATH=2 as well: that is the design's ceiling (v23: 28.3 at 3x8192/512).
+FWD_BULK_RING = 0
+FWD_RING_STAGES = 3
+CANDIDATES = ("BWD_LARGE_GUESS_PACK_ROWS=2048", "FWD_BULK_RING=1")
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
