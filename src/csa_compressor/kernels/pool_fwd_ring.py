@@ -23,6 +23,15 @@ from .common import start_walk, walk_rows, walk_window
 from .pool_fwd import PoolForward
 
 
+def ring_slot(step, stages: int):
+    """(stage, phase parity) of a row lane's row ``step`` (0, 1, ...) in a ring of
+    ``stages``: rows take the stages in turn, and the stage's mbarriers complete one phase
+    a use, so use ``step // stages`` is the phase to wait for. Plain arithmetic, so the
+    kernel (on DSL integers) and tests/test_ring_protocol_cpu.py (which replays the
+    protocol) share it."""
+    return step % stages, (step // stages) % 2
+
+
 def ring_applies(kernel: PoolForward) -> bool:
     """Where a row lane's run of a slot is one legal bulk copy (16-byte aligned, a multiple
     of 16 bytes), every thread holds a column chunk (the mbarriers count them all), each
@@ -141,15 +150,16 @@ class PoolForwardRing(PoolForward):
         for i in cutlass.range(rows_per_thread):
             ahead = i + (P - 1)
             if issuer & (ahead < rows_per_thread):
-                sa = ahead % P
+                sa, _ = ring_slot(ahead, P)
                 if i >= 1:
                     # Row i - 1 (the stage's last use) read back by the whole row lane.
-                    cute.arch.mbarrier_wait(empty0 + sa, ((i - 1) // P) % 2)
+                    _, last = ring_slot(i - 1, P)
+                    cute.arch.mbarrier_wait(empty0 + sa, last)
                 walk_in = self.issue_bulk(gKV, gSc, sS, sV, atom, full0 + sa, mCu, mCuc,
                                           walk_in, row0 + ahead * self.row_lanes, sa, ty, tid,
                                           by, num_rows, num_tokens, num_seqs)
-            stage = i % P
-            cute.arch.mbarrier_wait(full0 + stage, (i // P) % 2)
+            stage, phase = ring_slot(i, P)
+            cute.arch.mbarrier_wait(full0 + stage, phase)
             row = row0 + i * self.row_lanes
             walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
             if row < num_rows:
