@@ -1,12 +1,12 @@
 """Small ragged packs through every kernel family, for compute-sanitizer (memcheck):
-short-window fwd/bwd (ratio 4 coff 2, ratio 3 coff 1, odd head_dim in all three dtypes,
-where buffer sizes are not multiples of their alignment), long-window fwd/bwd
-(ratio 128), capacity padding rows, N below the true count, T < ratio; then offsets a
-caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in bounds
-counts; all of it twice, the second time with the backward's large-pack variant forced
-(config.BWD_LARGE_PACK_ROWS = 0) and every grid sized for a 4-SM GPU (CTAs walk many rows,
-across segments). CSA_CONFIG="K=V,..." runs it with kernels/config.py constants
-overridden."""
+short-window fwd/bwd (ratio 4 coff 2 at d=128 and 512, ratio 3 coff 1, odd head_dim in
+all three dtypes, where buffer sizes are not multiples of their alignment), long-window
+fwd/bwd (ratio 128), capacity padding rows, N below the true count, T < ratio; then
+offsets a caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in
+bounds counts (d=64, and d=512 at ratio 4 coff 2); all of it twice, the second time with
+the backward's large-pack variant forced (config.BWD_LARGE_PACK_ROWS = 0) and every grid
+sized for a 4-SM GPU (CTAs walk many rows, across segments). CSA_CONFIG="K=V,..." runs it
+with kernels/config.py constants overridden."""
 
 import os
 import sys
@@ -39,6 +39,7 @@ for large_from, sms in ((config.BWD_LARGE_PACK_ROWS, None), (0, 4)):
                                ("37+0+3+64+129+1:65:5:2", 1, fp16), ("300+0+127+259:64:128:1", 2, bf16),
                                ("300+5+260:64:128:2", 1, bf16), ("2:64:4:2", 2, bf16),
                                ("8192+3000+0+127+1100:512:128:1", 3, bf16),
+                               ("37+0+3+64+129+1:512:4:2", 2, bf16),
                                ("64+64:128:4:2", -9, bf16)):
         s = parse_shape(spec)
         kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))
@@ -49,18 +50,18 @@ for large_from, sms in ((config.BWD_LARGE_PACK_ROWS, None), (0, 4)):
         torch.cuda.synchronize()
         print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
 
-    for ratio, coff in ((4, 2), (1, 1), (128, 1)):
-        W = coff * 64
+    for ratio, coff, d in ((4, 2, 64), (1, 1, 64), (128, 1, 64), (4, 2, 512)):
+        W = coff * d
         kv = torch.randn(300, W, device="cuda").to(torch.bfloat16)
         score = torch.randn_like(kv)
         ape = torch.randn(ratio, W, device="cuda")
         for cu_l, cuc_l in CORRUPT_OFFSETS:
             cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
             cuc = torch.tensor(cuc_l, dtype=torch.int32, device="cuda")
-            out = torch.empty(40, 64, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(40, d, dtype=torch.bfloat16, device="cuda")
             C.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
             dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
             C.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
                             ratio=ratio, coff=coff)
         torch.cuda.synchronize()
-        print("corrupt offsets", ratio, coff, "done")
+        print("corrupt offsets", ratio, coff, d, "done")
