@@ -86,17 +86,11 @@ class PoolBackward(WindowSlots):
         # on sm_100, where the d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
-        # The first row's window copied at a guess before the row walk (stage_guess;
-        # config.py, "Adopted at v24"): with the cooperative copies only, and where row
-        # lanes are stacked only at 3 CTAs an SM or fewer. The d=128 default backward took
-        # 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B held
-        # to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1).
-        self.guess_first = self.coop and (self.row_lanes == 1 or self.target_ctas_per_sm <= 3)
+        self.guess_first = self.coop and self.guesses_at(self.target_ctas_per_sm)
         self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
-        # The large-pack variant copies its first row at a guess (where it is held to 3 CTAs
-        # an SM or fewer, as guess_first above decides for it), which may make it pay from
-        # fewer rows (config.BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
-        self.large_guesses = self.has_large_variant and large_ctas <= 3
+        # Whether that variant guesses, which may make it pay from fewer rows
+        # (config.BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
+        self.large_guesses = self.has_large_variant and self.guesses_at(large_ctas)
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
@@ -105,6 +99,14 @@ class PoolBackward(WindowSlots):
             self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
         else:
             self.hold_to(self.target_ctas_per_sm if self.coop else 0)
+
+    def guesses_at(self, ctas: int) -> bool:
+        """A cooperative backward held to ``ctas`` CTAs an SM copies its first row's window
+        at a guess before the row walk (stage_guess; config.py, "Adopted at v24"): with one
+        row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128 default backward
+        took 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B
+        held to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1)."""
+        return self.row_lanes == 1 or ctas <= 3
 
     def large_pack_ctas(self, default_ctas: int) -> int:
         """CTAs an SM of the large-pack variant, 0 where there is none. The variant trades
@@ -219,6 +221,8 @@ class PoolBackward(WindowSlots):
             if bx < num_row_ctas:
                 sf, vf, gv, dacc = self.backward_registers()
                 row0 = bx * rows_per_cta + ty
+                # The walk starts here, or after the guessed copies where the kernel guesses
+                # (below); one site for both moved the non-guessing kernels' code.
                 if cutlass.const_expr(not self.guess_first):
                     walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
                 smem = cutlass.memory.SmemAllocator()

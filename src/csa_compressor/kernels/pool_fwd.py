@@ -101,6 +101,34 @@ class PoolForward(WindowSlots):
         return walk
 
     @cute.jit
+    def output_row(self, gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row, stage,
+                   thr, chunk, num_rows, num_tokens, num_seqs, release=None):
+        """Row ``row``'s output (``walk`` at the row): its window read back from ``stage``
+        (staged; ``sS`` None: loaded from global memory), pooled and stored; zeros where the
+        window leaves the tokens. ``release``: an mbarrier to arrive on once the stage is
+        read (pool_fwd_ring), also by rows that read nothing."""
+        if row < num_rows:
+            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
+            for e in cutlass.range_constexpr(self.vec):
+                acc[e] = Float32(0.0)
+            if ok:
+                if cutlass.const_expr(sS is not None):
+                    self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef)
+                else:
+                    self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                if cutlass.const_expr(release is not None):
+                    cute.arch.mbarrier_arrive(release)
+                self.pool_row(sf, vf, acc)
+            else:
+                if cutlass.const_expr(release is not None):
+                    cute.arch.mbarrier_arrive(release)
+            res.store(acc.load().to(self.dtype))
+            gOut[(None, (row, chunk))].store(res.load())
+        else:
+            if cutlass.const_expr(release is not None):
+                cute.arch.mbarrier_arrive(release)
+
+    @cute.jit
     def pool_row(self, sf, vf, acc):
         CH = self.slots
         softmax_row(sf, self.vec, CH)
@@ -149,17 +177,9 @@ class PoolForward(WindowSlots):
                     walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                if row < num_rows:
-                    t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                                   self.coff)
-                    for e in cutlass.range_constexpr(vec):
-                        acc[e] = Float32(0.0)
-                    if ok:
-                        if cutlass.const_expr(self.staged):
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, i % P, thr, chunk,
-                                             apef)
-                        else:
-                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                        self.pool_row(sf, vf, acc)
-                    res.store(acc.load().to(self.dtype))
-                    gOut[(None, (row, chunk))].store(res.load())
+                if cutlass.const_expr(self.staged):
+                    self.output_row(gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk,
+                                    row, i % P, thr, chunk, num_rows, num_tokens, num_seqs)
+                else:
+                    self.output_row(gKV, gSc, gApe, None, None, gOut, sf, vf, acc, res, None,
+                                    walk, row, None, thr, chunk, num_rows, num_tokens, num_seqs)

@@ -162,19 +162,6 @@ class PoolForwardRing(PoolForward):
             cute.arch.mbarrier_wait(full0 + stage, phase)
             row = row0 + i * self.row_lanes
             walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-            if row < num_rows:
-                t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
-                                               self.coff)
-                for e in cutlass.range_constexpr(vec):
-                    acc[e] = Float32(0.0)
-                if ok:
-                    self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
-                                     apef)
-                    cute.arch.mbarrier_arrive(empty0 + stage)
-                    self.pool_row(sf, vf, acc)
-                else:
-                    cute.arch.mbarrier_arrive(empty0 + stage)
-                res.store(acc.load().to(self.dtype))
-                gOut[(None, (row, chunk))].store(res.load())
-            else:
-                cute.arch.mbarrier_arrive(empty0 + stage)
+            self.output_row(gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row,
+                            stage, thr, chunk, num_rows, num_tokens, num_seqs,
+                            release=empty0 + stage)
