@@ -75,7 +75,6 @@ wait_first = wait_at >= 0 and (first_mem is None or wait_at < first_mem.start())
 min_ctas = [int(x) for x in re.findall(r"\.minnctapersm\s+(\d+)", ptx)]
 print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_ctas": min_ctas,
                   "async_copies_by_bytes": copies, "rcp_rn": ptx.count("rcp.rn.f32"),
-                  "bulk_copies": ptx.count("cp.async.bulk.shared"),
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,

@@ -73,7 +73,6 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     from .dape_reduce import DapeReduce
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
-    from .pool_fwd_ring import PoolForwardRing, ring_applies
     from .pool_long import LongPoolBackward, LongPoolForward
 
     cdt = _cutlass_dtype(dtype)
@@ -92,8 +91,6 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     elif direction == "fwd":
         kernel = (LongPoolForward(cdt, ratio, coff, head_dim) if long
                   else PoolForward(cdt, ratio, coff, head_dim, _target_major()))
-        if config.FWD_BULK_RING and not long and ring_applies(kernel):
-            kernel = PoolForwardRing(cdt, ratio, coff, head_dim, _target_major())
         out = _fake(cdt, (N, head_dim), 16)
         fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
                           options="--enable-tvm-ffi")

@@ -272,17 +272,18 @@ BWD_TARGET_CTAS_PER_SM = 6
 # BWD_LARGE_GUESS_PACK_ROWS: the threshold for the large-pack variants that copy their
 # first row at a guess (pool_bwd: held to 3 CTAs an SM or fewer; config.py "Adopted at
 # v24"), which made them faster; launch.backward_kernel takes the smaller of the two.
-# Ships equal to BWD_LARGE_PACK_ROWS (no change); 2,048 is a candidate (CANDIDATES):
-# H200 sweep at 89d073b (2026-11-30, perf-notes v24, fwd+bwd µs, 4,096 / 2,048, twice
-# each): 1x8192/128 ratio 4 coff 2 (2,048 rows) 14.6-15.0 / 14.2-14.3, ratio 3 coff 2
-# (2,730 rows) 16.2-16.3 / 14.7-14.8, 1x12288/128 (3,072 rows) 18.0-18.2 / 17.2-17.3.
-# Not adopted yet: its first commit (f9c11e4) read an attribute the long backward lacked
-# and the bench on the GPU failed at ratio 128 (AttributeError at launch); fixed and
-# covered on the CPU (tests/test_schedule_cpu.py), but with the device time spent the
-# suite and bench have not run with 2,048. Below 2,048 rows not measured; the third
-# variant the rule covers (ratio 6 coff 1, 4 -> 3 CTAs) not measured at either threshold.
+# 2,048, adopted at v25. H200 sweep at 89d073b (2026-11-30, perf-notes v24, fwd+bwd µs,
+# 4,096 / 2,048, twice each): 1x8192/128 ratio 4 coff 2 (2,048 rows) 14.6-15.0 /
+# 14.2-14.3, ratio 3 coff 2 (2,730 rows) 16.2-16.3 / 14.7-14.8, 1x12288/128 (3,072 rows)
+# 18.0-18.2 / 17.2-17.3; again at 982105f (perf-notes v25, two runs of 4,096 around one of
+# 2,048): 1x8192/128 14.4-15.1 / 14.4, ratio 3 coff 2 16.3-16.4 / 14.9, 3x8192/512 (not a
+# large-pack variant) 99.2-99.3 / 98.6, the rest within noise. Its first commit (f9c11e4)
+# read an attribute the long backward lacked and the GPU bench failed at ratio 128;
+# tests/test_schedule_cpu.py now covers the pick, the long backward included. Below 2,048
+# rows not measured; the third variant the rule covers (ratio 6 coff 1, 4 -> 3 CTAs) not
+# measured at either threshold.
 BWD_LARGE_PACK_ROWS = 4096
-BWD_LARGE_GUESS_PACK_ROWS = 4096
+BWD_LARGE_GUESS_PACK_ROWS = 2048
 BWD_LARGE_MAX_DEFAULT_CTAS = 6
 # The most window slots (ratio * coff) a large-pack backward compiles spill-free at this
 # many CTAs an SM (256 threads; ptxas sm_90a at 3f2540c, bf16 d=128 and d=64): at 5, 48
@@ -410,28 +411,24 @@ WHATIF_MATH = 0
 #   the cause: its walk and APE loads queue behind the window's copies, under a
 #   64-register bound), and the d=512 forward
 #   moved within noise. Adopted where it gained: the cooperative backwards.
+# Measured and dropped at 982105f (H200 sweep, 2026-11-30, perf-notes v25; the GPU suite
+#   passed with it on, 230 passed, memcheck 0 errors, no hang): FWD_BULK_RING, the
+#   wide-vector short-window forward (d=512 bf16) staged by cp.async.bulk into a ring of 3
+#   rows a row lane behind full/empty mbarriers, each row lane's first warp issuing
+#   (pool_fwd_ring.py, with a CPU replay of its protocol, tests/test_ring_protocol_cpu.py,
+#   both at 982105f). Predicted forward 3x8192/512 31.1 -> 28.5-30.5, 1x8192/512 13.1 ->
+#   11.5-12.8. Measured, forward µs, off (two runs) / on (two runs): 3x8192/512 31.4-31.6 /
+#   34.1-34.3, 1x8192/512 13.1-13.4 / 13.7-13.8; d=128 (not a ring) within noise. With
+#   WHATIF_MATH=2 (no softmax) the ring's forward was 28.8 at 3x8192/512 and 11.5 at
+#   1x8192/512, against the staged forward's 28.3 and 10.9 (v23): its memory path is no
+#   better than the per-thread cp.async stages, and with the math on it lost 2.7 more
+#   (not profiled; a guess: the issuing warp is also a computing one, so each refill
+#   waits for the slowest warp of the row lane to release the stage, and it walks every
+#   row twice).
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-# BWD_LARGE_GUESS_PACK_ROWS=2048: see its constant above (measured in a sweep, not yet
-#   run through the suite and bench). Prediction: 1x8192/128 fwd+bwd -0.4 to -0.8 µs
-#   against the same call's 4,096, ratio 3 coff 2 at 1x8192/128 -1 to -1.5, every pack of
-#   4,096 rows or more and the ragged pack (915 rows) unchanged.
-# FWD_BULK_RING / FWD_RING_STAGES: the short-window forward staged by bulk copies into a
-#   ring of FWD_RING_STAGES rows a row lane (pool_fwd_ring.py): each row lane's first warp
-#   copies a row's window (one cp.async.bulk a slot and tensor) behind an mbarrier, the
-#   threads wait on it, read their vectors back and release the stage on a second one.
-#   The computing threads issue no copies (at d=512, 8 16-byte cp.async a row and thread
-#   today, inside a forward whose warps compete for issue: ncu at 4616ab2), and the bytes
-#   in flight no longer follow each thread's own two stages. Same values and op order:
-#   bitwise the same outputs. Written after the session's device time was spent: compiled
-#   for sm_90a and sm_100a only, never run. Prediction (before any measurement), forward
-#   µs: 3x8192/512 31.1 -> 28.5-30.5, 1x8192/512 13.1 -> 11.5-12.8, d=128 shapes within
-#   +-0.5 (their bound holds 64 registers; the mbarrier waits add instructions). Time it
-#   with WHATIF_MATH=2 as well: that is the design's ceiling (v23: 28.3 at 3x8192/512).
-FWD_BULK_RING = 0
-FWD_RING_STAGES = 3
-CANDIDATES = ("BWD_LARGE_GUESS_PACK_ROWS=2048", "FWD_BULK_RING=1")
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -102,11 +102,10 @@ class PoolForward(WindowSlots):
 
     @cute.jit
     def output_row(self, gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row, stage,
-                   thr, chunk, num_rows, num_tokens, num_seqs, release=None):
+                   thr, chunk, num_rows, num_tokens, num_seqs):
         """Row ``row``'s output (``walk`` at the row): its window read back from ``stage``
         (staged; ``sS`` None: loaded from global memory), pooled and stored; zeros where the
-        window leaves the tokens. ``release``: an mbarrier to arrive on once the stage is
-        read (pool_fwd_ring), also by rows that read nothing."""
+        window leaves the tokens."""
         if row < num_rows:
             t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
             for e in cutlass.range_constexpr(self.vec):
@@ -116,17 +115,9 @@ class PoolForward(WindowSlots):
                     self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef)
                 else:
                     self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
-                if cutlass.const_expr(release is not None):
-                    cute.arch.mbarrier_arrive(release)
                 self.pool_row(sf, vf, acc)
-            else:
-                if cutlass.const_expr(release is not None):
-                    cute.arch.mbarrier_arrive(release)
             res.store(acc.load().to(self.dtype))
             gOut[(None, (row, chunk))].store(res.load())
-        else:
-            if cutlass.const_expr(release is not None):
-                cute.arch.mbarrier_arrive(release)
 
     @cute.jit
     def pool_row(self, sf, vf, acc):
