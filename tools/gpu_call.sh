@@ -25,6 +25,8 @@
 #   parts                tools/perf_probe.py parts (fwd, bwd kernel, its row and zero-fill
 #                        CTAs, dape sum each on its own) over $PARTS_SHAPES (comma-separated)
 #                        or the five default shapes
+#   reads                tools/perf_probe.py reads (a read-only stream, a torch copy and our
+#                        forward over each shape's forward bytes: the ceiling under the method)
 #   latency              tools/latency_probe.py (launch + k dependent loads against our kernels at 1x4)
 #   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES_<N>, else
 #                        $SWEEP_SHAPES, else the 5 default shapes
@@ -69,6 +71,7 @@ cmd_of() {
         floor) echo "python3 tools/perf_probe.py floor" ;;
         parts) echo "python3 tools/perf_probe.py parts ${PARTS_SHAPES:-}" ;;
         latency) echo "python3 tools/latency_probe.py" ;;
+        reads) echo "python3 tools/perf_probe.py reads" ;;
         ncuinst_*) echo "$NCU --section InstructionStats --section SourceCounters python3 tools/profile_probe.py ${1#ncuinst_}" ;;
         ncustall_*) echo "ncu --clock-control none -k regex:'PoolForward|PoolBackward' --launch-skip 4 --launch-count 2 --section WarpStateStats --section SourceCounters --print-details all python3 tools/profile_probe.py ${1#ncustall_}; ncu --clock-control none -k regex:'PoolBackward' --launch-skip 2 --launch-count 1 --section SourceCounters --page source --print-source sass --csv python3 tools/profile_probe.py ${1#ncustall_} > \$OUT/ncu_source_bwd.csv" ;;
         ncu_*) echo "$NCU --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/profile_probe.py ${1#ncu_}" ;;

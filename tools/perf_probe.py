@@ -6,11 +6,16 @@ kernel-shaping constants. Not part of the package; results go to docs/perf-notes
     python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
     python tools/perf_probe.py floor
     python tools/perf_probe.py parts [shape,shape]
+    python tools/perf_probe.py reads [shape,shape]
 """
 
 import sys
 
 import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
 
 from csa_compressor import bench, compress_thd_fused, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
@@ -202,6 +207,92 @@ def sweep():
         setattr(config, k, val)
 
 
+class _ReadStream:
+    """A read-only streaming kernel for reads(): each thread loads 16-byte vectors over a
+    grid-stride loop (``unroll`` loads in flight), adds them into one word and stores that
+    word (writes 1/n of the reads): what reading n bytes costs under the bench's method.
+    Launched as a programmatic dependent, as our kernels are."""
+
+    def __init__(self, threads=256, unroll=4):
+        self.threads, self.unroll = threads, unroll
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, ctas: Int32, stream):
+        self.kernel(cute.zipped_divide(mX, (4,)), mY).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, gX: cute.Tensor, mY: cute.Tensor):
+        cute.arch.griddepcontrol_wait()
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        gd, _, _ = cute.arch.grid_dim()
+        n = cute.size(gX, mode=[1])
+        i0 = bx * self.threads + tid
+        acc = Int32(0)
+        for i in cutlass.range(i0, n, gd * self.threads, unroll=self.unroll):
+            v = gX[(None, i)].load()
+            acc = acc + Int32(v[0] ^ v[1] ^ v[2] ^ v[3])
+        mY[i0] = acc
+
+
+def reads():
+    """What plain streaming kernels reach on each shape's forward bytes, timed as the bench
+    times (graphs of 20 calls over rotating sets): a read-only stream of the same bytes
+    (_ReadStream, 4-16 loads in flight a thread at 1-8 CTAs an SM: the best), the same
+    bytes copied by torch (half read, half written, as the copy ceiling's memcpy moves
+    them) and our forward. The floor divides bytes by the memcpy bandwidth of 1 GiB outside
+    graphs."""
+    import math
+
+    from csa_compressor.kernels.compile import _direct, _fake
+
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else (
+        "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",
+        "1023+2048+509+3+0+77:128:4:2")
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    bw = bench.copy_bandwidth(dev)
+    print(f"copy bandwidth (memcpy, outside graphs): {bw / 1e12:.2f} TB/s")
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    L, M = cute.sym_int32(), cute.sym_int32()
+    kern = _ReadStream()  # sink sizing: threads a CTA
+    rds = {u: _direct(cute.compile(_ReadStream(unroll=u), _fake(cutlass.Int32, (L,), 16),
+                                   _fake(cutlass.Int32, (M,), 4), Int32(1), stream,
+                                   options="--enable-tvm-ffi")) for u in (4, 8, 16)}
+    for name in names:
+        shape = bench.parse_shape(name)
+        T, W = sum(shape.lens), shape.coff * shape.d
+        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=0)]
+        N = sets[0][5]
+        fwd_bytes = 2 * T * W * 2 + N * shape.d * 2
+        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / fwd_bytes)))
+        sets += [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(1, n)]
+        outs = [torch.empty(N, shape.d, dtype=torch.bfloat16, device=dev) for _ in sets]
+        words = -(-fwd_bytes // 16) * 4
+        xs = [torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device=dev) for _ in range(n)]
+        ys = [torch.empty(words // 2, dtype=torch.int32, device=dev) for _ in range(n)]
+        sink = torch.empty(8 * sms * kern.threads, dtype=torch.int32, device=dev)
+
+        def fwd(i):
+            kv, score, ape, cu, cuc = sets[i][:5]
+            pool_forward(kv, score, ape, cu, cuc, outs[i], ratio=shape.ratio, coff=shape.coff)
+
+        def copy(i):
+            ys[i].copy_(xs[i][: ys[i].numel()])
+
+        floor = fwd_bytes / bw * 1e6
+        best = min((bench.time_graph(lambda i, c=c, rd=rd: rd(xs[i], sink, c * sms), n), c, u)
+                   for c in (1, 2, 4, 8) for u, rd in rds.items())
+        for label, us in ((f"read-only stream ({best[1]} CTAs an SM, {best[2]} loads in flight)",
+                           best[0]),
+                          ("torch copy", bench.time_graph(copy, n)),
+                          ("pool_forward", bench.time_graph(fwd, n))):
+            print(f"{name} {fwd_bytes / 1e6:.1f} MB {label}: {us:.2f} µs "
+                  f"({fwd_bytes / us / 1e6:.2f} TB/s; floor {floor:.2f} µs)", flush=True)
+
+
 if __name__ == "__main__":
     {"host": host, "sweep": sweep, "validate": validate_cost, "floor": floor,
-     "parts": parts}[sys.argv[1]]()
+     "parts": parts, "reads": reads}[sys.argv[1]]()
