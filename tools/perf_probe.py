@@ -6,9 +6,10 @@ kernel-shaping constants. Not part of the package; results go to docs/perf-notes
     python tools/perf_probe.py sweep ['K=V,K=V;K=V' [shape,shape]]
     python tools/perf_probe.py floor
     python tools/perf_probe.py parts [shape,shape]
-    python tools/perf_probe.py reads [shape,shape]
+    [SETS=1] python tools/perf_probe.py reads [shape,shape]
 """
 
+import os
 import sys
 
 import torch
@@ -268,6 +269,9 @@ def reads():
         N = sets[0][5]
         fwd_bytes = 2 * T * W * 2 + N * shape.d * 2
         n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / fwd_bytes)))
+        # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
+        # against the bench's rotation over sets of twice the L2.
+        n = int(os.environ.get("SETS", n))
         sets += [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(1, n)]
         outs = [torch.empty(N, shape.d, dtype=torch.bfloat16, device=dev) for _ in sets]
         words = -(-fwd_bytes // 16) * 4

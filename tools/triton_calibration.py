@@ -9,10 +9,11 @@ over those program shapes, timed as the bench times (graphs of 20 calls over rot
 input sets), next to pool_forward. The row table (first token, has-previous flag) is built
 once a set with torch and not timed.
 
-    source .device/env.sh && python3 tools/triton_calibration.py [shape,shape]
+    source .device/env.sh && [SETS=1] python3 tools/triton_calibration.py [shape,shape]
 """
 
 import math
+import os
 import sys
 
 import torch
@@ -70,6 +71,9 @@ def main():
         T, W = sum(shape.lens), 2 * d
         fwd_bytes = 2 * T * W * 2
         n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / fwd_bytes)))
+        # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
+        # against the bench's rotation over sets of twice the L2.
+        n = int(os.environ.get("SETS", n))
         sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N = sets[0][5]
         assert N == sum(x // r for x in shape.lens), "no padding rows"
