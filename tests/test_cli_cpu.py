@@ -13,6 +13,7 @@ from csa_compressor import bench
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 @pytest.mark.parametrize("argv,expect", [
     (["info"], "eager fallback (tensors are on cpu"), (["bench"], "compute capability 9.0"), (["check"], "compute capability 9.0"),
+    (["bench", "--same-inputs"], "compute capability 9.0"),
 ])
 def test_no_gpu_commands(argv, expect, capsys):
     assert cli.main(argv) == 0
@@ -43,3 +44,13 @@ def test_report_renders_results(tmp_path):
     assert cli.main(["report", str(src), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "results.md").read_text()
     assert "commit abc" in md and "| 1x8192:128:4:2 | fused | 7.0 | 28.0 |" in md and "error: boom" in md
+
+
+def test_header_names_the_input_method():
+    """Which inputs the 20 calls of a graph read is part of the method (docs/perf-notes.md
+    v25: L2-warm and rotating figures differ by up to 2x at the small packs)."""
+    result = {"environment": {"gpu": "X", "driver": "1", "torch": "t", "cutlass_dsl": "4.8.1",
+                              "commit": "abc", "date": "d"},
+              "copy_bandwidth_tbps": 4.0, "dtype": "torch.bfloat16", "calls_per_graph": 20}
+    assert "rotating over inputs of twice the L2" in bench.header(result)
+    assert "same inputs (L2-warm" in bench.header({**result, "same_inputs": True})

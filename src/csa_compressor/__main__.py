@@ -49,7 +49,8 @@ def cmd_bench(args) -> int:
     shapes = bench.shapes_from_arg(args.shapes)
     impls = tuple(args.impls.split(","))
     result = bench.run(shapes, dtype, impls, compile_all=args.compile_all,
-                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+                       progress=lambda m: print(m, file=sys.stderr, flush=True),
+                       same_inputs=args.same_inputs)
     print(bench.header(result))
     print(bench.table(result))
     if args.out:
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     b.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     b.add_argument("--impls", default="eager,compile,fused")
     b.add_argument("--compile-all", action="store_true", help="torch.compile every shape (slow)")
+    b.add_argument("--same-inputs", action="store_true",
+                   help="all 20 calls of a graph on the same inputs (L2-warm where a pack fits) "
+                        "instead of rotating over inputs of twice the L2")
     b.add_argument("--out", help="write results.json, results.md and PNG plots here")
     c = sub.add_parser("check", help="SPEC §5 numerics gate; non-zero exit on failure")
     c.add_argument("--dtypes", default="bf16,fp16,fp32")
