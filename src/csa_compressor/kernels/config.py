@@ -14,7 +14,10 @@ FWD_MIN_CHUNKS_PER_ROW / FWD_MIN_VEC_BYTES: the forward shrinks its vector furth
   forward us, 8 B vs 4 B vectors: 1x8192/128 7.7 vs 6.7, 3x8192/128 15.0 vs 13.2, ragged
   7.2 vs 5.8, 2048x64 56.0 vs 52.3; 3x8192/512 36.3 vs 39.5): d=128 bf16 has 32 chunks of
   8 B and takes 4 B, d=512 has 128 and keeps 8 B. 2 B (not staged, 8 CTAs an SM) was
-  slower everywhere but the ragged pack (3x8192/128 16.4, 3x8192/512 57.5).
+  slower everywhere but the ragged pack (3x8192/128 16.4, 3x8192/512 57.5). Again at
+  9077b17 (perf-notes v25, forward us, 4 B twice / 8 B twice at d=128): 1x8192/128
+  5.1-5.5 / 7.0-7.1, 3x8192/128 11.0 / 11.9-12.5, ragged 5.2 / 6.6-6.8, 2048x64
+  44.6-44.7 / 47.3-47.4.
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split into column groups (grid.y,
   or interleaved in a 1-D grid in the backward).
 MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once
@@ -33,7 +36,9 @@ FWD_STAGES / FWD_SMEM_PER_CTA: rows a forward thread keeps in flight through cp.
   Forwards of 4-byte vectors (d=128 bf16) were swept apart (then FWD_STAGES_NARROW, H200
   at f929db6, forward us, 2 / 3 / 4 stages): 3x8192/128 12.3-12.5 / 13.2 / 14.3,
   1x131072 47.9-48.4 / 48.5 / 51.3, 2048x64 51.9-52.7 / 52.4 / 55.2; 2 there too, so
-  one constant serves both.
+  one constant serves both. Again at 9077b17 (perf-notes v25, forward us, 2 twice / 3
+  twice): 3x8192/512 30.6-30.7 / 33.8, 1x8192/512 13.1 / 14.4-14.8, 3x8192/128 11.0 /
+  12.9-13.1, 1x8192/128 5.1-5.5 / 6.0, 2048x64 44.6-44.7 / 49.9.
 FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as many rows
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
