@@ -54,3 +54,13 @@ def test_header_names_the_input_method():
               "copy_bandwidth_tbps": 4.0, "dtype": "torch.bfloat16", "calls_per_graph": 20}
     assert "rotating over inputs of twice the L2" in bench.header(result)
     assert "same inputs (L2-warm" in bench.header({**result, "same_inputs": True})
+
+
+def test_input_sets_cover_twice_the_l2():
+    """The bench and the probes rotate over as many input copies as exceed twice the L2,
+    at most one a call of the graph."""
+    l2 = 50 << 20
+    assert bench.input_sets(9 << 20, l2) == 12  # ceil(100 / 9)
+    assert bench.input_sets(107 << 20, l2) == 1
+    assert bench.input_sets(1, l2) == bench.CALLS_PER_GRAPH
+    assert bench.input_sets(0, l2) == bench.CALLS_PER_GRAPH

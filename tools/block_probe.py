@@ -19,7 +19,6 @@ never an out-of-bounds access. The measurements it made are in docs/perf-notes.m
     source .device/env.sh && python3 tools/block_probe.py 1x8192:128:4:2,3x8192:512:4:2 [R=16,THREADS=128 ...]
 """
 
-import math
 import sys
 
 import torch
@@ -199,7 +198,7 @@ def main():
         shape = bench.parse_shape(name)
         assert shape.coff == 2 and all(n % shape.ratio == 0 for n in shape.lens), name
         set_bytes = 4 * sum(shape.lens) * shape.coff * shape.d
-        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / set_bytes)))
+        n = bench.input_sets(set_bytes, l2)
         sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N = sets[0][5]
         assert N == sum(shape.lens) // shape.ratio, "no padding rows"

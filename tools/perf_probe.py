@@ -123,7 +123,6 @@ def parts():
     timed with its row CTAs alone and its zero-fill CTAs alone (the same launch with the
     other count 0: timing only, the gradients are then incomplete), which splits, e.g., the
     2048x64 pack's backward against 1x131072's."""
-    import math
 
     from csa_compressor.kernels import launch
 
@@ -136,7 +135,7 @@ def parts():
         shape = bench.parse_shape(name)
         r, c, d = shape.ratio, shape.coff, shape.d
         set_bytes = 4 * sum(shape.lens) * c * d
-        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / set_bytes)))
+        n = bench.input_sets(set_bytes, l2)
         sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N, T = sets[0][5], sets[0][0].shape[0]
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
@@ -244,7 +243,6 @@ def reads():
     bytes copied by torch (half read, half written, as the copy ceiling's memcpy moves
     them) and our forward. The floor divides bytes by the memcpy bandwidth of 1 GiB outside
     graphs."""
-    import math
 
     from csa_compressor.kernels.compile import _direct, _fake
 
@@ -268,7 +266,7 @@ def reads():
         sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=0)]
         N = sets[0][5]
         fwd_bytes = 2 * T * W * 2 + N * shape.d * 2
-        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / fwd_bytes)))
+        n = bench.input_sets(fwd_bytes, l2)
         # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
         # against the bench's rotation over sets of twice the L2.
         n = int(os.environ.get("SETS", n))

@@ -12,7 +12,6 @@ once a set with torch and not timed.
     source .device/env.sh && [SETS=1] python3 tools/triton_calibration.py [shape,shape]
 """
 
-import math
 import os
 import sys
 
@@ -70,7 +69,7 @@ def main():
         assert shape.coff == 2 and r & (r - 1) == 0, name
         T, W = sum(shape.lens), 2 * d
         fwd_bytes = 2 * T * W * 2
-        n = max(1, min(bench.CALLS_PER_GRAPH, math.ceil(2 * l2 / fwd_bytes)))
+        n = bench.input_sets(fwd_bytes, l2)
         # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
         # against the bench's rotation over sets of twice the L2.
         n = int(os.environ.get("SETS", n))

@@ -242,6 +242,12 @@ def _whatif() -> int:
     return config.WHATIF_MATH
 
 
+def input_sets(set_bytes: int, l2_bytes: int) -> int:
+    """Copies of a shape's inputs the 20 calls of a graph rotate over: enough that together
+    they exceed twice the L2, so no call reads another call's data out of it."""
+    return max(1, min(CALLS_PER_GRAPH, math.ceil(2 * l2_bytes / max(set_bytes, 1))))
+
+
 def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), compile_all=False,
         progress=print, same_inputs=False):
     device = torch.device("cuda")
@@ -255,7 +261,7 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
     done = 0
     for shape in shapes:
         set_bytes = 2 * sum(shape.lens) * shape.coff * shape.d * elem
-        n_sets = max(1, min(CALLS_PER_GRAPH, math.ceil(2 * l2 / max(set_bytes, 1))))
+        n_sets = input_sets(set_bytes, l2)
         if same_inputs:
             n_sets = 1
         sets = [make_inputs(shape, dtype, device, seed=i) for i in range(n_sets)]
