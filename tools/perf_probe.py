@@ -241,8 +241,8 @@ def reads():
     times (graphs of 20 calls over rotating sets): a read-only stream of the same bytes
     (_ReadStream, 4-16 loads in flight a thread at 1-8 CTAs an SM: the best), the same
     bytes copied by torch (half read, half written, as the copy ceiling's memcpy moves
-    them) and our forward. The floor divides bytes by the memcpy bandwidth of 1 GiB outside
-    graphs."""
+    them) and our forward; then the same for a forward + backward step's bytes. The floor
+    divides bytes by the memcpy bandwidth of 1 GiB outside graphs."""
 
     from csa_compressor.kernels.compile import _direct, _fake
 
@@ -293,6 +293,41 @@ def reads():
                           ("pool_forward", bench.time_graph(fwd, n))):
             print(f"{name} {fwd_bytes / 1e6:.1f} MB {label}: {us:.2f} µs "
                   f"({fwd_bytes / us / 1e6:.2f} TB/s; floor {floor:.2f} µs)", flush=True)
+
+        # The step: our kernel-level forward + backward against three streaming launches
+        # over the same bytes in the same directions (the read stream over the forward's
+        # bytes; a torch copy of kv and score's bytes, as the backward reads them and
+        # writes dkv and dscore; the read stream over grad_out's bytes). Three launches,
+        # as ours (forward, backward, dape sum).
+        step_bytes = bench.floor_bytes(shape, N, 2)[1]
+        wb, gb = 2 * T * W * 2, N * shape.d * 2
+        srcs = [torch.empty(wb, dtype=torch.uint8, device=dev) for _ in range(n)]
+        dsts = [torch.empty_like(x) for x in srcs]
+        gws = [torch.randint(0, 1 << 30, (-(-gb // 16) * 4,), dtype=torch.int32, device=dev)
+               for _ in range(n)]
+        grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2]))
+                 for s in sets]
+        rd, c = rds[best[2]], best[1] * sms
+
+        def ceiling_step(i):
+            rd(xs[i], sink, c)
+            dsts[i].copy_(srcs[i])
+            rd(gws[i], sink, c)
+
+        def our_step(i):
+            kv, score, ape, cu, cuc, _, g = sets[i]
+            pool_forward(kv, score, ape, cu, cuc, outs[i], ratio=shape.ratio, coff=shape.coff)
+            pool_backward(kv, score, ape, cu, cuc, g, *grads[i], ratio=shape.ratio,
+                          coff=shape.coff)
+
+        step_floor = step_bytes / bw * 1e6
+        for label, f in (("step: read, copy, read", ceiling_step),
+                         ("step: pool_forward + pool_backward", our_step)):
+            us = bench.time_graph(f, n)
+            print(f"{name} {step_bytes / 1e6:.1f} MB {label}: {us:.2f} µs "
+                  f"({step_bytes / us / 1e6:.2f} TB/s; floor {step_floor:.2f} µs)", flush=True)
+        del sets, outs, xs, ys, srcs, dsts, gws, grads
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
