@@ -2,6 +2,7 @@
 can do and exit 0; report renders results.md from a results.json."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -64,3 +65,33 @@ def test_input_sets_cover_twice_the_l2():
     assert bench.input_sets(107 << 20, l2) == 1
     assert bench.input_sets(1, l2) == bench.CALLS_PER_GRAPH
     assert bench.input_sets(0, l2) == bench.CALLS_PER_GRAPH
+
+
+def test_source_commit_is_the_packages_checkout(tmp_path, monkeypatch):
+    """The bench labels its figures with the commit of the checkout the package runs from,
+    wherever it is run from (a user's training repository is not ours)."""
+    import shutil
+    import subprocess
+
+    pkg = os.path.dirname(os.path.abspath(bench.__file__))
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    try:
+        top = subprocess.check_output(["git", "-C", pkg, "rev-parse", "--show-toplevel"],
+                                      text=True, stderr=subprocess.DEVNULL).strip()
+    except subprocess.CalledProcessError:
+        pytest.skip("the package is not in a git checkout")
+    if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "bench.py"), bench.__file__):
+        pytest.skip("the package is installed, not run from its checkout")
+    head = subprocess.check_output(["git", "-C", top, "rev-parse", "--short", "HEAD"],
+                                   text=True).strip()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    subprocess.check_call(["git", "init", "-q", str(other)])
+    monkeypatch.chdir(other)
+    monkeypatch.delenv("CSA_COMMIT", raising=False)
+    commit = bench.source_commit()
+    assert commit in (head, head + "-dirty"), commit
+    assert bench.environment()["commit"] == commit
+    monkeypatch.setenv("CSA_COMMIT", "abc1234")
+    assert bench.environment()["commit"] == "abc1234"

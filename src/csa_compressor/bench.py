@@ -23,7 +23,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -208,6 +208,30 @@ def gate(shape, sets, dtype) -> list[str]:
     return fails
 
 
+def _git(*args, cwd) -> str:
+    return subprocess.check_output(["git", "-C", str(cwd), *args], stderr=subprocess.DEVNULL,
+                                   text=True).strip()
+
+
+def source_commit() -> str:
+    """The commit of the checkout this package runs from, with ``-dirty`` when tracked files
+    differ from it; ``unknown`` when the package is not in its own git checkout. Asked of
+    the package's directory, not the current one: run from a training repository, the
+    bench would otherwise label its figures with that repository's commit. A copy of the
+    tree over stale git metadata (as the GPU machine's is) reads as dirty, not as the old
+    commit; CSA_COMMIT overrides (tools/gpu_call.sh sets it)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        top = _git("rev-parse", "--show-toplevel", cwd=here)
+        if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "bench.py"),
+                                os.path.abspath(__file__)):
+            return "unknown"  # a git repository around an installed copy: not ours
+        dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=top)
+        return _git("rev-parse", "--short", "HEAD", cwd=top) + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def environment() -> dict:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "torch": torch.__version__, "python": platform.python_version()}
@@ -217,13 +241,7 @@ def environment() -> dict:
         env["cutlass_dsl"] = cutlass.__version__
     except Exception:
         env["cutlass_dsl"] = None
-    env["commit"] = os.environ.get("CSA_COMMIT")
-    if not env["commit"]:
-        try:
-            env["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                                    stderr=subprocess.DEVNULL, text=True).strip()
-        except Exception:
-            env["commit"] = "unknown"
+    env["commit"] = os.environ.get("CSA_COMMIT") or source_commit()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env["gpu"] = f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
