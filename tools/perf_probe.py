@@ -295,12 +295,13 @@ def reads():
                   f"({fwd_bytes / us / 1e6:.2f} TB/s; floor {floor:.2f} µs)", flush=True)
 
         # The step: our kernel-level forward + backward against three streaming launches
-        # over the same bytes in the same directions (the read stream over the forward's
-        # bytes; a torch copy of kv and score's bytes, as the backward reads them and
-        # writes dkv and dscore; the read stream over grad_out's bytes). Three launches,
-        # as ours (forward, backward, dape sum).
+        # over the same bytes: the read stream over a buffer of kv and score's bytes (the
+        # forward's reads), a torch copy of that same buffer (the backward reads kv and score
+        # again, from L2 where they stayed, and writes dkv and dscore), the read stream over
+        # twice grad_out's bytes (the forward's output written, grad_out read). Three
+        # launches, as ours (forward, backward, dape sum).
         step_bytes = bench.floor_bytes(shape, N, 2)[1]
-        wb, gb = 2 * T * W * 2, N * shape.d * 2
+        wb, gb = -(-2 * T * W * 2 // 16) * 16, 2 * N * shape.d * 2
         srcs = [torch.empty(wb, dtype=torch.uint8, device=dev) for _ in range(n)]
         dsts = [torch.empty_like(x) for x in srcs]
         gws = [torch.randint(0, 1 << 30, (-(-gb // 16) * 4,), dtype=torch.int32, device=dev)
@@ -310,9 +311,16 @@ def reads():
         rd, c = rds[best[2]], best[1] * sms
 
         def ceiling_step(i):
-            rd(xs[i], sink, c)
+            rd(srcs[i].view(torch.int32), sink, c)
             dsts[i].copy_(srcs[i])
             rd(gws[i], sink, c)
+
+        def apart_step(i):
+            """The same with the first read over a buffer of its own (no L2 reuse between
+            the forward's reads and the backward's): what that reuse is worth."""
+            rd(xs[i], sink, c)
+            dsts[i].copy_(srcs[i])
+            rd(gws[i][: gws[i].numel() // 2], sink, c)
 
         def our_step(i):
             kv, score, ape, cu, cuc, _, g = sets[i]
@@ -322,6 +330,7 @@ def reads():
 
         step_floor = step_bytes / bw * 1e6
         for label, f in (("step: read, copy, read", ceiling_step),
+                         ("step: read, copy, read, separate buffers", apart_step),
                          ("step: pool_forward + pool_backward", our_step)):
             us = bench.time_graph(f, n)
             print(f"{name} {step_bytes / 1e6:.1f} MB {label}: {us:.2f} µs "
