@@ -19,7 +19,12 @@ FWD_MIN_CHUNKS_PER_ROW / FWD_MIN_VEC_BYTES: the forward shrinks its vector furth
   5.1-5.5 / 7.0-7.1, 3x8192/128 11.0 / 11.9-12.5, ragged 5.2 / 6.6-6.8, 2048x64
   44.6-44.7 / 47.3-47.4.
 MAX_CTA_THREADS: column lanes of one CTA; wider rows are split into column groups (grid.y,
-  or interleaved in a 1-D grid in the backward).
+  or interleaved in a 1-D grid in the backward). One-warp forward CTAs (32 lanes, 32
+  threads, 16 or 64 an SM: the Triton calibration rebuild's program shape) were slower at
+  every ratio-4 shape, 32 lanes under 128-thread CTAs everywhere but 3x8192/128 (forward
+  µs, default / 32x16 / 32x64 / 32 lanes of 128: 1x8192/128 5.3-5.5 / 7.1 / 6.9 / 6.1,
+  3x8192/128 11.1-11.2 / 13.2 / 13.3 / 10.7, 3x8192/512 30.8-31.6 / 33.0 / 36.0 / 32.5;
+  H200 sweep at 423959a, perf-notes v26).
 MAX_REG_SLOTS: windows of at most this many slots live in registers and are read once
   (pool_fwd.py / pool_bwd.py); longer ones go to the slot-parallel kernels.
 FWD_CTA_THREADS: forward CTAs stack row lanes on top of the column lanes up to this many
@@ -43,7 +48,10 @@ FWD_TARGET_CTAS_PER_SM / FWD_MAX_ROWS_PER_THREAD: each forward thread walks as m
   as make the grid one wave of this many CTAs per SM (what fits: 48 KB of staging and
   <= 128 registers a thread; fewer where the staging is larger), at most the cap. 2 CTAs
   (2 rows a thread at 1x8192/128) measured slower: forward 8.4 vs 7.6 us at 1x8192/128,
-  73.4 vs 59.4 at 2048x64 (sweep at eada763).
+  73.4 vs 59.4 at 2048x64 (sweep at eada763). 8 at d=128 (one row a thread at 1x8192/128) measured
+  the same as 4 (forward µs, 4 twice / 8 twice, H200 sweep at 40757c0, perf-notes v26):
+  1x8192/128 5.1-5.5 / 5.5, 3x8192/128 10.9-11.0 / 10.9-11.0, ragged 5.2-5.3 / 5.2-5.3,
+  2048x64 44.8-45.4 / 44.7-44.9.
 SMEM_PER_SM / SMEM_RESERVED_PER_CTA: shared memory of an SM on sm_90 and sm_100 (228 KB)
   and what the driver reserves per CTA (1 KB, ncu "Driver Shared Memory Per Block").
 BWD_TARGET_CTAS_PER_SM: row CTAs per SM the backward's grid is sized for (each walks
@@ -56,6 +64,8 @@ BWD_TARGET_CTAS_PER_SM: row CTAs per SM the backward's grid is sized for (each w
 BWD_STAGES: rows a backward thread keeps in flight through cp.async (window + grad_out).
   3 measured best (H200, perf_probe sweep at eada763, fwd+bwd µs, 3 / 5 / 6 stages):
   1x8192/128 27.9 / 29.9 / 31.7, 3x8192/512 133.6 / 137.7 / 132.4, 2048x64 187 / 194 / 231.
+  Again at 423959a (perf-notes v26, fwd+bwd µs, 3 twice / 2 / 4): 3x8192/512 97.6-99.4 /
+  99.6 / 104.1, 1x8192/512 36.9 / 37.3 / 40.3, 1x8192/128 14.2 / 16.0 / 14.4.
   The backward's grid is sized for the CTAs whose shared memory fits an SM (pool_bwd.py).
 Adopted from that sweep (were flags until measured, each bitwise equal to the code before
   in out/dkv/dscore on 11 packs; dape partials follow the grid): static slot offsets (one
