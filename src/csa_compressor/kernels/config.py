@@ -443,7 +443,19 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("BWD_APE_AFTER_WALKS=1",)
+# BWD_APE_AFTER_WALKS: the staged backward's per-row APE loads issued after the row walks
+#   (the issue-ahead row's and the current row's) instead of before them, still before the
+#   stage's wait. ncu source counters at 4afde98 (3x8192/512 backward, perf-notes v26): 41%
+#   of all warp-state samples (2,665 of 6,508, long scoreboard) sit on the first integer
+#   instruction after the issue-ahead walk's join (`row - r0`), whose operands on the hot
+#   path are registers set rows before: the wait is for the global loads outstanding there,
+#   which are the APE loads issued just before (ptxas puts the walk's offset loads and the
+#   APE loads on one scoreboard and waits for it at the join). After the walks, their
+#   latency overlaps the stage's wait as v24 meant. Same loads, same arithmetic: bitwise
+#   the same results. Predicted (fwd+bwd µs): 3x8192/512 98-99 -> 90-95, 1x8192/512 36.6
+#   -> 33-35.5, d=128 packs -0.3 to -1.5.
+BWD_APE_AFTER_WALKS = 0
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
