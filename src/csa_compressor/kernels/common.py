@@ -582,27 +582,16 @@ class WindowSlots:
         ``i - 1`` left, then wait until row ``i``'s stage has landed. Where the warp stages
         cooperatively (``coop``) lanes read each other's copies: a warp sync before the
         issue (the stage was read last step) and after the wait."""
-        walk = self.issue_ahead(issue, walk, row0, i, count)
-        self.wait_stage()
-        return walk
-
-    @cute.jit
-    def issue_ahead(self, issue, walk, row0, i, count):
-        """advance_stages' first half: the issue of row ``i + stages - 1`` and its commit."""
         if cutlass.const_expr(self.coop):
             cute.arch.sync_warp()
         ahead = i + (self.stages - 1)
         if ahead < count:
             walk = issue(walk, row0 + ahead * self.row_lanes, ahead % self.stages)
         cute.arch.cp_async_commit_group()
-        return walk
-
-    @cute.jit
-    def wait_stage(self):
-        """advance_stages' second half: wait until the oldest stage has landed."""
         cute.arch.cp_async_wait_group(self.stages - 1)
         if cutlass.const_expr(self.coop):
             cute.arch.sync_warp()
+        return walk
 
     @cute.jit
     def load_ape(self, gApe, apef, chunk):

@@ -440,22 +440,25 @@ WHATIF_MATH = 0
 #   (not profiled; a guess: the issuing warp is also a computing one, so each refill
 #   waits for the slowest warp of the row lane to release the stage, and it walks every
 #   row twice).
+# Measured and dropped at faf40a5 (H200 sweep, 2026-11-30, perf-notes v26; the GPU suite
+#   passed with it on, 230 passed, memcheck 0 errors): BWD_APE_AFTER_WALKS, the staged
+#   backward's per-row APE loads issued after the row walks (the issue-ahead row's and the
+#   current row's) instead of before them, still before the stage's wait. ncu source
+#   counters at 4afde98 put 41% of the 3x8192/512 backward's warp-state samples (2,665 of
+#   6,508, long scoreboard) on the first integer instruction after the issue-ahead walk's
+#   join, whose hot-path operands are registers set rows before: the wait there is for the
+#   APE loads issued just before (one scoreboard for both). The SASS with the flag put the
+#   APE loads after both joins, beside the stage's wait (79 registers, spill-free).
+#   Predicted fwd+bwd 3x8192/512 98-99 -> 90-95. Measured (fwd+bwd µs, off twice / on
+#   twice): 3x8192/512 97.2-98.9 / 99.9-100.4, 1x8192/512 36.8-37.2 / 37.7-37.9,
+#   3x8192/128 27.5-27.6 / 28.3-28.4, 2048x64 129.9-130.2 / 132.2-132.7, 1x8192/128 and
+#   ragged within noise. The APE latency the join exposed is not removed by moving the
+#   loads: the row's arithmetic needs them next, and the walk's wait had also let the
+#   ahead row's copies go out after it, not later.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ("BWD_APE_AFTER_WALKS=1",)
-# BWD_APE_AFTER_WALKS: the staged backward's per-row APE loads issued after the row walks
-#   (the issue-ahead row's and the current row's) instead of before them, still before the
-#   stage's wait. ncu source counters at 4afde98 (3x8192/512 backward, perf-notes v26): 41%
-#   of all warp-state samples (2,665 of 6,508, long scoreboard) sit on the first integer
-#   instruction after the issue-ahead walk's join (`row - r0`), whose operands on the hot
-#   path are registers set rows before: the wait is for the global loads outstanding there,
-#   which are the APE loads issued just before (ptxas puts the walk's offset loads and the
-#   APE loads on one scoreboard and waits for it at the join). After the walks, their
-#   latency overlaps the stage's wait as v24 meant. Same loads, same arithmetic: bitwise
-#   the same results. Predicted (fwd+bwd µs): 3x8192/512 98-99 -> 90-95, 1x8192/512 36.6
-#   -> 33-35.5, d=128 packs -0.3 to -1.5.
-BWD_APE_AFTER_WALKS = 0
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

@@ -64,7 +64,6 @@ class PoolBackward(WindowSlots):
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
         self.stages = config.BWD_STAGES
-        self.ape_after_walks = bool(config.BWD_APE_AFTER_WALKS)
         # In kernel()'s order: the window stages (score, kv), the grad_out stages, the row
         # lanes' dape sums.
         grad_bytes = self.stages * self.threads * self.vec * dtype.width // 8
@@ -261,22 +260,15 @@ class PoolBackward(WindowSlots):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
-                    if cutlass.const_expr(self.staged and not self.ape_after_walks):
+                    if cutlass.const_expr(self.staged):
                         # The row's APE loads go out before the stage's wait, so their
                         # latency hides behind it (config.py, "Adopted at v24"); held for
                         # the whole walk instead they spill at d=512.
                         self.load_ape(gApe, apef, chunk)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
-                    if cutlass.const_expr(self.staged and self.ape_after_walks):
-                        walk_in = self.issue_ahead(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
                                                    self.coff)
-                    if cutlass.const_expr(self.staged and self.ape_after_walks):
-                        # config.BWD_APE_AFTER_WALKS: the APE loads after both walks, still
-                        # before the stage's wait.
-                        self.load_ape(gApe, apef, chunk)
-                        self.wait_stage()
                     if (row < num_rows) & self.real(walk, num_seqs) & ok:
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
