@@ -452,9 +452,9 @@ WHATIF_MATH = 0
 #   Predicted fwd+bwd 3x8192/512 98-99 -> 90-95. Measured (fwd+bwd µs, off twice / on
 #   twice): 3x8192/512 97.2-98.9 / 99.9-100.4, 1x8192/512 36.8-37.2 / 37.7-37.9,
 #   3x8192/128 27.5-27.6 / 28.3-28.4, 2048x64 129.9-130.2 / 132.2-132.7, 1x8192/128 and
-#   ragged within noise. The APE latency the join exposed is not removed by moving the
-#   loads: the row's arithmetic needs them next, and the walk's wait had also let the
-#   ahead row's copies go out after it, not later.
+#   ragged within noise. Why it lost was not profiled; a guess: the row's arithmetic needs
+#   the APE values right after the stage's wait, so their latency stays exposed either
+#   way, and loads issued later finish later.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
