@@ -347,7 +347,6 @@ class WindowSlots:
     synchronisation needed."""
 
     coop = False  # warp-cooperative staging (coop_stageable), set by the kernels that use it
-    cg_copies = False  # coop_atom's copies bypass L1 (set from config by the kernels)
 
     def specialise(self):
         """Code choices that follow from the geometry, made once at construction (after
@@ -481,11 +480,7 @@ class WindowSlots:
                 and wb % 16 == 0 and 32 % (wb // 16) == 0)
 
     def coop_atom(self):
-        # cg_copies (config.FWD_COPY_CG / BWD_COPY_CG): cp.async.cg, which leaves L1 out of
-        # the streamed window copies; the default (.ca) allocates them in L1.
-        op = (cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL) if self.cg_copies
-              else cpasync.CopyG2SOp())
-        return cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128)
+        return cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
 
     @cute.jit
     def stage_window_warp(self, gKV, gSc, sS, sV, atom16, t0, has_prev, stage, thr, chunk):

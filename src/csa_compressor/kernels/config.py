@@ -455,21 +455,20 @@ WHATIF_MATH = 0
 #   ragged within noise. Why it lost was not profiled; a guess: the row's arithmetic needs
 #   the APE values right after the stage's wait, so their latency stays exposed either
 #   way, and loads issued later finish later.
+# Measured and dropped at 9c518b0 (H200, 2026-11-30, perf-notes v26; with both on,
+#   tests_bounds 47 passed, a 45-test subset of tests_fused passed and memcheck printed 0
+#   errors): BWD_COPY_CG / FWD_COPY_CG, the cooperative 16-byte window copies as
+#   cp.async.cg (L1 bypassed) instead of .ca, so that the backward's per-row APE reloads
+#   would hit L1 (ncu at 9077b17: L1 hit rate 30%). Predicted fwd+bwd 3x8192/512 98-99 ->
+#   92-96. Measured (fwd+bwd µs, off twice / backward's on / both on): 3x8192/512
+#   98.2-98.8 / 99.5 / 99.0, 1x8192/512 36.7-37.2 / 36.9 / 36.9, 3x8192/128 27.8-27.9 /
+#   27.5 / 27.6, 2048x64 129.9-130.9 / 129.5 / 130.9, 1x8192/128 and ragged within noise;
+#   forward within noise. Nothing: the APE loads' latency is not L1 misses' (or L1 kept
+#   them anyway); not profiled with the flags on.
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ("BWD_COPY_CG=1", "FWD_COPY_CG=1")
-# BWD_COPY_CG / FWD_COPY_CG: the warp-cooperative 16-byte window copies as cp.async.cg
-#   (L1 bypassed) instead of .ca (allocated in L1). The backward reloads its APE values
-#   every row (16 KB a CTA's columns at d=512) from global memory; the streamed windows
-#   going through L1 evict them (ncu at 9077b17: L1 hit rate 30%), and 41% of the
-#   3x8192/512 backward's stall samples wait on those loads (ncu at 4afde98, perf-notes
-#   v26). With the windows out of L1 the APE loads should hit it. Same bytes, same
-#   arithmetic: bitwise the same results. Predicted (fwd+bwd µs): 3x8192/512 98-99 ->
-#   92-96, 1x8192/512 36.6 -> 34.5-36, the d=128 large-pack backward (3x8192/128, 2048x64)
-#   -0.5 to -2; the forward (APE in registers) within noise.
-BWD_COPY_CG = 0
-FWD_COPY_CG = 0
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before

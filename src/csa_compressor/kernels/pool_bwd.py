@@ -64,7 +64,6 @@ class PoolBackward(WindowSlots):
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
         self.stages = config.BWD_STAGES
-        self.cg_copies = bool(config.BWD_COPY_CG)
         # In kernel()'s order: the window stages (score, kv), the grad_out stages, the row
         # lanes' dape sums.
         grad_bytes = self.stages * self.threads * self.vec * dtype.width // 8

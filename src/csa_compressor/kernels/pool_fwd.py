@@ -64,7 +64,6 @@ class PoolForward(WindowSlots):
         # Warp-cooperative 16-byte staging copies where every warp holds one row
         # (common.stage_window_warp; measured in config.py, "Adopted at v17").
         self.coop = self.coop_stageable()
-        self.cg_copies = bool(config.FWD_COPY_CG)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         """Rows each thread walks: enough that the grid fits in one wave of
