@@ -26,7 +26,9 @@
 #                        CTAs, dape sum each on its own) over $PARTS_SHAPES (comma-separated)
 #                        or the five default shapes
 #   reads                tools/perf_probe.py reads (a read-only stream, a torch copy and our
-#                        forward over each shape's forward bytes: the ceiling under the method)
+#                        forward over each shape's forward bytes, then three streaming launches
+#                        and our step over a forward + backward step's: the ceilings under the
+#                        method; SETS=1 in the environment: every call on the same inputs)
 #   latency              tools/latency_probe.py (launch + k dependent loads against our kernels at 1x4)
 #   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES_<N>, else
 #                        $SWEEP_SHAPES, else the 5 default shapes
