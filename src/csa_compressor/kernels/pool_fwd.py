@@ -151,6 +151,7 @@ class PoolForward(WindowSlots):
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
             walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
+            sS = sV = apef = None  # unstaged: output_row loads the window from global memory
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
                 sS, sV = self.alloc_staging(smem, P)
@@ -168,9 +169,5 @@ class PoolForward(WindowSlots):
                     walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                if cutlass.const_expr(self.staged):
-                    self.output_row(gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk,
-                                    row, i % P, thr, chunk, num_rows, num_tokens, num_seqs)
-                else:
-                    self.output_row(gKV, gSc, gApe, None, None, gOut, sf, vf, acc, res, None,
-                                    walk, row, None, thr, chunk, num_rows, num_tokens, num_seqs)
+                self.output_row(gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row,
+                                i % P, thr, chunk, num_rows, num_tokens, num_seqs)
