@@ -82,7 +82,12 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
                   "chunk_slots": getattr(kernel, "chunk_slots", 0),  # slots a thread reads
                   "coop": bool(getattr(kernel, "coop", False)),
-                  "target_ctas": getattr(kernel, "target_ctas_per_sm", 0),
+                  # The grid's CTAs an SM as designed (shared memory, config), and as
+                  # launched: capped by what the cubin's registers leave resident where
+                  # config.GRID_FITS_REGISTERS is on.
+                  "target_ctas": getattr(kernel, "design_ctas_per_sm", None) or 0,
+                  "grid_ctas": getattr(kernel, "target_ctas_per_sm", 0),
+                  "cubin_regs": getattr(kernel, "registers", None),
                   "threads": getattr(kernel, "threads", 0),
                   "smem_asked": getattr(kernel, "smem_bytes", 0),
                   "smem_used": max(smem_ends.values(), default=0)}))

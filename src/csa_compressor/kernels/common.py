@@ -395,6 +395,16 @@ class WindowSlots:
                 need = ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
                 self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
 
+    def fit_registers(self, regs):
+        """After compiling: ``regs`` registers a thread (ptxas', from the cubin; None where
+        unknown). Where they leave fewer CTAs resident than the one-wave grid is sized for
+        (by shared memory or config), size it for those (config.GRID_FITS_REGISTERS). The
+        designed figure stays as ``design_ctas_per_sm``."""
+        target = getattr(self, "target_ctas_per_sm", None)
+        self.design_ctas_per_sm = target
+        if target is not None and regs and config.GRID_FITS_REGISTERS:
+            self.target_ctas_per_sm = max(1, min(target, config.ctas_fitting_registers(regs, self.threads)))
+
     def ctas_fitting_smem(self) -> int:
         """CTAs of this kernel whose shared memory (``smem_bytes``) one SM holds."""
         return config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)

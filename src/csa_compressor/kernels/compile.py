@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
+import tempfile
 import threading
 
 import torch
@@ -65,6 +67,57 @@ def _target_major() -> int:
     return torch.cuda.get_device_capability()[0]
 
 
+EIATTR_REGCOUNT = 0x2F  # an .nv.info attribute: (function symbol, registers a thread)
+
+
+def cubin_registers(cubin: bytes) -> int | None:
+    """Registers a thread of the cubin's kernel, as ptxas allocated them (the largest
+    EIATTR_REGCOUNT of its .nv.info sections; our modules hold one kernel), or None where
+    the image has none. Attributes are (format, id) bytes then a payload: none (0x01), one
+    byte (0x02), two (0x03), or a 16-bit size and that many bytes (0x04)."""
+    if not cubin or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        return None
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):  # (name offset, offset, size) of section header i
+        h = struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+        return h[0], h[4], h[5]
+
+    names = section(shstrndx)[1]
+    regs = None
+    for i in range(shnum):
+        name_at, off, size = section(i)
+        name = cubin[names + name_at:cubin.index(b"\0", names + name_at)]
+        if not name.startswith(b".nv.info"):
+            continue
+        p, end = off, off + size
+        while p + 2 <= end:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == 0x04:
+                n, = struct.unpack_from("<H", cubin, p + 2)
+                if attr == EIATTR_REGCOUNT and n >= 8:
+                    regs = max(regs or 0, struct.unpack_from("<I", cubin, p + 8)[0])
+                p += 4 + n
+            elif fmt in (0x01, 0x02, 0x03):
+                p += fmt + 1
+            else:  # a format this reader does not know: stop rather than misread
+                break
+    return regs
+
+
+def _compile(kernel, *args):
+    """cute.compile through TVM-FFI, keeping the cubin for its register count
+    (WindowSlots.fit_registers). It is written to the DSL's dump directory where one is set
+    (the probes keep the PTX there), else to a temporary one."""
+    import cutlass.cute as cute
+
+    dump = os.environ.get("CUTE_DSL_DUMP_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        return cute.compile(kernel, *args,
+                            options=f"--enable-tvm-ffi --keep-cubin --dump-dir={dump or tmp}")
+
+
 def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int):
     import cutlass
     import cutlass.cute as cute
@@ -85,15 +138,13 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     long = config.long_window(coff * ratio)
     if direction in ("dape", "dape_wide"):
         kernel = DapeReduce(ratio * W, wide=direction == "dape_wide")
-        fn = cute.compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
-                          _fake(cutlass.Float32, (1, ratio * W), 16), stream,
-                          options="--enable-tvm-ffi")
+        fn = _compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
+                      _fake(cutlass.Float32, (1, ratio * W), 16), stream)
     elif direction == "fwd":
         kernel = (LongPoolForward(cdt, ratio, coff, head_dim) if long
                   else PoolForward(cdt, ratio, coff, head_dim, _target_major()))
         out = _fake(cdt, (N, head_dim), 16)
-        fn = cute.compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream,
-                          options="--enable-tvm-ffi")
+        fn = _compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream)
     else:
         kernel = (LongPoolBackward(cdt, ratio, coff, head_dim) if long
                   else PoolBackward(cdt, ratio, coff, head_dim, _target_major(),
@@ -101,11 +152,15 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
         grad = _fake(cdt, (N, head_dim), 16)
         dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
         work = _fake(cutlass.Float32, (P, W), 16)
-        fn = cute.compile(kernel, kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1),
-                          Int32(1), Int32(1), stream, options="--enable-tvm-ffi")
+        fn = _compile(kernel, kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1),
+                      Int32(1), Int32(1), stream)
     # The DSL object owns the loaded module and its execution engine: keep it alive as long
     # as the direct function that calls into it.
     kernel.compiled = fn
+    artifacts = getattr(fn, "artifacts", None)
+    kernel.registers = cubin_registers(getattr(artifacts, "CUBIN", None))
+    if hasattr(kernel, "fit_registers"):
+        kernel.fit_registers(kernel.registers)
     return kernel, _direct(fn)
 
 

@@ -246,6 +246,26 @@ FWD_MAX_ROWS_PER_THREAD = 64
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 6
+# GRID_FITS_REGISTERS: the one-wave grids of the short-window kernels (pool_fwd
+# rows_per_thread, launch.backward_schedule) are sized for the CTAs an SM their shared
+# memory and the targets above allow; this also caps them at what the compiled kernel's
+# registers leave resident (compile.cubin_registers reads ptxas' count from the cubin;
+# common.WindowSlots.fit_registers). tools/spill_survey.py at 983e9ea+ (bf16, ratios 1-8,
+# coff 1-2, d 64/128/512, sm_90a and sm_100a) found 23 of 72 sm_90a kernels sized for more
+# CTAs than their registers hold, so their grids ran 1.3-2 waves: the d=64/128 backwards
+# at ratios 1-3, 5 and 6 (e.g. ratio 2 coff 2: 56 registers x 256 threads, 4 CTAs resident
+# against a grid for 6) and the d=512 forwards at ratios 5-8 coff 2 (168-254 registers, 2-3
+# resident against 3-4). The production kernels (ratio 4 coff 2, ratio 128) fit already
+# (tests/test_compile_cpu.py) and keep their grids. Candidate; prediction (H200, µs):
+# at 3x8192/128 the backward of ratio 2 coff 2 and ratio 3 coff 1 -5 to -15%, at 3x8192/512
+# the ratio 6 coff 2 forward -5 to -20%, ratio 4 coff 2 unchanged.
+GRID_FITS_REGISTERS = 0
+# Register file of an SM on sm_90 and sm_100: 64K 32-bit registers in 4 partitions, given
+# to warps in units of 256 (the CUDA occupancy calculator's rule; ctas_fitting_registers).
+REGS_PER_SM = 65536
+REG_PARTITIONS = 4
+REG_ALLOC_UNIT = 256
+MAX_THREADS_PER_SM = 2048
 # The backward of large packs (launch.backward_kernel; pool_bwd ``large``): where the
 # backward stacks row lanes (d=128 bf16: 4 of 64 threads) and runs 3 to
 # BWD_LARGE_MAX_DEFAULT_CTAS CTAs an SM, packs of at least BWD_LARGE_PACK_ROWS rows use a
@@ -468,7 +488,7 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("GRID_FITS_REGISTERS=1",)
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
@@ -586,6 +606,15 @@ def forward_vector_elems(head_dim: int, elem_bytes: int) -> int:
            and (vec // 2) * elem_bytes >= FWD_MIN_VEC_BYTES):
         vec //= 2
     return vec
+
+
+def ctas_fitting_registers(regs: int, threads: int) -> int:
+    """CTAs of ``threads`` threads at ``regs`` registers a thread that one SM holds by its
+    registers and threads (each register partition holds whole warps)."""
+    warps = -(-threads // 32)
+    per_warp = -(-regs * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    warps_by_regs = REGS_PER_SM // REG_PARTITIONS // per_warp * REG_PARTITIONS
+    return min(warps_by_regs, MAX_THREADS_PER_SM // 32) // warps
 
 
 def smem_carveout() -> int | None:

@@ -38,6 +38,7 @@ class _LongShape:
         self.chunk_slots = config.long_slots_per_thread(self.slots, slots_per_thread)
         self.groups = self.slots // self.chunk_slots
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
+        self.threads = self.lanes * self.groups  # a CTA: (lanes, groups)
         self.col_groups = math.ceil(self.cpr / self.lanes)
         self.cols = self.lanes * self.vec  # columns of one CTA
         # Shared columns without bank conflicts (col(): consecutive lanes in consecutive
