@@ -46,6 +46,10 @@ def probe(arch, cfg, overrides=""):
 def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     info = probe(arch, cfg)
     assert info["regs"], "ptxas reported no register count"
+    # The grid sizing reads the register count from the cubin (compile.cubin_registers):
+    # it must be ptxas' own, and the production kernels' grids are what they were designed
+    # for (their registers fit it; see regs_for_one_wave below).
+    assert info["cubin_regs"] == max(info["regs"]), info
     assert all(s == 0 for s in info["spills"]), info
     assert all(s == 0 for s in info["stack"]), info
     assert info["local"] == 0, info
@@ -96,6 +100,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         # 1x8192/128 fwd+bwd 27.9 against 24.6 us, config.py). The d=512 forward sits at
         # the limit: 128 registers x 128 threads x 4 CTAs.
         assert regs_for_one_wave(info) <= 65536, info
+        assert info["grid_ctas"] == info["target_ctas"], info
     if direction == "fwd" and width <= 4 and staged:
         # The narrow forward's register bound (config.FWD_BOUND_CTAS_PER_SM).
         assert info["min_ctas"] == [config.FWD_BOUND_CTAS_PER_SM[arch_major]], info
@@ -131,6 +136,55 @@ def test_wide_narrow_forwards_go_unbounded_without_spills(arch, ratio):
     info = probe(arch, ("fwd", "bfloat16", ratio, 2, 128))
     assert info["min_ctas"] == [], info
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
+
+
+# Kernels that tools/spill_survey.py found spilling under a register bound, or with a
+# grid sized for more CTAs than their registers hold (config.FWD_BOUND_SPILLS,
+# BWD_COOP_WIDE_*, GRID_FITS_REGISTERS): (arch, cfg, bound expected, grid smaller than designed).
+SURVEY_FIXES = [
+    ("sm_90a", ("fwd", "bfloat16", 6, 1, 128), [], False),
+    ("sm_100a", ("fwd", "bfloat16", 8, 1, 128), [], False),
+    ("sm_90a", ("bwd", "bfloat16", 6, 2, 512), [4], False),
+    ("sm_90a", ("bwd", "bfloat16", 7, 2, 512), [4], False),
+    ("sm_90a", ("bwd", "bfloat16", 4, 1, 128), [], True),
+    ("sm_90a", ("fwd", "bfloat16", 6, 2, 512), [], True),
+    ("sm_100a", ("bwd", "bfloat16", 7, 2, 512), [], True),
+]
+
+
+@pytest.mark.parametrize("arch,cfg,bound,smaller", SURVEY_FIXES,
+                         ids=[f"{a}-" + "-".join(map(str, c)) for a, c, _, _ in SURVEY_FIXES])
+def test_survey_fixes_compile_spill_free_for_one_wave(arch, cfg, bound, smaller):
+    """Spill-free, with the bound named, and a grid no larger than the compiled kernel's
+    registers hold (fewer CTAs than designed where the design overshot them)."""
+    from csa_compressor.kernels import config
+
+    info = probe(arch, cfg)
+    assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
+    assert info["min_ctas"] == bound, info
+    fits = config.ctas_fitting_registers(info["cubin_regs"], info["threads"])
+    assert 1 <= info["grid_ctas"] <= fits, info
+    assert (info["grid_ctas"] < info["target_ctas"]) == smaller, info
+
+
+def test_ctas_fitting_registers_follows_the_occupancy_rule():
+    """Registers go to warps in units of 256, whole warps a partition (of 4): e.g. 56
+    registers x 256 threads leave 4 CTAs (the ratio 4 coff 1 d=128 backward), 79-80 x 128
+    leave 6 (the d=512 backward's grid), 96 x 128 leave 5, 255 x 128 leave 2."""
+    from csa_compressor.kernels import config
+
+    cases = {(56, 256): 4, (64, 256): 4, (32, 256): 8, (80, 128): 6, (79, 128): 6,
+             (96, 128): 5, (128, 128): 4, (168, 128): 3, (255, 128): 2, (24, 64): 32, (16, 32): 32}
+    for (regs, threads), ctas in cases.items():
+        assert config.ctas_fitting_registers(regs, threads) == ctas, (regs, threads)
+
+
+def test_cubin_reader_declines_what_is_not_a_cubin():
+    from csa_compressor.kernels.compile import cubin_registers
+
+    assert cubin_registers(None) is None and cubin_registers(b"") is None
+    assert cubin_registers(b"\x7fELF\x02" + b"\0" * 10) is None  # truncated header
+    assert cubin_registers(b"MZ" + b"\0" * 100) is None
 
 
 # Buffers whose sizes are not multiples of their 16-byte alignment (odd thread counts and

@@ -1,6 +1,8 @@
 """Compile a grid of kernel specialisations for sm_90a and sm_100a on this (CPU) machine and
-list every one that spills, takes a stack frame or uses local memory. CI checks only the
-production configurations (tests/test_compile_cpu.py); this covers what users may ask for.
+list every one that spills, takes a stack frame or uses local memory, or whose grid is
+sized for more CTAs an SM than its registers hold (config.ctas_fitting_registers). CI
+checks the production configurations and the fixes this found (tests/test_compile_cpu.py);
+this covers what users may ask for.
 
     python tools/spill_survey.py [--dtypes bfloat16,float32] [--dims 64,128,512]
         [--ratios 1-8] [--coffs 1,2] [--dirs fwd,bwd,bwd_large] [--archs sm_90a,sm_100a]
@@ -67,6 +69,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--config", default="", help="CSA_CONFIG overrides for every compile")
     a = ap.parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from csa_compressor.kernels import config
     jobs = []
     for arch in a.archs.split(","):
         for dtype in a.dtypes.split(","):
@@ -80,11 +84,16 @@ def main():
     bad = []
     with ThreadPoolExecutor(a.jobs) as pool:
         for (arch, cfg), info in zip(jobs, pool.map(lambda j: probe(j[0], j[1], a.config), jobs)):
-            keep = {k: info.get(k) for k in ("error", "regs", "spills", "stack", "local", "min_ctas", "target_ctas", "threads")}
+            keep = {k: info.get(k) for k in ("error", "regs", "spills", "stack", "local", "min_ctas",
+                                             "target_ctas", "grid_ctas", "threads")}
             print(json.dumps({"arch": arch, "cfg": cfg, **keep}), flush=True)
             if info.get("error") or any(info["spills"]) or any(info["stack"]) or info["local"]:
                 bad.append((arch, cfg, keep))
-    print(f"\n{len(bad)} of {len(jobs)} specialisations spill, use a stack or local memory, or fail:")
+            elif info.get("grid_ctas") and info["grid_ctas"] > config.ctas_fitting_registers(
+                    max(info["regs"]), info["threads"]):
+                bad.append((arch, cfg, {**keep, "grid": "more CTAs than the registers hold"}))
+    print(f"\n{len(bad)} of {len(jobs)} specialisations spill, use a stack or local memory, "
+          "size a grid past their registers, or fail:")
     for arch, cfg, keep in bad:
         print(arch, *cfg, keep)
     return 1 if bad else 0

@@ -77,6 +77,13 @@ def cubin_registers(cubin: bytes) -> int | None:
     byte (0x02), two (0x03), or a 16-bit size and that many bytes (0x04)."""
     if not cubin or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         return None
+    try:
+        return _regcount(cubin)
+    except (struct.error, ValueError, IndexError):  # a truncated or foreign image
+        return None
+
+
+def _regcount(cubin: bytes) -> int | None:
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
 

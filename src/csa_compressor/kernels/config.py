@@ -248,24 +248,33 @@ SMEM_RESERVED_PER_CTA = 1024
 BWD_TARGET_CTAS_PER_SM = 6
 # GRID_FITS_REGISTERS: the one-wave grids of the short-window kernels (pool_fwd
 # rows_per_thread, launch.backward_schedule) are sized for the CTAs an SM their shared
-# memory and the targets above allow; this also caps them at what the compiled kernel's
-# registers leave resident (compile.cubin_registers reads ptxas' count from the cubin;
+# memory and the targets above allow, capped at what the compiled kernel's registers
+# leave resident (compile.cubin_registers reads ptxas' count from the cubin;
 # common.WindowSlots.fit_registers). tools/spill_survey.py at 983e9ea+ (bf16, ratios 1-8,
-# coff 1-2, d 64/128/512, sm_90a and sm_100a) found 23 of 72 sm_90a kernels sized for more
-# CTAs than their registers hold, so their grids ran 1.3-2 waves: the d=64/128 backwards
-# at ratios 1-3, 5 and 6 (e.g. ratio 2 coff 2: 56 registers x 256 threads, 4 CTAs resident
-# against a grid for 6) and the d=512 forwards at ratios 5-8 coff 2 (168-254 registers, 2-3
-# resident against 3-4). The production kernels (ratio 4 coff 2, ratio 128) fit already
-# (tests/test_compile_cpu.py) and keep their grids. Candidate; prediction (H200, µs):
-# at 3x8192/128 the backward of ratio 2 coff 2 and ratio 3 coff 1 -5 to -15%, at 3x8192/512
-# the ratio 6 coff 2 forward -5 to -20%, ratio 4 coff 2 unchanged.
-GRID_FITS_REGISTERS = 0
+# coff 1-2, d 64/128/512) found 18 of 120 sm_90a kernels (23 of 96 on sm_100a) sized for
+# more CTAs than their registers hold, so their grids ran 1.2-2 waves: the d=64/128
+# backwards at ratios 1-6 but 4 coff 2 (e.g. ratio 4 coff 1: 56 registers x 256 threads, 4
+# CTAs resident against a grid for 6) and the d=512 forwards at ratios 5-8 coff 2 (168-254
+# registers, 2-3 resident against 3-4). The production kernels (ratio 4 coff 2, ratio 128)
+# fit already (tests/test_compile_cpu.py) and keep their grids. Predicted (H200): at
+# 3x8192/128 the backwards -5 to -15%, the 3x8192/512 ratio 6 coff 2 forward -5 to -20%,
+# ratio 4 coff 2 unchanged. Measured (sweep at c3f4165, 2026-11-30, perf-notes v27, fwd /
+# fwd+bwd µs, off twice / on twice): 3x8192/512 ratio 8 coff 2 38.7-38.8 / 111.1-111.5 ->
+# 34.6-35.5 / 109.4-110.0, ratio 6 coff 2 34.6-34.8 / 100.8-101.1 -> 33.6-33.7 /
+# 99.6-99.8, 1x8192/512 ratio 6 coff 2 16.0-16.1 / 40.1-40.5 -> 16.0-16.1 / 39.0-39.1,
+# 1x8192/128 ratio 6 coff 1 5.2 / 12.0 -> 5.0-5.1 / 11.7-11.9, ratio 4 coff 1 (1x8192 and
+# the ragged pack) and ratio 4 coff 2 within noise. The forwards as predicted (ratio 6 at
+# the low end), the d=128 backwards at 2,048 rows and fewer gained little (the 3x8192
+# packs take the large-pack variants, which their bound already fits). Adopted; 0 is a
+# sweep knob.
+GRID_FITS_REGISTERS = 1
 # Register file of an SM on sm_90 and sm_100: 64K 32-bit registers in 4 partitions, given
 # to warps in units of 256 (the CUDA occupancy calculator's rule; ctas_fitting_registers).
 REGS_PER_SM = 65536
 REG_PARTITIONS = 4
 REG_ALLOC_UNIT = 256
 MAX_THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
 # The backward of large packs (launch.backward_kernel; pool_bwd ``large``): where the
 # backward stacks row lanes (d=128 bf16: 4 of 64 threads) and runs 3 to
 # BWD_LARGE_MAX_DEFAULT_CTAS CTAs an SM, packs of at least BWD_LARGE_PACK_ROWS rows use a
@@ -354,6 +363,16 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 # One-element windows stay held up to 16 slots (fp32 ratio 8 coff 2: 80 registers
 # spill-free under the bound), as before the sweep.
 FWD_BOUND_MAX_ELEMS = 16
+# FWD_BOUND_SPILLS: (ratio, coff, vector elements) windows that ptxas spilled under the
+# narrow forward's bound on that architecture (tools/spill_survey.py; bf16 at d=64 and
+# d=128, 2-element vectors):
+# sm_90a ratio 6 coff 1, 24 B; sm_100a ratio 8 coff 1, 48 B. They compile unbounded
+# (sm_90a: 69 registers, sm_100a: 79, spill-free) with the grid of FWD_TARGET_CTAS_PER_SM.
+# H200 sweep at c3f4165 (2026-11-30, perf-notes v27, fwd / fwd+bwd µs, bound twice /
+# unbound twice, ratio 6 coff 1 d=128): 3x8192 8.4-8.5 / 18.9-19.0 -> 7.1 / 17.2-17.3,
+# ragged 3.0-3.1 / 8.8-8.9 -> 2.7 / 8.6, 1x8192 4.6-5.0 / 11.1-11.8 -> 4.6-4.7 / 11.3.
+# sm_100a's entry is the same fix, compiled here only (no Blackwell to measure).
+FWD_BOUND_SPILLS = {9: ((6, 1, 2),), 10: ((8, 1, 2),)}
 SMEM_CARVEOUT = -1
 # WHATIF_MATH: a measurement knob, never a default (tests/test_compile_cpu.py checks it is
 # 0): the short-window kernels' softmax (common.whatif_softmax) with approximate math (1)
@@ -488,7 +507,7 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ("GRID_FITS_REGISTERS=1",)
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
@@ -562,6 +581,17 @@ REDUCE_WIDE_ROW_LANES = 8
 # requests: more resident warps do not help; the memory pipeline, not latency hiding,
 # is the limit (which COOP_STAGING then confirmed). Off.
 BWD_BOUND_CTAS_PER_SM = 0
+# BWD_COOP_WIDE_ELEMS / BWD_COOP_WIDE_CTAS: the cooperative backward (d=512 on sm_90) is
+# held to the CTAs its grid is sized for (pool_bwd), but windows of more than
+# BWD_COOP_WIDE_ELEMS elements a thread to at most BWD_COOP_WIDE_CTAS: held to 5 (what
+# shared memory fits), ptxas sm_90a spilled ratio 6 coff 2 (12 slots x 2 elements) 8 B and
+# ratio 7 coff 2 312 B at 96 registers; at 4 they take 126, spill-free
+# (tools/spill_survey.py). H200 sweep at c3f4165 (2026-11-30, perf-notes v27, then
+# BWD_BOUND_CTAS_PER_SM=4, fwd+bwd µs, 5 twice / 4 twice): 3x8192/512 ratio 7 coff 2
+# 127.3-127.5 -> 101.2-101.7, 1x8192/512 ratio 7 coff 2 52.7-53.2 -> 40.0, 3x8192/512
+# ratio 6 coff 2 100.3-100.8 -> 98.4-98.5. Ratio 8 coff 2 is held to 4 by shared memory.
+BWD_COOP_WIDE_ELEMS = 20
+BWD_COOP_WIDE_CTAS = 4
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 16
 LONG_CTA_THREADS = 256
@@ -614,7 +644,7 @@ def ctas_fitting_registers(regs: int, threads: int) -> int:
     warps = -(-threads // 32)
     per_warp = -(-regs * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
     warps_by_regs = REGS_PER_SM // REG_PARTITIONS // per_warp * REG_PARTITIONS
-    return min(warps_by_regs, MAX_THREADS_PER_SM // 32) // warps
+    return min(min(warps_by_regs, MAX_THREADS_PER_SM // 32) // warps, MAX_CTAS_PER_SM)
 
 
 def smem_carveout() -> int | None:

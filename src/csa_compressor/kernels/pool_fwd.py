@@ -58,7 +58,8 @@ class PoolForward(WindowSlots):
         # (a register bound) and their grid sized for that many. See
         # config.FWD_BOUND_CTAS_PER_SM for what it measured.
         bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
-        bounded = bound and narrow and self.slots * self.vec <= config.FWD_BOUND_MAX_ELEMS
+        bounded = (bound and narrow and self.slots * self.vec <= config.FWD_BOUND_MAX_ELEMS
+                   and (ratio, coff, self.vec) not in config.FWD_BOUND_SPILLS.get(arch_major, ()))
         self.hold_to(max(1, min(bound, fit)) if bounded else 0)
         self.specialise()
         # Warp-cooperative 16-byte staging copies where every warp holds one row
