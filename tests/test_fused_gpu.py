@@ -63,11 +63,14 @@ def assert_never_worse_than_upstream(fused, up, oracle):
 
 
 # Every ratio 1-8 and both coff in bf16 at head_dim 128 and at an odd head_dim; fp16 and
-# fp32 at head_dim 64; head_dim 512 at the production ratios.
+# fp32 at head_dim 64; head_dim 512 at the production ratios, and in bf16 at the wide
+# windows whose kernels differ there (ratios 5-8 coff 2: register-fitted grids, the
+# backward held to 4 CTAs, config.FWD_MAX_WINDOW_ELEMS).
 GRID = ([(128, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
         + [(65, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
         + [(64, r, c, dt) for r in range(1, 9) for c in (1, 2) for dt in (torch.float16, torch.float32)]
-        + [(512, r, 2, dt) for r in (2, 4) for dt in DTYPES])
+        + [(512, r, 2, dt) for r in (2, 4) for dt in DTYPES]
+        + [(512, r, 2, torch.bfloat16) for r in (5, 6, 7, 8)])
 
 
 @pytest.mark.parametrize("d,ratio,coff,dtype", GRID, ids=[f"d{a}-r{b}-c{c}-{str(e)[6:]}" for a, b, c, e in GRID])

@@ -363,6 +363,14 @@ FWD_BOUND_CTAS_PER_SM = {9: 8, 10: 7}
 # One-element windows stay held up to 16 slots (fp32 ratio 8 coff 2: 80 registers
 # spill-free under the bound), as before the sweep.
 FWD_BOUND_MAX_ELEMS = 16
+# FWD_MAX_WINDOW_ELEMS (0: off): the forward halves its vector while a window holds more
+# than this many elements a thread (forward_vector_elems). At d=512 bf16 the 8-byte
+# vectors of ratio 5-8 coff 2 windows (40-64 elements) take 168-254 registers, 2-3 CTAs an
+# SM; in 4-byte vectors (32 elements at most) 96-125, 4 CTAs (ptxas sm_90a, spill-free).
+# Ratio 4 coff 2 (32 elements) keeps 8 bytes. Candidate; prediction (H200, forward µs at
+# 3x8192/512): ratio 6-8 coff 2 -5 to -15% against their register-fitted grids, ratio 5
+# coff 2 within +-5%, ratio 4 coff 2 unchanged.
+FWD_MAX_WINDOW_ELEMS = 0
 # FWD_BOUND_SPILLS: (ratio, coff, vector elements) windows that ptxas spilled under the
 # narrow forward's bound on that architecture (tools/spill_survey.py; bf16 at d=64 and
 # d=128, 2-element vectors):
@@ -507,7 +515,7 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("FWD_MAX_WINDOW_ELEMS=32",)
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
@@ -628,12 +636,17 @@ def vector_elems(head_dim: int, elem_bytes: int, vec_bytes: int | None = None) -
     return vec
 
 
-def forward_vector_elems(head_dim: int, elem_bytes: int) -> int:
-    """vector_elems, then halved while a row has fewer than FWD_MIN_CHUNKS_PER_ROW chunks
-    and the half is still FWD_MIN_VEC_BYTES or more."""
+def forward_vector_elems(head_dim: int, elem_bytes: int, slots: int = 0) -> int:
+    """vector_elems, then halved while a row has fewer than FWD_MIN_CHUNKS_PER_ROW chunks,
+    or a window of ``slots`` slots holds more than FWD_MAX_WINDOW_ELEMS elements a thread
+    (where that knob is set), and the half is still FWD_MIN_VEC_BYTES or more."""
     vec = vector_elems(head_dim, elem_bytes)
-    while (head_dim // vec < FWD_MIN_CHUNKS_PER_ROW and vec % 2 == 0
-           and (vec // 2) * elem_bytes >= FWD_MIN_VEC_BYTES):
+
+    def wide(v):
+        return (head_dim // v < FWD_MIN_CHUNKS_PER_ROW
+                or bool(FWD_MAX_WINDOW_ELEMS) and slots * v > FWD_MAX_WINDOW_ELEMS)
+
+    while wide(vec) and vec % 2 == 0 and (vec // 2) * elem_bytes >= FWD_MIN_VEC_BYTES:
         vec //= 2
     return vec
 

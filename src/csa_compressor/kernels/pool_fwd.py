@@ -37,7 +37,7 @@ class PoolForward(WindowSlots):
         self.coff = coff
         self.d = head_dim
         elem_bytes = dtype.width // 8
-        self.vec = config.forward_vector_elems(head_dim, elem_bytes)
+        self.vec = config.forward_vector_elems(head_dim, elem_bytes, coff * ratio)
         self.cpr = head_dim // self.vec  # column chunks per output row
         self.slots = coff * ratio
         assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
