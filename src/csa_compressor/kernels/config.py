@@ -366,11 +366,18 @@ FWD_BOUND_MAX_ELEMS = 16
 # FWD_MAX_WINDOW_ELEMS (0: off): the forward halves its vector while a window holds more
 # than this many elements a thread (forward_vector_elems). At d=512 bf16 the 8-byte
 # vectors of ratio 5-8 coff 2 windows (40-64 elements) take 168-254 registers, 2-3 CTAs an
-# SM; in 4-byte vectors (32 elements at most) 96-125, 4 CTAs (ptxas sm_90a, spill-free).
-# Ratio 4 coff 2 (32 elements) keeps 8 bytes. Candidate; prediction (H200, forward µs at
-# 3x8192/512): ratio 6-8 coff 2 -5 to -15% against their register-fitted grids, ratio 5
-# coff 2 within +-5%, ratio 4 coff 2 unchanged.
-FWD_MAX_WINDOW_ELEMS = 0
+# SM; in 4-byte vectors 96-125, 4 CTAs (ptxas sm_90a, spill-free). Predicted (H200,
+# forward µs at 3x8192/512, with 32): ratio 6-8 coff 2 -5 to -15% against their
+# register-fitted grids, ratio 5 coff 2 within +-5%, ratio 4 coff 2 (32 elements, kept)
+# unchanged. Measured (sweep at 0fda3f0, 2026-11-30, perf-notes v27, forward / fwd+bwd µs,
+# off twice / 32 twice): ratio 5 30.6-31.0 / 99.4-99.8 -> 33.3-33.5 / 97.6-98.1, ratio 6
+# 33.2-33.8 / 97.2-98.9 -> 32.0-32.5 / 96.9-97.4, ratio 7 34.5-34.6 / 99.6-100.5 ->
+# 32.3-32.9 / 99.9-100.3, ratio 8 34.5-35.1 / 109.4 -> 32.7-32.9 / 107.5-108.0, 1x8192/512
+# ratio 8 16.5-16.7 / 42.2-42.5 -> 14.0-14.1 / 41.2-41.7, ratio 4 within noise. Ratios 6-8
+# as predicted (at the low end at 3x8192), ratio 5's forward 8% slower: 40 keeps it (and
+# every window of 40 elements or fewer) in 8-byte vectors. The GPU suite passed with 32
+# (234 passed, 3 skipped) and memcheck printed 0 errors.
+FWD_MAX_WINDOW_ELEMS = 40
 # FWD_BOUND_SPILLS: (ratio, coff, vector elements) windows that ptxas spilled under the
 # narrow forward's bound on that architecture (tools/spill_survey.py; bf16 at d=64 and
 # d=128, 2-element vectors):
@@ -515,7 +522,7 @@ WHATIF_MATH = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ("FWD_MAX_WINDOW_ELEMS=32",)
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
