@@ -269,3 +269,4 @@ def test_measurement_knobs_ship_off():
     from csa_compressor.kernels import config
 
     assert config.WHATIF_MATH == 0
+    assert config.WHATIF_BWD_APE == 0

@@ -254,10 +254,12 @@ def environment() -> dict:
     return env
 
 
-def _whatif() -> int:
+def _whatif() -> str:
+    """The measurement knobs that break the numerics on purpose, as "K=V" ("" when off)."""
     from .kernels import config
 
-    return config.WHATIF_MATH
+    return ",".join(f"{k}={getattr(config, k)}" for k in ("WHATIF_MATH", "WHATIF_BWD_APE")
+                    if getattr(config, k))
 
 
 def input_sets(set_bytes: int, l2_bytes: int) -> int:
@@ -300,7 +302,7 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
                     continue
                 # A measurement knob that breaks the numerics on purpose: timed, and the
                 # row keeps its gate failure.
-                row["error"] = f"WHATIF_MATH={whatif}, " + row["error"][:60]
+                row["error"] = f"{whatif}, " + row["error"][:60]
             leaves = [[t.detach().clone().requires_grad_(True) for t in s[:3]] for s in sets]
 
             def fwd(i, fn=fn):

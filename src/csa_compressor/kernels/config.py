@@ -398,6 +398,17 @@ SMEM_CARVEOUT = -1
 # 1x8192/128 5.3-5.6 / 14.7-15.2 -> 4.7-5.1 / 13.3-13.7 -> 4.7 / 13.6. Even with no math
 # the short-window kernels miss issue 3's targets: their memory path is what is left.
 WHATIF_MATH = 0
+# WHATIF_BWD_APE: a measurement knob, never a default (tests/test_compile_cpu.py): 1 gives
+# the staged short-window backward zeros for its APE values, with no loads, so a sweep can
+# tell what the per-row APE loads cost it. ncu puts 41% of the 3x8192/512 backward's stall
+# samples on them (v26), yet moving them (BWD_APE_AFTER_WALKS), keeping the windows out of
+# L1 (BWD_COPY_CG) and shared memory (BWD_APE_SMEM, v23) all lost. A guess to test: the
+# loads of row i queue behind the copies of rows i+1 and i+2 issued before them, so a row
+# waits for its latest copies, not its own (which would also explain why more stages never
+# paid). Prediction, if so: 3x8192/512 backward -5 to -10 µs with the loads gone; if the
+# step moves less than ~1 µs, the APE stall is where a memory-bound warp waits, not a cost
+# of its own. Outputs are wrong under it.
+WHATIF_BWD_APE = 0
 # Measured and dropped at 906794e (H200 sweep, 2026-11-30, perf-notes v23; fwd / fwd+bwd
 # µs, two runs of the code before: 3x8192/512 31.2 / 101.3-101.7, 1x8192/512 13.0-13.4 /
 # 38.1-38.9, 3x8192/128 11.0-11.1 / 29.1-29.4, 1x8192/128 5.2-5.5 / 14.5-15.2, 2048x64

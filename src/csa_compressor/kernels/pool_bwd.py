@@ -265,13 +265,16 @@ class PoolBackward(WindowSlots):
                 apef = None  # unstaged: APE loaded by load_slots
                 if cutlass.const_expr(self.staged):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
+                    if cutlass.const_expr(config.WHATIF_BWD_APE):
+                        apef.fill(0.0)  # measurement only: no APE loads (config.py)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
                         # The row's APE loads go out before the stage's wait, so their
                         # latency hides behind it (config.py, "Adopted at v24"); held for
                         # the whole walk instead they spill at d=512.
-                        self.load_ape(gApe, apef, chunk)
+                        if cutlass.const_expr(not config.WHATIF_BWD_APE):
+                            self.load_ape(gApe, apef, chunk)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
