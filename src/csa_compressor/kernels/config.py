@@ -607,17 +607,19 @@ REDUCE_WIDE_ROW_LANES = 8
 # requests: more resident warps do not help; the memory pipeline, not latency hiding,
 # is the limit (which COOP_STAGING then confirmed). Off.
 BWD_BOUND_CTAS_PER_SM = 0
-# BWD_COOP_WIDE_ELEMS / BWD_COOP_WIDE_CTAS: the cooperative backward (d=512 on sm_90) is
-# held to the CTAs its grid is sized for (pool_bwd), but windows of more than
-# BWD_COOP_WIDE_ELEMS elements a thread to at most BWD_COOP_WIDE_CTAS: held to 5 (what
-# shared memory fits), ptxas sm_90a spilled ratio 6 coff 2 (12 slots x 2 elements) 8 B and
-# ratio 7 coff 2 312 B at 96 registers; at 4 they take 126, spill-free
-# (tools/spill_survey.py). H200 sweep at c3f4165 (2026-11-30, perf-notes v27, then
-# BWD_BOUND_CTAS_PER_SM=4, fwd+bwd µs, 5 twice / 4 twice): 3x8192/512 ratio 7 coff 2
-# 127.3-127.5 -> 101.2-101.7, 1x8192/512 ratio 7 coff 2 52.7-53.2 -> 40.0, 3x8192/512
-# ratio 6 coff 2 100.3-100.8 -> 98.4-98.5. Ratio 8 coff 2 is held to 4 by shared memory.
-BWD_COOP_WIDE_ELEMS = 20
-BWD_COOP_WIDE_CTAS = 4
+# BWD_COOP_MAX_CTAS: the cooperative backward (d=512 on sm_90) is held to the CTAs its
+# grid is sized for (pool_bwd), but by coff, a window of more than E elements a thread
+# (slots x vector elements) to at most C CTAs, for each (E, C) listed. Held to what
+# shared memory fits, ptxas sm_90a spilled (tools/spill_survey.py, bf16 d=512, 2-element
+# vectors): ratio 6 coff 2 8 B and ratio 7 coff 2 312 B at 5 CTAs (96 registers; 126 at
+# 4), ratio 9 coff 1 228 B and ratio 10 coff 1 152 B at 6 (80; 95-96 at 5), ratio 11
+# coff 1 160 B and ratio 12 coff 1 12 B at 5; coff 1 windows need more registers than
+# coff 2 ones of as many elements (ratio 5 coff 2, 20 elements: 80 at 6, spill-free).
+# H200 sweep at c3f4165 (2026-11-30, perf-notes v27, as BWD_BOUND_CTAS_PER_SM=4, fwd+bwd
+# µs, 5 twice / 4 twice): 3x8192/512 ratio 7 coff 2 127.3-127.5 -> 101.2-101.7,
+# 1x8192/512 ratio 7 coff 2 52.7-53.2 -> 40.0, 3x8192/512 ratio 6 coff 2 100.3-100.8 ->
+# 98.4-98.5. Ratios 9-10 coff 1 at 5 instead of 6: perf-notes v27.
+BWD_COOP_MAX_CTAS = {1: ((20, 4), (16, 5)), 2: ((20, 4),)}
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 16
 LONG_CTA_THREADS = 256

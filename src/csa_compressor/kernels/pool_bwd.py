@@ -94,15 +94,15 @@ class PoolBackward(WindowSlots):
         # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
         # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
         # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
-        # CTAs the grid is sized for, or the one-wave grid runs 1.2 waves; windows of more
-        # than BWD_COOP_WIDE_ELEMS elements a thread at most BWD_COOP_WIDE_CTAS (they
-        # spilled at 5: config.py).
+        # CTAs the grid is sized for, or the one-wave grid runs 1.2 waves; at most as many
+        # as config.BWD_COOP_MAX_CTAS allows a window of its size (more spilled).
         if config.BWD_BOUND_CTAS_PER_SM:
             self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
         elif self.coop:
             ctas = self.target_ctas_per_sm
-            if self.slots * self.vec > config.BWD_COOP_WIDE_ELEMS:
-                ctas = min(ctas, config.BWD_COOP_WIDE_CTAS)
+            for elems, most in config.BWD_COOP_MAX_CTAS[coff]:
+                if self.slots * self.vec > elems:
+                    ctas = min(ctas, most)
             self.hold_to(ctas)
         else:
             self.hold_to(0)
