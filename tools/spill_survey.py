@@ -39,7 +39,8 @@ def probe(arch, cfg, overrides):
     res = subprocess.run([sys.executable, PROBE, *map(str, cfg)], env=env, capture_output=True,
                          text=True, timeout=900)
     if res.returncode:
-        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
+        lines = [ln.strip() for ln in res.stderr.splitlines() if ln.strip()]
+        return {"error": " | ".join(lines[-4:]) or "failed"}
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
