@@ -618,7 +618,9 @@ BWD_BOUND_CTAS_PER_SM = 0
 # H200 sweep at c3f4165 (2026-11-30, perf-notes v27, as BWD_BOUND_CTAS_PER_SM=4, fwd+bwd
 # µs, 5 twice / 4 twice): 3x8192/512 ratio 7 coff 2 127.3-127.5 -> 101.2-101.7,
 # 1x8192/512 ratio 7 coff 2 52.7-53.2 -> 40.0, 3x8192/512 ratio 6 coff 2 100.3-100.8 ->
-# 98.4-98.5. Ratios 9-10 coff 1 at 5 instead of 6: perf-notes v27.
+# 98.4-98.5; at 1161318 (BWD_BOUND_CTAS_PER_SM=6 twice, the spilling 6, against the default
+# 5 twice): 3x8192/512 ratio 9 coff 1 65.4-66.0 -> 50.7-51.2, 1x8192/512 ratio 10 coff 1
+# 27.6-27.8 -> 23.2-23.4.
 BWD_COOP_MAX_CTAS = {1: ((20, 4), (16, 5)), 2: ((20, 4),)}
 DIV_FAST_MIN = 2.0 ** -64
 LONG_SLOTS_PER_THREAD = 16
