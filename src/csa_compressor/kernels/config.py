@@ -268,8 +268,9 @@ BWD_TARGET_CTAS_PER_SM = 6
 # packs take the large-pack variants, which their bound already fits). Adopted; 0 is a
 # sweep knob.
 GRID_FITS_REGISTERS = 1
-# Register file of an SM on sm_90 and sm_100: 64K 32-bit registers in 4 partitions, given
-# to warps in units of 256 (the CUDA occupancy calculator's rule; ctas_fitting_registers).
+# Register file of an SM on sm_90 and sm_100: 64K 32-bit registers in 4 partitions (one a
+# scheduler), given to warps in units of 256. ctas_fitting_registers counts whole warps a
+# partition, which is never more than the whole-SM count, so a grid it sizes is one wave.
 REGS_PER_SM = 65536
 REG_PARTITIONS = 4
 REG_ALLOC_UNIT = 256
