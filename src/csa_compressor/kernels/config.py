@@ -377,7 +377,10 @@ FWD_BOUND_MAX_ELEMS = 16
 # ratio 8 16.5-16.7 / 42.2-42.5 -> 14.0-14.1 / 41.2-41.7, ratio 4 within noise. Ratios 6-8
 # as predicted (at the low end at 3x8192), ratio 5's forward 8% slower: 40 keeps it (and
 # every window of 40 elements or fewer) in 8-byte vectors. The GPU suite passed with 32
-# (234 passed, 3 skipped) and memcheck printed 0 errors.
+# (234 passed, 3 skipped) and memcheck printed 0 errors. The rule reaches d=256 too (ratios
+# 6-8 coff 2, 48-64 elements); measured there at 5fb3484 (forward / fwd+bwd µs, off twice / 40
+# twice): 3x8192/256 ratio 6 20.1-20.7 / 58.3-59.2 -> 17.6 / 55.8-56.0, ratio 8 22.1-22.5
+# / 58.3-58.9 -> 18.6-18.8 / 56.1, 1x8192/256 ratio 8 12.7 / 26.6 -> 9.4 / 23.1.
 FWD_MAX_WINDOW_ELEMS = 40
 # FWD_BOUND_SPILLS: (ratio, coff, vector elements) windows that ptxas spilled under the
 # narrow forward's bound on that architecture (tools/spill_survey.py; bf16 at d=64 and
