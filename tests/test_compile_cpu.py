@@ -140,7 +140,8 @@ def test_wide_narrow_forwards_go_unbounded_without_spills(arch, ratio):
 
 # Kernels that tools/spill_survey.py found spilling under a register bound, or with a
 # grid sized for more CTAs than their registers hold (config.FWD_BOUND_SPILLS,
-# BWD_COOP_MAX_CTAS, GRID_FITS_REGISTERS, FWD_MAX_WINDOW_ELEMS): (arch, cfg, bound expected, grid smaller than designed).
+# BWD_COOP_MAX_CTAS, GRID_FITS_REGISTERS, FWD_MAX_WINDOW_ELEMS): (arch, cfg, the bound
+# expected, whether the grid is smaller than designed).
 SURVEY_FIXES = [
     ("sm_90a", ("fwd", "bfloat16", 6, 1, 128), [], False),
     ("sm_100a", ("fwd", "bfloat16", 8, 1, 128), [], False),

@@ -244,7 +244,7 @@ def reads():
     them) and our forward; then the same for a forward + backward step's bytes. The floor
     divides bytes by the memcpy bandwidth of 1 GiB outside graphs."""
 
-    from csa_compressor.kernels.compile import _direct, _fake
+    from csa_compressor.kernels.compile import _compile, _direct, _fake
 
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else (
         "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",
@@ -257,9 +257,9 @@ def reads():
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     L, M = cute.sym_int32(), cute.sym_int32()
     kern = _ReadStream()  # sink sizing: threads a CTA
-    rds = {u: _direct(cute.compile(_ReadStream(unroll=u), _fake(cutlass.Int32, (L,), 16),
-                                   _fake(cutlass.Int32, (M,), 4), Int32(1), stream,
-                                   options="--enable-tvm-ffi")) for u in (4, 8, 16)}
+    rds = {u: _direct(_compile(_ReadStream(unroll=u), _fake(cutlass.Int32, (L,), 16),
+                               _fake(cutlass.Int32, (M,), 4), Int32(1), stream))
+           for u in (4, 8, 16)}
     for name in names:
         shape = bench.parse_shape(name)
         T, W = sum(shape.lens), shape.coff * shape.d

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROBE = os.path.join(ROOT, "tests", "compile_probe.py")
+sys.path.insert(0, os.path.join(ROOT, "src"))  # the package, for config and the kernel shapes
 
 
 def _ints(text):
@@ -49,7 +50,6 @@ def has_large_variant(dtype, ratio, coff, d, arch):
     object's construction only; nothing is compiled)."""
     import cutlass
 
-    sys.path.insert(0, os.path.join(ROOT, "src"))
     from csa_compressor.kernels import config
     from csa_compressor.kernels.pool_bwd import PoolBackward
 
@@ -70,7 +70,6 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--config", default="", help="CSA_CONFIG overrides for every compile")
     a = ap.parse_args()
-    sys.path.insert(0, os.path.join(ROOT, "src"))
     from csa_compressor.kernels import config
     jobs = []
     for arch in a.archs.split(","):
