@@ -537,7 +537,7 @@ WHATIF_BWD_APE = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ()
+CANDIDATES = ("LONG_SUM_AHEAD=8", "LONG_FWD_SHARED_VALUES=1", "LONG_BWD_SHARED_VALUES=1")
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
@@ -635,6 +635,34 @@ LONG_BWD_CTA_THREADS = 256
 LONG_BWD_SLOTS_PER_THREAD = 8
 LONG_BWD_VEC_BYTES = 4
 LONG_BWD_CTAS_PER_SM = 2
+# LONG_SUM_AHEAD (candidate; 0 = the loop): the long kernels' serial sums
+# (pool_long._LongShape.serial_sum: the softmax denominator, the forward's output and the
+# backward's S, each 128 dependent adds over shared memory by 2 of a CTA's 8 warps while
+# the others wait at a barrier) with each load issued this many slots ahead of its add,
+# the window unrolled. SASS of the loop (sm_90a, bf16 ratio 128 coff 1 d=512): batches of
+# 8 loads, then 8 dependent adds, so each batch waits a shared-memory latency first:
+# ~60 cycles a batch, ~1,000 a sum, against ~520 for the adds alone. ncu at a794e5d put
+# 31% of the forward's stall cycles on CTA barriers. The adds are the same, in the same
+# order: bitwise the same results. Prediction (H200, ratio 128 coff 1, fwd / fwd+bwd µs):
+# 3x8192/512 25.9 / 84.9 -> 24-25 / 80-83, 1x8192/128 6.1 / 14.7 -> 5.8-6.1 / 14.0-14.6.
+LONG_SUM_AHEAD = 0
+# LONG_FWD_SHARED_VALUES (candidate; 0 = off): the long forward copies its window's values
+# global -> shared by cp.async (16 KB a CTA at d=512 bf16) and reads them back at the
+# products, instead of holding them in registers from the load through the softmax. Why:
+# more ratio-128 CTAs resident is what paid so far (v21), and the forward is held at 3 an
+# SM by its 80 registers, half of them the values (register bounds of 4 and 5 spilled 140
+# and 384 B, ptxas sm_90a); the values also stop waiting on the score phase's loads.
+# ptxas sm_90a, bf16 ratio 128 coff 1 d=512: 64 registers unbounded (80 before), spill-free,
+# 52 KB of shared memory: 4 CTAs an SM by both. Prediction (H200, ratio 128 coff 1, fwd
+# µs): 3x8192/512 25.9 -> 21-23, 1x8192/128 6.1 -> 5.6-6.1.
+LONG_FWD_SHARED_VALUES = 0
+# LONG_BWD_SHARED_VALUES (candidate; 0 = off): the same for the long backward, whose p*dp
+# then lives only in the shared buffer its serial sum reads (gradients_shared_values), held
+# to LONG_BWD_SHARED_CTAS_PER_SM CTAs an SM (3; 2 before, by 95-96 registers). ptxas:
+# see the probe figures written with the measurement. Prediction (H200, ratio 128 coff 1,
+# backward alone = fwd+bwd - fwd, µs): 3x8192/512 ~59 -> 48-54, 1x8192/128 ~8.6 -> 8-8.6.
+LONG_BWD_SHARED_VALUES = 0
+LONG_BWD_SHARED_CTAS_PER_SM = 3
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""

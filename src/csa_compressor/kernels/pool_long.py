@@ -15,7 +15,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import config
-from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_rn, row_window)
+from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_rn, row_window,
+                     smem_footprint)
 from .pool_bwd import PoolBackward
 
 
@@ -57,9 +58,31 @@ class _LongShape:
         # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
         self.specialise()
 
+    def values_bytes(self) -> int:
+        return smem_footprint(self.chunk_slots * self.threads * self.vec * self.dtype.width // 8)
+
+    @cute.jit
+    def load_scores_copy_values(self, gKV, gSc, gApe, sf, sV, atom, c0, t0, has_prev, chunk,
+                                thr):
+        """load_slots with the values sent to this thread's part of ``sV`` by cp.async
+        (one commit group; read back by value() after cp.async.wait_group)."""
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            if valid:
+                self.copy_vec(atom, gKV[(None, (tok, colc))].iterator,
+                              sV[(None, thr, kk, 0)].iterator)
+                s32 = gSc[(None, (tok, colc))].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = s32[e] + a32[e]
+        cute.arch.cp_async_commit_group()
+
     @cute.jit
     def shared(self):
-        smem = cutlass.memory.SmemAllocator()
+        return self.alloc_shared(cutlass.memory.SmemAllocator())
+
+    @cute.jit
+    def alloc_shared(self, smem):
         buf = smem.allocate_tensor(
             Float32, cute.make_layout((self.cols, self.slots), stride=(1, self.slot_stride)), 16)
         gmax = smem.allocate_tensor(
@@ -99,18 +122,51 @@ class _LongShape:
         chunk sums that chunk's column g (g < vec), then all threads meet at a barrier."""
         if g < self.vec:
             col = self.col(tid, g)
-            acc = buf[col, 0]
-            for k in cutlass.range(1, self.slots, 1, unroll=8):
-                acc = acc + buf[col, k]
+            if cutlass.const_expr(config.LONG_SUM_AHEAD):
+                acc = self.serial_sum_ahead(buf, col)
+            else:
+                acc = buf[col, 0]
+                for k in cutlass.range(1, self.slots, 1, unroll=8):
+                    acc = acc + buf[col, k]
             stat[col, slot] = acc
         cute.arch.barrier()
+
+    @cute.jit
+    def serial_sum_ahead(self, buf, col):
+        """buf[col, 0] + buf[col, 1] + ... in slot order, each load issued
+        config.LONG_SUM_AHEAD slots before its add (a ring of that many registers, the
+        whole window unrolled). The loop above loads a batch of 8, then adds it: every
+        batch waits a shared-memory latency (~25 cycles) before 8 dependent adds (SASS,
+        sm_90a), so the chain takes ~2x its 4 cycles an add."""
+        D = config.LONG_SUM_AHEAD
+        ring = cute.make_rmem_tensor((D,), Float32)
+        for j in cutlass.range_constexpr(min(D, self.slots)):
+            ring[j] = buf[col, j]
+        acc = ring[0]
+        for k in cutlass.range_constexpr(self.slots):
+            x = ring[k % D]
+            if cutlass.const_expr(k + D < self.slots):
+                ring[k % D] = buf[col, k + D]
+            if cutlass.const_expr(k > 0):
+                acc = acc + x
+        return acc
 
 
 class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
                     config.LONG_SLOTS_PER_THREAD, pad=False)
-        self.hold_to(0)  # unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*)
+        # The window's values copied global -> shared by cp.async instead of held in
+        # registers from the load to the products (config.LONG_FWD_SHARED_VALUES).
+        self.shared_values = bool(config.LONG_FWD_SHARED_VALUES) and self.stageable()
+        if self.shared_values:
+            self.smem_bytes += self.values_bytes()
+        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*); with the
+        # values in shared memory 64 and 4, and a carveout for as many as shared memory
+        # holds (4 at ratio 128 bf16: the driver's own choice is not documented).
+        self.hold_to(0)
+        if self.shared_values:
+            self.carve_for(self.ctas_fitting_smem())
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         return 1
@@ -138,9 +194,14 @@ class LongPoolForward(_LongShape, WindowSlots):
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
         active = chunk < self.cpr
-        buf, gmax, stat = self.shared()
+        smem = cutlass.memory.SmemAllocator()
+        buf, gmax, stat = self.alloc_shared(smem)
         sf = cute.make_rmem_tensor((CH, vec), Float32)
         vf = cute.make_rmem_tensor((CH, vec), Float32)
+        if cutlass.const_expr(self.shared_values):
+            # (vec, thread, slot): a warp's vectors of one slot are consecutive words.
+            sV = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, CH, 1)), 16)
+            thr = g * self.lanes + tid
         s = self.search(mCuc, row, num_seqs)
         t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
                                             self.coff)
@@ -150,12 +211,32 @@ class LongPoolForward(_LongShape, WindowSlots):
                     sf[kk, e] = -Float32.inf
                     vf[kk, e] = Float32(0.0)
             if active:
-                self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+                if cutlass.const_expr(self.shared_values):
+                    self.load_scores_copy_values(gKV, gSc, gApe, sf, sV, self.copy_atom(), g * CH,
+                                                 t0, has_prev, chunk, thr)
+                else:
+                    self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
             self.softmax_den(sf, buf, gmax, stat, tid, g)
-            for e in cutlass.range_constexpr(vec):
-                divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+            if cutlass.const_expr(self.shared_values):
+                for e in cutlass.range_constexpr(vec):
+                    divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+                cute.arch.cp_async_wait_group(0)
                 for k in cutlass.range_constexpr(CH):
-                    buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
+                    # Each slot's values read at its products: two live, not the window.
+                    _, _, _, valid = self.slot_coords(g * CH + k, t0, has_prev, chunk)
+                    for e in cutlass.range_constexpr(vec):
+                        vf[0, e] = Float32(0.0)  # an empty slot's value (load_slots')
+                    if active & valid:
+                        v32 = self.staged_vector(sV, k, 0, thr)
+                        for e in cutlass.range_constexpr(vec):
+                            vf[0, e] = v32[e]
+                    for e in cutlass.range_constexpr(vec):
+                        buf[self.col(tid, e), g * CH + k] = mul_rn(vf[0, e], sf[k, e])
+            else:
+                for e in cutlass.range_constexpr(vec):
+                    divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+                    for k in cutlass.range_constexpr(CH):
+                        buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
             cute.arch.barrier()
             self.serial_sum(buf, stat, tid, g, 1)
             if active & (g < vec):
@@ -178,13 +259,62 @@ class LongPoolBackward(PoolBackward):
         self.min_rows_per_cta = 1
         # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
         # for them (config.LONG_BWD_CTAS_PER_SM).
-        self.hold_to(config.LONG_BWD_CTAS_PER_SM)
+        # The window's values in shared memory (config.LONG_BWD_SHARED_VALUES), then held to
+        # config.LONG_BWD_SHARED_CTAS_PER_SM.
+        self.shared_values = bool(config.LONG_BWD_SHARED_VALUES) and self.stageable()
+        if self.shared_values:
+            self.smem_bytes += self.values_bytes()
+        self.hold_to(config.LONG_BWD_SHARED_CTAS_PER_SM if self.shared_values
+                     else config.LONG_BWD_CTAS_PER_SM)
 
     shared = _LongShape.shared
+    values_bytes = _LongShape.values_bytes
+    load_scores_copy_values = _LongShape.load_scores_copy_values
+    alloc_shared = _LongShape.alloc_shared
     col = _LongShape.col
     softmax_den = _LongShape.softmax_den
     serial_sum = _LongShape.serial_sum
+    serial_sum_ahead = _LongShape.serial_sum_ahead
     # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
+
+    @cute.jit
+    def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
+                                has_prev, chunk, active):
+        """A row's gradients with its window's values in shared memory
+        (config.LONG_BWD_SHARED_VALUES): each slot's values read at its products, p*dp
+        kept only in ``buf`` (where the serial sum reads it), dscore and dkv computed and
+        stored a slot at a time. The register path's operations in its order."""
+        vec, CH = self.vec, self.chunk_slots
+        for e in cutlass.range_constexpr(vec):
+            divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+        cute.arch.cp_async_wait_group(0)
+        vv = cute.make_rmem_tensor((vec,), Float32)
+        for k in cutlass.range_constexpr(CH):
+            _, _, _, valid = self.slot_coords(g * CH + k, t0, has_prev, chunk)
+            for e in cutlass.range_constexpr(vec):
+                vv[e] = Float32(0.0)  # an empty slot's value (load_slots')
+            if active & valid:
+                v32 = self.staged_vector(sV, k, 0, thr)
+                for e in cutlass.range_constexpr(vec):
+                    vv[e] = v32[e]
+            for e in cutlass.range_constexpr(vec):
+                buf[self.col(tid, e), g * CH + k] = mul_rn(sf[k, e], mul_rn(gv[e], vv[e]))
+        cute.arch.barrier()
+        self.serial_sum(buf, stat, tid, g, 1)
+        S = [stat[self.col(tid, e), 1] for e in range(vec)]
+        dsc = cute.make_rmem_tensor((vec,), Float32)
+        dkv = cute.make_rmem_tensor((vec,), Float32)
+        if active:
+            for kk in cutlass.range_constexpr(CH):
+                tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
+                if valid:
+                    for e in cutlass.range_constexpr(vec):
+                        p = sf[kk, e]
+                        dsc[e] = buf[self.col(tid, e), g * CH + kk] - mul_rn(p, S[e])
+                        dkv[e] = mul_rn(gv[e], p)
+                        dacc[kk, e] = dacc[kk, e] + dsc[e]
+                    gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
+                    gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -202,8 +332,13 @@ class LongPoolBackward(PoolBackward):
         chunk = by * self.lanes + tid
         active = chunk < self.cpr
         if bx < num_row_ctas:
-            buf, gmax, stat = self.shared()
+            smem = cutlass.memory.SmemAllocator()
+            buf, gmax, stat = self.alloc_shared(smem)
             sf, vf, gv, dacc = self.backward_registers()
+            if cutlass.const_expr(self.shared_values):
+                sV = smem.allocate_tensor(self.dtype,
+                                          cute.make_layout((vec, self.threads, CH, 1)), 16)
+                thr = g * self.lanes + tid
             row0 = bx * rows_per_cta
             s = self.search(mCuc, row0, num_seqs)
             for r in cutlass.range(rows_per_cta):
@@ -219,32 +354,42 @@ class LongPoolBackward(PoolBackward):
                             vf[kk, e] = Float32(0.0)
                     if active:
                         gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
-                        self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+                        if cutlass.const_expr(self.shared_values):
+                            self.load_scores_copy_values(gKV, gSc, gApe, sf, sV,
+                                                         self.copy_atom(), g * CH, t0,
+                                                         has_prev, chunk, thr)
+                        else:
+                            self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev,
+                                            chunk)
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
-                    for e in cutlass.range_constexpr(vec):
-                        divide_column(sf, e, CH, stat[self.col(tid, e), 0])
-                        for k in cutlass.range_constexpr(CH):
-                            p = sf[k, e]
-                            pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
-                            sf[k, e] = p
-                            vf[k, e] = pdp
-                            buf[self.col(tid, e), g * CH + k] = pdp
-                    cute.arch.barrier()
-                    self.serial_sum(buf, stat, tid, g, 1)
-                    for e in cutlass.range_constexpr(vec):
-                        S = stat[self.col(tid, e), 1]
-                        for k in cutlass.range_constexpr(CH):
-                            p = sf[k, e]
-                            sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
-                            vf[k, e] = mul_rn(gv[e], p)  # dkv
-                    if active:
-                        for kk in cutlass.range_constexpr(CH):
-                            tok, colc, arow, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
-                            if valid:
-                                gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
-                                gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
-                                for e in cutlass.range_constexpr(vec):
-                                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                    if cutlass.const_expr(self.shared_values):
+                        self.gradients_shared_values(gDKV, gDSc, buf, stat, sV, sf, gv, dacc,
+                                                     tid, g, thr, t0, has_prev, chunk, active)
+                    else:
+                        for e in cutlass.range_constexpr(vec):
+                            divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+                            for k in cutlass.range_constexpr(CH):
+                                p = sf[k, e]
+                                pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                                sf[k, e] = p
+                                vf[k, e] = pdp
+                                buf[self.col(tid, e), g * CH + k] = pdp
+                        cute.arch.barrier()
+                        self.serial_sum(buf, stat, tid, g, 1)
+                        for e in cutlass.range_constexpr(vec):
+                            S = stat[self.col(tid, e), 1]
+                            for k in cutlass.range_constexpr(CH):
+                                p = sf[k, e]
+                                sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
+                                vf[k, e] = mul_rn(gv[e], p)  # dkv
+                        if active:
+                            for kk in cutlass.range_constexpr(CH):
+                                tok, colc, arow, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
+                                if valid:
+                                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                                    gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                                    for e in cutlass.range_constexpr(vec):
+                                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
                     # stat and buf are rewritten by the next row
                     cute.arch.barrier()
             if active:
