@@ -391,13 +391,9 @@ class WindowSlots:
         self.carveout = config.smem_carveout()
         if ctas:
             self.target_ctas_per_sm = ctas
-            self.carve_for(ctas)
-
-    def carve_for(self, ctas: int):
-        """A carveout that holds the shared memory of ``ctas`` CTAs, unless config sets one."""
-        if self.carveout is None:
-            need = ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-            self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
+            if self.carveout is None:
+                need = ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
 
     def fit_registers(self, regs):
         """After compiling: ``regs`` registers a thread (ptxas', from the cubin; None where

@@ -537,7 +537,7 @@ WHATIF_BWD_APE = 0
 # Unmeasured candidates, as the "K=V" settings that switch each on. A GPU session runs the
 # suite with all of them on (CSA_CONFIG, tests/conftest.py) and sweeps each one; each
 # carries its prediction (H200, µs, written before any measurement).
-CANDIDATES = ("LONG_SUM_AHEAD=8", "LONG_FWD_SHARED_VALUES=1", "LONG_BWD_SHARED_VALUES=1")
+CANDIDATES = ()
 # Adopted at v22 (H200 sweep at 38065f6, 2026-11-29, perf-notes v22; were the candidates
 # LONG_SMEM_SPLIT, LONG_PDL, ZERO_FROM_TAIL; the GPU suite passed with all three on, 230
 # passed, and memcheck printed 0 errors). Fwd / fwd+bwd us, two runs of the code before
@@ -634,35 +634,41 @@ LONG_VEC_BYTES = 4
 LONG_BWD_CTA_THREADS = 256
 LONG_BWD_SLOTS_PER_THREAD = 8
 LONG_BWD_VEC_BYTES = 4
-LONG_BWD_CTAS_PER_SM = 2
-# LONG_SUM_AHEAD (candidate; 0 = the loop): the long kernels' serial sums
-# (pool_long._LongShape.serial_sum: the softmax denominator, the forward's output and the
-# backward's S, each 128 dependent adds over shared memory by 2 of a CTA's 8 warps while
-# the others wait at a barrier) with each load issued this many slots ahead of its add,
-# the window unrolled. SASS of the loop (sm_90a, bf16 ratio 128 coff 1 d=512): batches of
-# 8 loads, then 8 dependent adds, so each batch waits a shared-memory latency first:
-# ~60 cycles a batch, ~1,000 a sum, against ~520 for the adds alone. ncu at a794e5d put
-# 31% of the forward's stall cycles on CTA barriers. The adds are the same, in the same
-# order: bitwise the same results. Prediction (H200, ratio 128 coff 1, fwd / fwd+bwd µs):
+LONG_BWD_CTAS_PER_SM = 3
+# LONG_SUM_AHEAD: the long kernels' serial sums (pool_long._LongShape.serial_sum: the
+# softmax denominator, the forward's output and the backward's S, each 128 dependent adds
+# over shared memory by 2 of a CTA's warps while the others wait at a barrier) unrolled,
+# each load written this many slots before its add. The loop before (unroll 8) loaded a
+# batch of 8, then added it (SASS, sm_90a), so every 8 adds waited a shared-memory
+# latency first; ncu at a794e5d put 31% of the forward's stall cycles on CTA barriers.
+# ptxas schedules the unrolled loads itself (8 and 16 give the same SASS); same adds, same
+# order, bitwise the same results. Predicted (H200, ratio 128 coff 1, fwd / fwd+bwd µs):
 # 3x8192/512 25.9 / 84.9 -> 24-25 / 80-83, 1x8192/128 6.1 / 14.7 -> 5.8-6.1 / 14.0-14.6.
-LONG_SUM_AHEAD = 0
-# LONG_FWD_SHARED_VALUES (candidate; 0 = off): the long forward copies its window's values
-# global -> shared by cp.async (16 KB a CTA at d=512 bf16) and reads them back at the
-# products, instead of holding them in registers from the load through the softmax. Why:
-# more ratio-128 CTAs resident is what paid so far (v21), and the forward is held at 3 an
-# SM by its 80 registers, half of them the values (register bounds of 4 and 5 spilled 140
-# and 384 B, ptxas sm_90a); the values also stop waiting on the score phase's loads.
-# ptxas sm_90a, bf16 ratio 128 coff 1 d=512: 64 registers unbounded (80 before), spill-free,
-# 52 KB of shared memory: 4 CTAs an SM by both. Prediction (H200, ratio 128 coff 1, fwd
-# µs): 3x8192/512 25.9 -> 21-23, 1x8192/128 6.1 -> 5.6-6.1.
-LONG_FWD_SHARED_VALUES = 0
-# LONG_BWD_SHARED_VALUES (candidate; 0 = off): the same for the long backward, whose p*dp
-# then lives only in the shared buffer its serial sum reads (gradients_shared_values), held
-# to LONG_BWD_SHARED_CTAS_PER_SM CTAs an SM (3; 2 before, by 95-96 registers). ptxas:
-# see the probe figures written with the measurement. Prediction (H200, ratio 128 coff 1,
-# backward alone = fwd+bwd - fwd, µs): 3x8192/512 ~59 -> 48-54, 1x8192/128 ~8.6 -> 8-8.6.
-LONG_BWD_SHARED_VALUES = 0
-LONG_BWD_SHARED_CTAS_PER_SM = 3
+# Measured (H200 sweep at 0d9e231, 2026-11-30, perf-notes v28; loop twice -> unrolled):
+# 3x8192/512 25.5-26.3 / 83.7-85.3 -> 24.6 / 79.1, 1x8192/128 5.9-6.0 / 14.5-14.6 -> 5.5 /
+# 13.6, coff 2 1x8192/512 35.6-36.1 / 93.5-93.7 -> 32.5 / 83.9, ratio 16 coff 2 3x8192/128
+# 16.4-16.7 / 42.6-42.8 -> 16.1 / 41.7. Adopted.
+LONG_SUM_AHEAD = 8
+# The long backward's values in shared memory (pool_long.LongPoolBackward, was the
+# candidate LONG_BWD_SHARED_VALUES): cp.async copies the window's values into shared memory
+# and reads them back at the products, and p*dp lives only in the shared buffer its serial
+# sum reads, so a thread no longer holds the window's values (and then p*dp) in registers
+# across the softmax. ptxas (bf16 ratio 128 coff 1 d=512): 95-96 registers at 2 CTAs an SM
+# -> 80 held to 3, spill-free on sm_90a and sm_100a (held to 4: 40-48 B of spills).
+# Predicted (backward alone = fwd+bwd - fwd, µs): 3x8192/512 ~59 -> 48-54, 1x8192/128 ~8.6
+# -> 8-8.6. Measured (sweep at 0d9e231; backward alone, loop sums, off twice -> on):
+# 3x8192/512 58.2-59.0 -> 51.1, ratio 16 coff 2 3x8192/128 26.1-26.2 -> 23.2, coff 2
+# 1x8192/512 57.6-57.9 -> 56.1, 1x8192/128 8.6 -> 9.2 (64 rows, one a CTA either way: the
+# round trip through shared memory costs a lone row). With the unrolled sums: 3x8192/512
+# 54.5 -> 52.0, 1x8192/128 8.1 -> 8.9. Adopted for every vector cp.async can copy: the
+# large packs gain 2.5-8 µs a step, the 1x8192/128 step loses 0.6-0.8. LONG_BWD_CTAS_PER_SM
+# is its bound; LONG_BWD_REG_CTAS_PER_SM the register path's (odd head_dim).
+LONG_BWD_REG_CTAS_PER_SM = 2
+# Measured and dropped at 0d9e231 (same sweep): LONG_FWD_SHARED_VALUES, the same for the
+# long forward (64 registers unbounded instead of 80, so 4 CTAs an SM by registers and by
+# its 52 KB of shared memory, carveout set for them). Predicted 3x8192/512 forward 25.9 ->
+# 21-23; measured 25.5-26.3 -> 30.0, 1x8192/128 5.9-6.0 -> 6.8; only coff 2 1x8192/512
+# gained (35.6-36.1 -> 33.6). Not profiled; 0d9e231 has the code.
 
 def parse_overrides(spec: str) -> dict:
     """``"K=V,K=V"`` (the probes' and sweeps' notation) as {name: int}; unknown names raise."""

@@ -58,25 +58,6 @@ class _LongShape:
         # Row searches here are CTA-wide (one row per CTA), zero-fill ones per slot group.
         self.specialise()
 
-    def values_bytes(self) -> int:
-        return smem_footprint(self.chunk_slots * self.threads * self.vec * self.dtype.width // 8)
-
-    @cute.jit
-    def load_scores_copy_values(self, gKV, gSc, gApe, sf, sV, atom, c0, t0, has_prev, chunk,
-                                thr):
-        """load_slots with the values sent to this thread's part of ``sV`` by cp.async
-        (one commit group; read back by value() after cp.async.wait_group)."""
-        for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
-            if valid:
-                self.copy_vec(atom, gKV[(None, (tok, colc))].iterator,
-                              sV[(None, thr, kk, 0)].iterator)
-                s32 = gSc[(None, (tok, colc))].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
-                for e in cutlass.range_constexpr(self.vec):
-                    sf[kk, e] = s32[e] + a32[e]
-        cute.arch.cp_async_commit_group()
-
     @cute.jit
     def shared(self):
         return self.alloc_shared(cutlass.memory.SmemAllocator())
@@ -119,54 +100,34 @@ class _LongShape:
     @cute.jit
     def serial_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
         """stat[col, slot] <- buf[col, 0] + buf[col, 1] + ... in slot order; thread g of a
-        chunk sums that chunk's column g (g < vec), then all threads meet at a barrier."""
+        chunk sums that chunk's column g (g < vec), then all threads meet at a barrier.
+        The window is unrolled and each slot's load written config.LONG_SUM_AHEAD slots
+        before its add (a ring of registers): a loop of 8 loads then 8 adds made every
+        8 adds wait a shared-memory latency first (config.py, "LONG_SUM_AHEAD")."""
         if g < self.vec:
             col = self.col(tid, g)
-            if cutlass.const_expr(config.LONG_SUM_AHEAD):
-                acc = self.serial_sum_ahead(buf, col)
-            else:
-                acc = buf[col, 0]
-                for k in cutlass.range(1, self.slots, 1, unroll=8):
-                    acc = acc + buf[col, k]
+            D = config.LONG_SUM_AHEAD
+            ring = cute.make_rmem_tensor((D,), Float32)
+            for j in cutlass.range_constexpr(min(D, self.slots)):
+                ring[j] = buf[col, j]
+            acc = ring[0]
+            for k in cutlass.range_constexpr(self.slots):
+                x = ring[k % D]
+                if cutlass.const_expr(k + D < self.slots):
+                    ring[k % D] = buf[col, k + D]
+                if cutlass.const_expr(k > 0):
+                    acc = acc + x
             stat[col, slot] = acc
         cute.arch.barrier()
-
-    @cute.jit
-    def serial_sum_ahead(self, buf, col):
-        """buf[col, 0] + buf[col, 1] + ... in slot order, each load issued
-        config.LONG_SUM_AHEAD slots before its add (a ring of that many registers, the
-        whole window unrolled). The loop above loads a batch of 8, then adds it: every
-        batch waits a shared-memory latency (~25 cycles) before 8 dependent adds (SASS,
-        sm_90a), so the chain takes ~2x its 4 cycles an add."""
-        D = config.LONG_SUM_AHEAD
-        ring = cute.make_rmem_tensor((D,), Float32)
-        for j in cutlass.range_constexpr(min(D, self.slots)):
-            ring[j] = buf[col, j]
-        acc = ring[0]
-        for k in cutlass.range_constexpr(self.slots):
-            x = ring[k % D]
-            if cutlass.const_expr(k + D < self.slots):
-                ring[k % D] = buf[col, k + D]
-            if cutlass.const_expr(k > 0):
-                acc = acc + x
-        return acc
 
 
 class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
                     config.LONG_SLOTS_PER_THREAD, pad=False)
-        # The window's values copied global -> shared by cp.async instead of held in
-        # registers from the load to the products (config.LONG_FWD_SHARED_VALUES).
-        self.shared_values = bool(config.LONG_FWD_SHARED_VALUES) and self.stageable()
-        if self.shared_values:
-            self.smem_bytes += self.values_bytes()
-        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*); with the
-        # values in shared memory 64 and 4, and a carveout for as many as shared memory
-        # holds (4 at ratio 128 bf16: the driver's own choice is not documented).
+        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*). Its values
+        # in shared memory took it to 64 and ran slower (config.py, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
-        if self.shared_values:
-            self.carve_for(self.ctas_fitting_smem())
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
         return 1
@@ -194,14 +155,9 @@ class LongPoolForward(_LongShape, WindowSlots):
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid
         active = chunk < self.cpr
-        smem = cutlass.memory.SmemAllocator()
-        buf, gmax, stat = self.alloc_shared(smem)
+        buf, gmax, stat = self.shared()
         sf = cute.make_rmem_tensor((CH, vec), Float32)
         vf = cute.make_rmem_tensor((CH, vec), Float32)
-        if cutlass.const_expr(self.shared_values):
-            # (vec, thread, slot): a warp's vectors of one slot are consecutive words.
-            sV = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, CH, 1)), 16)
-            thr = g * self.lanes + tid
         s = self.search(mCuc, row, num_seqs)
         t0, has_prev, real, ok = row_window(mCu, mCuc, s, row, num_seqs, num_tokens, self.ratio,
                                             self.coff)
@@ -211,32 +167,12 @@ class LongPoolForward(_LongShape, WindowSlots):
                     sf[kk, e] = -Float32.inf
                     vf[kk, e] = Float32(0.0)
             if active:
-                if cutlass.const_expr(self.shared_values):
-                    self.load_scores_copy_values(gKV, gSc, gApe, sf, sV, self.copy_atom(), g * CH,
-                                                 t0, has_prev, chunk, thr)
-                else:
-                    self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+                self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
             self.softmax_den(sf, buf, gmax, stat, tid, g)
-            if cutlass.const_expr(self.shared_values):
-                for e in cutlass.range_constexpr(vec):
-                    divide_column(sf, e, CH, stat[self.col(tid, e), 0])
-                cute.arch.cp_async_wait_group(0)
+            for e in cutlass.range_constexpr(vec):
+                divide_column(sf, e, CH, stat[self.col(tid, e), 0])
                 for k in cutlass.range_constexpr(CH):
-                    # Each slot's values read at its products: two live, not the window.
-                    _, _, _, valid = self.slot_coords(g * CH + k, t0, has_prev, chunk)
-                    for e in cutlass.range_constexpr(vec):
-                        vf[0, e] = Float32(0.0)  # an empty slot's value (load_slots')
-                    if active & valid:
-                        v32 = self.staged_vector(sV, k, 0, thr)
-                        for e in cutlass.range_constexpr(vec):
-                            vf[0, e] = v32[e]
-                    for e in cutlass.range_constexpr(vec):
-                        buf[self.col(tid, e), g * CH + k] = mul_rn(vf[0, e], sf[k, e])
-            else:
-                for e in cutlass.range_constexpr(vec):
-                    divide_column(sf, e, CH, stat[self.col(tid, e), 0])
-                    for k in cutlass.range_constexpr(CH):
-                        buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
+                    buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
             cute.arch.barrier()
             self.serial_sum(buf, stat, tid, g, 1)
             if active & (g < vec):
@@ -258,30 +194,48 @@ class LongPoolBackward(PoolBackward):
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
-        # for them (config.LONG_BWD_CTAS_PER_SM).
-        # The window's values in shared memory (config.LONG_BWD_SHARED_VALUES), then held to
-        # config.LONG_BWD_SHARED_CTAS_PER_SM.
-        self.shared_values = bool(config.LONG_BWD_SHARED_VALUES) and self.stageable()
+        # for them.
+        # The window's values go to shared memory by cp.async and p*dp lives only in the
+        # serial sum's buffer (gradients_shared_values), which frees the registers of a
+        # third CTA an SM (config.LONG_BWD_CTAS_PER_SM); vectors cp.async cannot copy (odd
+        # head_dim) stay in registers, two CTAs an SM (LONG_BWD_REG_CTAS_PER_SM).
+        self.shared_values = self.stageable()
         if self.shared_values:
             self.smem_bytes += self.values_bytes()
-        self.hold_to(config.LONG_BWD_SHARED_CTAS_PER_SM if self.shared_values
-                     else config.LONG_BWD_CTAS_PER_SM)
+        self.hold_to(config.LONG_BWD_CTAS_PER_SM if self.shared_values
+                     else config.LONG_BWD_REG_CTAS_PER_SM)
 
     shared = _LongShape.shared
-    values_bytes = _LongShape.values_bytes
-    load_scores_copy_values = _LongShape.load_scores_copy_values
     alloc_shared = _LongShape.alloc_shared
     col = _LongShape.col
     softmax_den = _LongShape.softmax_den
     serial_sum = _LongShape.serial_sum
-    serial_sum_ahead = _LongShape.serial_sum_ahead
     # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
+
+    def values_bytes(self) -> int:
+        return smem_footprint(self.chunk_slots * self.threads * self.vec * self.dtype.width // 8)
+
+    @cute.jit
+    def load_scores_copy_values(self, gKV, gSc, gApe, sf, sV, atom, c0, t0, has_prev, chunk,
+                                thr):
+        """load_slots with the values sent to this thread's part of ``sV`` by cp.async
+        (one commit group; read back by value() after cp.async.wait_group)."""
+        for kk in cutlass.range_constexpr(self.chunk_slots):
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            if valid:
+                self.copy_vec(atom, gKV[(None, (tok, colc))].iterator,
+                              sV[(None, thr, kk, 0)].iterator)
+                s32 = gSc[(None, (tok, colc))].load().to(Float32)
+                a32 = gApe[(None, (arow, colc))].load()
+                for e in cutlass.range_constexpr(self.vec):
+                    sf[kk, e] = s32[e] + a32[e]
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
                                 has_prev, chunk, active):
-        """A row's gradients with its window's values in shared memory
-        (config.LONG_BWD_SHARED_VALUES): each slot's values read at its products, p*dp
+        """A row's gradients with its window's values in shared memory (config.py,
+        "LONG_BWD_CTAS_PER_SM"): each slot's values read at its products, p*dp
         kept only in ``buf`` (where the serial sum reads it), dscore and dkv computed and
         stored a slot at a time. The register path's operations in its order."""
         vec, CH = self.vec, self.chunk_slots
