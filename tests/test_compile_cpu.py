@@ -114,7 +114,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         assert info["min_ctas"] == [info["target_ctas"]] and info["target_ctas"] >= 1, info
     elif direction == "bwd" and not staged:
         # The long backward is compiled for the CTAs its grid is sized for
-        # (config.LONG_BWD_CTAS_PER_SM, its values in shared memory): unbounded it took 101
+        # (config.LONG_BWD_CTAS_PER_SM at d=512's 16 slots a thread): unbounded it took 101
         # registers, one CTA an SM.
         assert info["min_ctas"] == [config.LONG_BWD_CTAS_PER_SM] == [info["target_ctas"]], info
     else:

@@ -632,9 +632,33 @@ LONG_CTA_THREADS = 256
 LONG_VEC_BYTES = 4
 # 512-thread CTAs cap ptxas at 128 registers: the long backward spilled 104 B there.
 LONG_BWD_CTA_THREADS = 256
-LONG_BWD_SLOTS_PER_THREAD = 8
+LONG_BWD_SLOTS_PER_THREAD = 16
 LONG_BWD_VEC_BYTES = 4
-LONG_BWD_CTAS_PER_SM = 3
+LONG_BWD_CTAS_PER_SM = 2
+# LONG_WIDE_MIN_SLOTS: the slots a thread of the long kernels follow the window. Windows of
+# at least this many slots take LONG_SLOTS_PER_THREAD (forward) / LONG_BWD_SLOTS_PER_THREAD
+# (backward, where that leaves a row at least LONG_BWD_MIN_COL_GROUPS CTAs: d=512, not
+# d=128); shorter ones, and the backward's rows of few columns, LONG_NARROW_SLOTS_PER_THREAD.
+# The backward with 8 slots a thread is held to LONG_BWD_NARROW_CTAS_PER_SM (80 registers,
+# its values in shared memory), with 16 to LONG_BWD_CTAS_PER_SM (127 registers; held to 3
+# it spilled 384 B), as is the register path (odd head_dim). H200 sweep at 9bc4640
+# (2026-11-30, perf-notes v28; fwd / fwd+bwd µs, defaults twice -> variant once; written
+# after the sweep, no prediction was set down for these):
+# - backward 16 slots held to 2: ratio 128 3x8192/512 24.1-24.4 / 72.6-73.3 -> 24.2 / 70.2
+#   (backward alone 48.5-48.9 -> 46.0), coff 2 1x8192/512 32.0-32.2 / 83.3-84.1 -> 32.2 /
+#   74.4 (51.3-51.9 -> 42.2), 1x8192/128 5.5-5.6 / 14.3-14.4 -> 5.6 / 15.7 (8.8 -> 10.1:
+#   two CTAs a row instead of four, 128 row CTAs for 132 SMs), ratio 16 coff 2 3x8192/128
+#   16.0-16.2 / 38.9-39.3 -> 16.1 / 47.3 (22.9-23.1 -> 31.2: two slot groups);
+# - forward 8 slots: ratio 16 coff 2 3x8192/128 16.0-16.2 -> 14.0, ratio 128 3x8192/512
+#   24.1-24.4 -> 28.4, coff 2 1x8192/512 32.0-32.2 -> 35.8;
+# - slower, not taken: the forward's 128-thread CTAs (3x8192/512 25.7), the backward's 4
+#   slots held to 4 or 5 CTAs (backward alone 3x8192/512 69.9 and 72.4) and 128-thread CTAs
+#   held to 6 (56.1).
+# The rule keeps each measured winner and the 1x8192/128 and ratio-16 backwards as they were.
+LONG_WIDE_MIN_SLOTS = 64
+LONG_NARROW_SLOTS_PER_THREAD = 8
+LONG_BWD_MIN_COL_GROUPS = 4
+LONG_BWD_NARROW_CTAS_PER_SM = 3
 # LONG_SUM_AHEAD: the long kernels' serial sums (pool_long._LongShape.serial_sum: the
 # softmax denominator, the forward's output and the backward's S, each 128 dependent adds
 # over shared memory by 2 of a CTA's warps while the others wait at a barrier) unrolled,
@@ -661,9 +685,8 @@ LONG_SUM_AHEAD = 8
 # 1x8192/512 57.6-57.9 -> 56.1, 1x8192/128 8.6 -> 9.2 (64 rows, one a CTA either way: the
 # round trip through shared memory costs a lone row). With the unrolled sums: 3x8192/512
 # 54.5 -> 52.0, 1x8192/128 8.1 -> 8.9. Adopted for every vector cp.async can copy: the
-# large packs gain 2.5-8 µs a step, the 1x8192/128 step loses 0.6-0.8. LONG_BWD_CTAS_PER_SM
-# is its bound; LONG_BWD_REG_CTAS_PER_SM the register path's (odd head_dim).
-LONG_BWD_REG_CTAS_PER_SM = 2
+# large packs gain 2.5-8 µs a step, the 1x8192/128 step loses 0.6-0.8. These figures are
+# at 8 slots a thread; LONG_WIDE_MIN_SLOTS has the wide windows' 16.
 # Measured and dropped at 0d9e231 (same sweep): LONG_FWD_SHARED_VALUES, the same for the
 # long forward (64 registers unbounded instead of 80, so 4 CTAs an SM by registers and by
 # its 52 KB of shared memory, carveout set for them). Predicted 3x8192/512 forward 25.9 ->

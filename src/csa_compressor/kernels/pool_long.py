@@ -123,8 +123,11 @@ class _LongShape:
 
 class LongPoolForward(_LongShape, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+        most = config.LONG_SLOTS_PER_THREAD
+        if coff * ratio < config.LONG_WIDE_MIN_SLOTS:
+            most = config.LONG_NARROW_SLOTS_PER_THREAD  # config.py, "LONG_WIDE_MIN_SLOTS"
         self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
-                    config.LONG_SLOTS_PER_THREAD, pad=False)
+                    most, pad=False)
         # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*). Its values
         # in shared memory took it to 64 and ran slower (config.py, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
@@ -189,21 +192,29 @@ class LongPoolBackward(PoolBackward):
     CTAs are the short-window backward's."""
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
-        _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS,
-                          config.LONG_BWD_VEC_BYTES, config.LONG_BWD_SLOTS_PER_THREAD, pad=True)
+        # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
+        # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count (config.py,
+        # "LONG_WIDE_MIN_SLOTS").
+        for most in (config.LONG_BWD_SLOTS_PER_THREAD, config.LONG_NARROW_SLOTS_PER_THREAD):
+            _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS,
+                              config.LONG_BWD_VEC_BYTES, most, pad=True)
+            if (self.slots >= config.LONG_WIDE_MIN_SLOTS
+                    and self.col_groups >= config.LONG_BWD_MIN_COL_GROUPS):
+                break
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
         # for them.
         # The window's values go to shared memory by cp.async and p*dp lives only in the
-        # serial sum's buffer (gradients_shared_values), which frees the registers of a
-        # third CTA an SM (config.LONG_BWD_CTAS_PER_SM); vectors cp.async cannot copy (odd
-        # head_dim) stay in registers, two CTAs an SM (LONG_BWD_REG_CTAS_PER_SM).
+        # serial sum's buffer (gradients_shared_values): with the narrow slot count that
+        # frees the registers of a third CTA an SM (config.LONG_BWD_NARROW_CTAS_PER_SM);
+        # the wide count takes two (LONG_BWD_CTAS_PER_SM), as do vectors cp.async cannot
+        # copy (odd head_dim), whose values stay in registers.
         self.shared_values = self.stageable()
         if self.shared_values:
             self.smem_bytes += self.values_bytes()
-        self.hold_to(config.LONG_BWD_CTAS_PER_SM if self.shared_values
-                     else config.LONG_BWD_REG_CTAS_PER_SM)
+        narrow = self.shared_values and self.chunk_slots <= config.LONG_NARROW_SLOTS_PER_THREAD
+        self.hold_to(config.LONG_BWD_NARROW_CTAS_PER_SM if narrow else config.LONG_BWD_CTAS_PER_SM)
 
     shared = _LongShape.shared
     alloc_shared = _LongShape.alloc_shared
@@ -219,7 +230,7 @@ class LongPoolBackward(PoolBackward):
     def load_scores_copy_values(self, gKV, gSc, gApe, sf, sV, atom, c0, t0, has_prev, chunk,
                                 thr):
         """load_slots with the values sent to this thread's part of ``sV`` by cp.async
-        (one commit group; read back by value() after cp.async.wait_group)."""
+        (one commit group; read back by staged_vector after cp.async.wait_group)."""
         for kk in cutlass.range_constexpr(self.chunk_slots):
             tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
             if valid:
@@ -234,8 +245,8 @@ class LongPoolBackward(PoolBackward):
     @cute.jit
     def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
                                 has_prev, chunk, active):
-        """A row's gradients with its window's values in shared memory (config.py,
-        "LONG_BWD_CTAS_PER_SM"): each slot's values read at its products, p*dp
+        """A row's gradients with its window's values in shared memory (config.py, "The
+        long backward's values in shared memory"): each slot's values read at its products, p*dp
         kept only in ``buf`` (where the serial sum reads it), dscore and dkv computed and
         stored a slot at a time. The register path's operations in its order."""
         vec, CH = self.vec, self.chunk_slots
