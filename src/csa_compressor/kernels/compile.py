@@ -18,6 +18,7 @@ import re
 import struct
 import tempfile
 import threading
+import warnings
 
 import torch
 
@@ -120,7 +121,10 @@ def _compile(kernel, *args):
     import cutlass.cute as cute
 
     dump = os.environ.get("CUTE_DSL_DUMP_DIR")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        # The long kernels unroll their serial sums over the window on purpose (registers
+        # indexed by the slot: pool_long._LongShape.serial_sum); the DSL warns of that.
+        warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args,
                             options=f"--enable-tvm-ffi --keep-cubin --dump-dir={dump or tmp}")
 
