@@ -267,8 +267,12 @@ def test_candidates_compile_without_spills(arch, cfg):
     # move loads to copies, as the long kernels' shared values do), in copies no narrower
     # than before (a candidate may widen them, as the warp-cooperative staging of v17 did:
     # 16-byte pieces).
-    total = lambda c: sum(int(b) * n for b, n in c.items())  # noqa: E731
-    moved = lambda i: total(i["async_copies_by_bytes"]) + total(i["loads_by_bytes"])  # noqa: E731
+    def total(c):
+        return sum(int(b) * n for b, n in c.items())
+
+    def moved(i):
+        return total(i["async_copies_by_bytes"]) + total(i["loads_by_bytes"])
+
     assert moved(info) == moved(base), (base, info)
     if base["async_copies_by_bytes"]:
         assert min(map(int, info["async_copies_by_bytes"])) >= min(

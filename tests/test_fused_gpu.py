@@ -136,8 +136,8 @@ def test_large_pack_variant_on_ragged_packs(monkeypatch, d, ratio, coff, dtype):
         assert not torch.isnan(x).any() and torch.equal(x, y)
 
 
-@pytest.mark.parametrize("ratio,coff,d", [(128, 1, 512), (128, 1, 256), (128, 2, 64), (16, 2, 128),
-                                          (12, 1, 65)])
+@pytest.mark.parametrize("ratio,coff,d", [(128, 1, 512), (128, 1, 256), (128, 2, 64),
+                                          (16, 2, 128), (12, 1, 65)])
 def test_long_windows(ratio, coff, d):
     lens = [3 * ratio + 5, ratio - 1, 0, 2 * ratio]
     kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=torch.bfloat16, device="cuda",

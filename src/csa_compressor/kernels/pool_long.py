@@ -203,13 +203,12 @@ class LongPoolBackward(PoolBackward):
                 break
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
-        # PoolBackward.__call__'s launch: a register bound of that many CTAs, the grid sized
-        # for them.
         # The window's values go to shared memory by cp.async and p*dp lives only in the
         # serial sum's buffer (gradients_shared_values): with the narrow slot count that
         # frees the registers of a third CTA an SM (config.LONG_BWD_NARROW_CTAS_PER_SM);
         # the wide count takes two (LONG_BWD_CTAS_PER_SM), as do vectors cp.async cannot
-        # copy (odd head_dim), whose values stay in registers.
+        # copy (odd head_dim), whose values stay in registers. PoolBackward.__call__
+        # launches it with a register bound of that many CTAs and a grid sized for them.
         self.shared_values = self.stageable()
         if self.shared_values:
             self.smem_bytes += self.values_bytes()
@@ -246,9 +245,10 @@ class LongPoolBackward(PoolBackward):
     def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
                                 has_prev, chunk, active):
         """A row's gradients with its window's values in shared memory (config.py, "The
-        long backward's values in shared memory"): each slot's values read at its products, p*dp
-        kept only in ``buf`` (where the serial sum reads it), dscore and dkv computed and
-        stored a slot at a time. The register path's operations in its order."""
+        long backward's values in shared memory"): each slot's values read at its
+        products, p*dp kept only in ``buf`` (where the serial sum reads it), dscore and dkv
+        computed and stored a slot at a time. gradients_register_values' operations in its
+        order."""
         vec, CH = self.vec, self.chunk_slots
         for e in cutlass.range_constexpr(vec):
             divide_column(sf, e, CH, stat[self.col(tid, e), 0])
@@ -280,6 +280,37 @@ class LongPoolBackward(PoolBackward):
                         dacc[kk, e] = dacc[kk, e] + dsc[e]
                     gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
+
+    @cute.jit
+    def gradients_register_values(self, gDKV, gDSc, buf, stat, sf, vf, gv, dacc, tid, g, t0,
+                                  has_prev, chunk, active):
+        """gradients_shared_values for vectors cp.async cannot copy (odd head_dim): the
+        window's values, then p*dp, held in registers ``vf``."""
+        vec, CH = self.vec, self.chunk_slots
+        for e in cutlass.range_constexpr(vec):
+            divide_column(sf, e, CH, stat[self.col(tid, e), 0])
+            for k in cutlass.range_constexpr(CH):
+                p = sf[k, e]
+                pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                sf[k, e] = p
+                vf[k, e] = pdp
+                buf[self.col(tid, e), g * CH + k] = pdp
+        cute.arch.barrier()
+        self.serial_sum(buf, stat, tid, g, 1)
+        for e in cutlass.range_constexpr(vec):
+            S = stat[self.col(tid, e), 1]
+            for k in cutlass.range_constexpr(CH):
+                p = sf[k, e]
+                sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
+                vf[k, e] = mul_rn(gv[e], p)  # dkv
+        if active:
+            for kk in cutlass.range_constexpr(CH):
+                tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
+                if valid:
+                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                    gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
+                    for e in cutlass.range_constexpr(vec):
+                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -331,30 +362,8 @@ class LongPoolBackward(PoolBackward):
                         self.gradients_shared_values(gDKV, gDSc, buf, stat, sV, sf, gv, dacc,
                                                      tid, g, thr, t0, has_prev, chunk, active)
                     else:
-                        for e in cutlass.range_constexpr(vec):
-                            divide_column(sf, e, CH, stat[self.col(tid, e), 0])
-                            for k in cutlass.range_constexpr(CH):
-                                p = sf[k, e]
-                                pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
-                                sf[k, e] = p
-                                vf[k, e] = pdp
-                                buf[self.col(tid, e), g * CH + k] = pdp
-                        cute.arch.barrier()
-                        self.serial_sum(buf, stat, tid, g, 1)
-                        for e in cutlass.range_constexpr(vec):
-                            S = stat[self.col(tid, e), 1]
-                            for k in cutlass.range_constexpr(CH):
-                                p = sf[k, e]
-                                sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
-                                vf[k, e] = mul_rn(gv[e], p)  # dkv
-                        if active:
-                            for kk in cutlass.range_constexpr(CH):
-                                tok, colc, arow, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
-                                if valid:
-                                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
-                                    gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
-                                    for e in cutlass.range_constexpr(vec):
-                                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                        self.gradients_register_values(gDKV, gDSc, buf, stat, sf, vf, gv, dacc,
+                                                       tid, g, t0, has_prev, chunk, active)
                     # stat and buf are rewritten by the next row
                     cute.arch.barrier()
             if active:
