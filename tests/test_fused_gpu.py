@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from csa_compressor import (compress_thd_fused, compressed_cu_seqlens, pool_backward, pool_forward,
-                            reference)
+from csa_compressor import compress_thd_fused, pool_backward, pool_forward, reference
 from packs import make_pack
 
 pytestmark = pytest.mark.gpu
