@@ -45,10 +45,17 @@ def _ulp_diff(a, b):
 
 
 def assert_forward_contract(out, ref):
+    """At most max(1, 0.1%) elements differ from the fp32 reference, by one unit in the
+    last place; fp32 outputs, whose last place lies below torch's regrouping of the
+    window sum, every element within 4 units."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     neq = out != ref
     n_diff = int(neq.sum())
+    if out.dtype == torch.float32:
+        if n_diff:
+            assert _ulp_diff(out[neq], ref[neq]).max() <= 4.0
+        return
     assert n_diff <= max(1, int(0.001 * out.numel())), f"{n_diff} of {out.numel()} elements differ"
     if n_diff:
         assert _ulp_diff(out[neq], ref[neq]).max() <= 1.0
@@ -147,8 +154,8 @@ def test_long_windows(ratio, coff, d):
     assert_forward_contract(fused[0], ref[0])
     for name, f, r in (("dkv", fused[1], ref[1]), ("dscore", fused[2], ref[2])):
         assert_forward_contract(f, r)
-        # SPEC §5 allows large ratios a reordered sum; the slot-parallel kernels keep the
-        # reference's serial order (pool_long.py), so they are bitwise, as README says.
+        # The slot-parallel kernels sum the softmax in torch's order (pool_long.py), so
+        # long windows are bitwise too.
         assert torch.equal(f, r), f"{name} not bitwise equal to the fp32 reference"
     torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=1e-3)
     up = _grads(_ref("upstream"), kv, score, ape, cu, cuc, N, ratio, coff, g)
@@ -282,9 +289,5 @@ def test_wide_score_spread_hits_the_exact_division_fallback(ratio, coff, scale):
     fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, ratio, coff, g)
     ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
     assert_forward_contract(fused[0], ref[0])
-    if ratio * coff <= 16:
-        assert torch.equal(fused[1], ref[1]), "dkv not bitwise equal to the fp32 reference"
-        assert torch.equal(fused[2], ref[2]), "dscore not bitwise equal to the fp32 reference"
-    else:
-        for f, r in ((fused[1], ref[1]), (fused[2], ref[2])):
-            assert_forward_contract(f, r)
+    assert torch.equal(fused[1], ref[1]), "dkv not bitwise equal to the fp32 reference"
+    assert torch.equal(fused[2], ref[2]), "dscore not bitwise equal to the fp32 reference"

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from csa_compressor import reference
+from eager_region import eager_fp32_region
 from naive import naive_forward_backward
 from packs import make_pack
 
@@ -40,7 +41,8 @@ def _run(mode, kv, score, ape, cu, cuc, N, ratio, coff, g):
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("mode,tol", [("fp64", 1e-12), ("fp32", 2e-5), ("upstream", 2e-5)])
+@pytest.mark.parametrize("mode,tol", [("fp64", 1e-12), ("fp32", 2e-5), ("fp32_explicit", 2e-5),
+                                      ("upstream", 2e-5)])
 @pytest.mark.parametrize("case", sorted(BOUNDARY_CASES))
 def test_reference_matches_naive_oracle(case, mode, tol):
     lens, d, ratio, coff, pad, extra = BOUNDARY_CASES[case]
@@ -124,3 +126,79 @@ def test_random_packs_match_oracle(lens, ratio, coff, d, pad, extra, seed):
     torch.testing.assert_close(out, want[0], rtol=1e-12, atol=1e-12)
     for got, ref in zip((dkv, dsc, dape), want[1:]):
         torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=2e-6)
+
+
+def _region_grads(fn, kv, score, ape, g):
+    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+    out = fn(*leaves)
+    if not out.requires_grad:
+        return [out] + [torch.zeros_like(t) for t in leaves]
+    grads = torch.autograd.grad(out, leaves, g.to(out.dtype), allow_unused=True)
+    return [out.detach()] + [x if x is not None else torch.zeros_like(t) for x, t in zip(grads, leaves)]
+
+
+REGION_CASES = [(lens, d, r, c, dt) for lens, d in (([37, 0, 3, 64, 29, 1, 8], 5), ([9, 40], 16))
+                for r in (1, 2, 3, 4, 8) for c in (1, 2)
+                for dt in (torch.float32, torch.bfloat16, torch.float16)]
+REGION_CASES += [([300, 0, 127, 260], 4, 128, 1, torch.bfloat16), ([70, 33, 64], 3, 32, 2, torch.float32)]
+
+
+@pytest.mark.parametrize("lens,d,ratio,coff,dtype", REGION_CASES)
+def test_fp32_reference_is_the_eager_torch_region_bitwise(lens, d, ratio, coff, dtype):
+    """mode="fp32" is the eager region a user writes with torch's ops (tests/eager_region.py:
+    its windows built row by row on the host): output and every gradient bitwise equal,
+    with token padding and static-capacity padding rows that receive gradient."""
+    kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=dtype, pad_tokens=3,
+                                           extra_rows=2, seed=ratio * 7 + coff)
+    g = torch.randn(N, d, generator=torch.Generator().manual_seed(1))
+    ref = _region_grads(lambda a, b, c: reference.compress_thd(a, b, c, cu, cuc, N, ratio=ratio,
+                                                                coff=coff, mode="fp32"),
+                        kv, score, ape, g)
+    region = _region_grads(lambda a, b, c: eager_fp32_region(a, b, c, cu, N, ratio=ratio, coff=coff),
+                           kv, score, ape, g)
+    for name, x, y in zip(("out", "dkv", "dscore", "dape"), ref, region):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), f"{name} differs from the eager torch region"
+
+
+def _fma_exact(a, b, c):
+    """round_fp32(a*b + c) from exact rational arithmetic, ties to even."""
+    import numpy as np
+    from fractions import Fraction
+
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))
+    best = None
+    for cand in (np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))):
+        err = abs(Fraction(float(cand)) - exact)
+        even = (np.array(cand).view(np.int32) & 1) == 0
+        if best is None or err < best[0] or (err == best[0] and even):
+            best = (err, cand)
+    return float(best[1])
+
+
+def test_fma_f32_rounds_once():
+    """reference.fma_f32 against exact arithmetic: random operands, and sums one fp64 ulp
+    off an fp32 rounding midpoint (where rounding to fp64 first would land on the midpoint
+    and round to even the wrong way)."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(4000, generator=gen) * torch.exp2(torch.randint(-20, 20, (4000,), generator=gen).float())
+    b = torch.randn(4000, generator=gen)
+    c = torch.randn(4000, generator=gen) * torch.exp2(torch.randint(-20, 20, (4000,), generator=gen).float())
+    one = 1.0 + 2.0 ** -23
+    # a*b = 2^-24 (1 - 2^-46): 1 + 2^-23 + a*b lies 2^-70 below a midpoint of fp32.
+    a = torch.cat([a, torch.tensor([2.0 ** -24 * (1 + 2.0 ** -23), -(2.0 ** -24) * (1 + 2.0 ** -23)])])
+    b = torch.cat([b, torch.tensor([1 - 2.0 ** -23, 1 - 2.0 ** -23])])
+    c = torch.cat([c, torch.tensor([one, -one])])
+    got = reference.fma_f32(a, b, c)
+    want = torch.tensor([_fma_exact(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    assert torch.equal(got, want)
+    assert got[-2].item() == one and got[-1].item() == -one
+    naive = (a[-2:].double() * b[-2:].double() + c[-2:].double()).float()
+    assert not torch.equal(naive, got[-2:])  # the case a plain fp64 detour gets wrong
+
+
+@pytest.mark.parametrize("K,d,lanes", [(32, 8, 1), (63, 1, 1), (64, 64, 16), (64, 65, 1),
+                                       (128, 33, 16), (128, 32, 32), (256, 1, 256), (128, 512, 1)])
+def test_torch_softmax_lanes(K, d, lanes):
+    assert reference.torch_softmax_lanes(K, d) == lanes

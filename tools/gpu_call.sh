@@ -10,8 +10,10 @@
 #       "seq:ncu_1x8192:128:4:2"
 # Steps:
 #   info                 GPUs, torch, DSL, package
-#   tests                the whole GPU suite; tests_bounds / tests_fused / tests_rest are its
-#                        three shards (run them side by side), tests_fused_k a -k "$TESTS_K" subset
+#   tests                the whole GPU suite; tests_bounds / tests_fused / tests_torch /
+#                        tests_rest are its four shards (run them side by side),
+#                        tests_fused_k a -k "$TESTS_K" subset
+#   check                python -m csa_compressor check (the numerics gate)
 #   tests_candidates     the whole GPU suite with every config.CANDIDATES setting on
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py;
 #                        sanitize_candidates the same with the candidates on
@@ -20,6 +22,9 @@
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
+#   bench_fused          the bench's fused rows alone; bench_base the same of the package
+#                        tree in $BASE_SRC (another commit's src/, labelled $BASE_COMMIT):
+#                        run them in turn for a before/after on one loan
 #   host                 tools/perf_probe.py host (events, then perf_counter per layer)
 #   floor                tools/perf_probe.py floor (1-3 empty kernels a call; near-empty packs)
 #   parts                tools/perf_probe.py parts (fwd, bwd kernel, its row and zero-fill
@@ -60,13 +65,17 @@ cmd_of() {
         info) echo "nvidia-smi -L; python3 -m csa_compressor info" ;;
         tests_bounds) echo "python3 -m pytest -q -m gpu tests/test_bounds_gpu.py -rs --durations=10" ;;
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
-        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py -rs --durations=10" ;;
+        tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
+        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py -rs --durations=10" ;;
+        check) echo "python3 -m csa_compressor check" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         tests_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND python3 -m pytest -q -m gpu tests -rs --durations=10" ;;
         sanitize_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
+        bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
+        bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
         ddp) echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; for r in 4 128; do python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/ddp_compressor.py --device cuda --ratio \$r || exit 1; done" ;;
         host) echo "python3 tools/perf_probe.py host" ;;

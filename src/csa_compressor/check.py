@@ -1,4 +1,9 @@
-"""`python -m csa_compressor check`: the SPEC §5 numerics gate over a grid of packs."""
+"""`python -m csa_compressor check`: the numerics gate over a grid of packs.
+
+Every output of the fused op against torch's eager fp32 region (reference mode "fp32")
+on the same GPU: dkv and dscore bitwise, the forward within one unit in the last place on
+at most 0.1% of elements (fp32 outputs: within 4 units), dape within 1e-3, and no output
+further from the fp64 oracle than the upstream (Megatron) region's."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from .numerics import compare
 GRID = [
     "37+0+3+64+129+1+250:128:1:1", "37+0+3+64+129+1+250:128:2:2", "37+0+3+64+129+1+250:128:4:2",
     "37+0+3+64+129+1+250:512:4:2", "37+0+3+64+129+1+250:65:3:2", "37+0+3+64+129+1+250:64:8:1",
-    "300+0+127+520:128:128:1", "300+0+127+520:64:128:2",
+    "37+0+3+64+129+1+250:96:16:2", "37+0+3+64+129+1+250:576:4:2",
+    "300+0+127+520:128:128:1", "300+0+127+520:64:128:2", "300+0+127+520:512:128:1",
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -48,8 +54,7 @@ def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
             up = _run(ref("upstream"), kv, score, ape, cu, cuc, N, g, shape.ratio, shape.coff)
             ora = _run(ref("fp64"), kv.float(), score.float(), ape, cu, cuc, N, g.float(),
                        shape.ratio, shape.coff)
-            bitwise = shape.ratio <= 8
-            clauses = ("ulp", "bitwise" if bitwise else "ulp", "bitwise" if bitwise else "ulp", "atol")
+            clauses = ("ulp", "bitwise", "bitwise", "atol")
             for i, (name, clause) in enumerate(zip(("out", "dkv", "dscore", "dape"), clauses)):
                 rep = compare(name, fused[i], r32[i], up[i], ora[i], clause=clause,
                               against_upstream=dt != torch.float32)

@@ -1,15 +1,19 @@
-"""Plain-PyTorch references of the gated pooling (SPEC §3-§5), differentiable, any device.
+"""Plain-PyTorch references of the gated pooling, differentiable, any device.
 
-Three numerics modes:
+Four numerics modes:
 
-- ``"upstream"``: the eager region as training runs it today: fp32 softmax over the
-  window, weights rounded to the input dtype, the product in the input dtype, the sum
-  accumulated in fp32 and rounded. This is what users compare against, and what the
-  benchmark times as "eager".
-- ``"fp32"``: the same operation order with every intermediate in fp32 and one final
-  rounding; max and sums are serial over the window slots and the backward is spelled
-  out (``dscore = p*dp - p*S``) so that it is reproducible anywhere. This is the fused
-  kernels' contract.
+- ``"upstream"``: the eager region as training runs it today (Megatron-LM's Compressor):
+  fp32 softmax over the window, weights rounded to the input dtype, the product in the
+  input dtype, the sum accumulated in fp32 and rounded. The benchmark times it as "eager".
+- ``"fp32"``: the same region with every intermediate in fp32, written with torch's own
+  ops (``torch.softmax(..., dtype=torch.float32)``, ``(v * w).sum(1)``, one final
+  rounding) and differentiated by torch's autograd: what a user computes with torch.
+  The fused kernels' contract is stated against this mode on the same GPU.
+- ``"fp32_explicit"``: that region's CUDA arithmetic spelled out operation by operation
+  (max, the softmax sums in torch's CUDA order, true division, the backward's
+  ``fma(-p, S, p*dp)`` rounded exactly once), so it gives the same bits on any device,
+  the CPU included. Its ``dkv``/``dscore`` equal the fused kernels' everywhere; its
+  forward sums the window serially (torch's CUDA sum may group it otherwise).
 - ``"fp64"``: the oracle; everything in float64 and the output left in float64.
 """
 
@@ -17,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from .softmax_order import torch_softmax_lanes
 from .validation import check_ratio_coff, validate
 
-MODES = ("upstream", "fp32", "fp64")
+MODES = ("upstream", "fp32", "fp32_explicit", "fp64")
 
 
 def row_geometry(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int):
@@ -61,38 +66,59 @@ def _windows(kv2, score2, ape, t0, i, ratio, coff, d):
     return v, s, a, mask
 
 
-class _SerialSoftmaxPool(torch.autograd.Function):
-    """fp32 pooling with serial reductions over slots and an explicit, fixed-order backward.
+def _window_sum(x):
+    """Sum over dim 1 of ``(N, K, d)`` in torch's CUDA softmax order: serial over the slots,
+    or lane j summing slots j, j + L, ... then a halving tree (L = torch_softmax_lanes)."""
+    K = x.shape[1]
+    lanes = torch_softmax_lanes(K, x.shape[2])
+    part = [x[:, j] for j in range(min(lanes, K))]
+    for k in range(lanes, K):
+        part[k % lanes] = part[k % lanes] + x[:, k]
+    while len(part) > 1:
+        half = len(part) // 2
+        part = [part[j] + part[j + half] for j in range(half)]
+    return part[0]
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a*b + c`` on fp32 tensors with one rounding, on any device: the product exactly
+    in fp64, the sum rounded to odd in fp64 (TwoSum's error term decides), then rounded
+    to fp32; rounding to odd with 29 spare bits makes the second rounding exact."""
+    a64, b64, c64 = a.double(), b.double(), c.double()
+    prod = a64 * b64  # 24 x 24 bits: exact in fp64
+    s = prod + c64
+    bb = s - prod
+    err = (prod - (s - bb)) + (c64 - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where((err != 0) & even & torch.isfinite(s), torch.nextafter(s, toward), s)
+    return s.float()
+
+
+class _ExplicitSoftmaxPool(torch.autograd.Function):
+    """fp32 pooling with every operation spelled out (mode ``"fp32_explicit"``).
 
     ``s``/``v`` are fp32 ``(N, K, d)``; empty slots carry ``s = -inf`` and ``v = 0``.
     """
 
     @staticmethod
     def forward(ctx, s, v):
-        K = s.shape[1]
-        m = s[:, 0]
-        for k in range(1, K):
-            m = torch.maximum(m, s[:, k])
+        m = s.amax(dim=1)  # order-free
         e = torch.exp(s - m[:, None])
-        den = e[:, 0]
-        for k in range(1, K):
-            den = den + e[:, k]
-        p = e / den[:, None]
-        acc = v[:, 0] * p[:, 0]
-        for k in range(1, K):
-            acc = acc + v[:, k] * p[:, k]
+        p = e / _window_sum(e)[:, None]
+        pv = v * p
+        acc = pv[:, 0]
+        for k in range(1, pv.shape[1]):
+            acc = acc + pv[:, k]
         ctx.save_for_backward(p, v)
         return acc
 
     @staticmethod
     def backward(ctx, g):
         p, v = ctx.saved_tensors
-        dp = g[:, None] * v
-        pdp = p * dp
-        S = pdp[:, 0]
-        for k in range(1, p.shape[1]):
-            S = S + pdp[:, k]
-        ds = pdp - p * S[:, None]
+        pdp = (g[:, None] * v) * p
+        S = _window_sum(pdp)
+        ds = fma_f32(-p, S[:, None].expand_as(p), pdp)
         dv = g[:, None] * p
         return ds, dv
 
@@ -110,10 +136,10 @@ def _pool(v, s, a, mask, mode, out_dtype):
         v = v.masked_fill(~mask[:, :, None], 0.0)
         return (v * p).float().sum(1).to(out_dtype)
     v = v.to(s.dtype).masked_fill(~mask[:, :, None], 0.0)
-    if mode == "fp64":
-        p = torch.softmax(s, dim=1)
-        return (v * p).sum(1)
-    return _SerialSoftmaxPool.apply(s, v).to(out_dtype)
+    if mode == "fp32_explicit":
+        return _ExplicitSoftmaxPool.apply(s, v).to(out_dtype)
+    w = torch.softmax(s, dim=1, dtype=s.dtype)
+    return (v * w).sum(dim=1).to(out_dtype)
 
 
 def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, mode="fp32"):

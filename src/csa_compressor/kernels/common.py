@@ -35,6 +35,14 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def sub_mul_rn(x, p, s, *, loc=None, ip=None) -> Float32:
+    """``x - p*s`` with one rounding (a fused multiply-add, pinned): torch's CUDA softmax
+    backward computes ``dscore = grad*out - out*sum`` as exactly this FMA."""
+    return _asm_f32("{\n.reg .f32 n;\nneg.f32 n, $2;\nfma.rn.f32 $0, n, $3, $1;\n}",
+                    "=f,f,f,f", x, p, s, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def max_nan(a, b, *, loc=None, ip=None) -> Float32:
     """NaN-propagating max in one instruction (``torch.amax`` semantics; the generic max
     lowers to two compares and a select)."""

@@ -6,7 +6,8 @@ Two kinds of CTA share the grid:
   interleaved; each thread stages its rows' windows and grad_out vectors through cp.async
   BWD_STAGES rows ahead, as the forward does), recompute the
   window softmax in the forward's op order and store ``dkv = g*p`` and
-  ``dscore = p*dp - p*S`` (``dp = g*v``, ``S`` a serial sum of ``p*dp``) at the window's
+  ``dscore = fma(-p, S, p*dp)`` (``dp = g*v``, ``S`` a serial sum of ``p*dp``: torch's
+  softmax backward, operation for operation) at the window's
   slots: each input element is in at most one window, so these are plain disjoint stores.
   dape contributions are summed per thread in registers over its rows (fixed order) and
   stored as the CTA's partial; the host reduces the partials in a fixed order, so the
@@ -24,7 +25,7 @@ from cutlass import Float32, Int32
 
 from . import config
 from .common import (WindowSlots, advance_segment, mul_rn, smem_footprint, softmax_row,
-                     start_walk, walk_rows, walk_window)
+                     start_walk, sub_mul_rn, walk_rows, walk_window)
 
 
 class PoolBackward(WindowSlots):
@@ -301,7 +302,7 @@ class PoolBackward(WindowSlots):
                                 acc = acc + vf[k, e]
                             for k in cutlass.range_constexpr(CH):
                                 p = sf[k, e]
-                                sf[k, e] = vf[k, e] - mul_rn(p, acc)  # dscore
+                                sf[k, e] = sub_mul_rn(vf[k, e], p, acc)  # dscore
                                 vf[k, e] = mul_rn(g, p)  # dkv
                         self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):

@@ -1,11 +1,12 @@
-"""Slot-parallel kernels for long windows (ratio 128): forward and backward.
+"""Slot-parallel kernels for long windows (more than MAX_REG_SLOTS slots): forward and backward.
 
 One row per CTA at a time. A CTA is ``lanes`` column chunks x ``groups`` slot groups: the
 thread (c, g) loads slots [g*spt, (g+1)*spt) of chunk c, so a row's whole window is read
 at once by the CTA instead of one thread walking 128 slots. The max is order-free; the
-sums that the reference does serially (softmax denominator, the output, the backward's
-S) are written to shared memory per slot and summed in slot order by one thread per
-column, so the results keep the fp32 reference's operation order exactly.
+sums (softmax denominator, the output, the backward's S) are written to shared memory per
+slot and summed by one thread per column: the softmax's two in the order torch's CUDA
+softmax sums the window (softmax_order.py), the output in slot order, so that dkv and
+dscore are torch's bit for bit.
 """
 
 import math
@@ -14,9 +15,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..softmax_order import torch_softmax_lanes
 from . import config
 from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_rn, row_window,
-                     smem_footprint)
+                     smem_footprint, sub_mul_rn)
 from .pool_bwd import PoolBackward
 
 
@@ -29,6 +31,44 @@ def bank_stride(cols: int, step: int, lanes: int) -> int:
     return next((s for s in range(cols, cols + 32) if step * s % 32 == lanes), cols)
 
 
+def ordered_sum(load, n: int, lanes: int):
+    """The sum of ``load(0) .. load(n - 1)`` unrolled at trace time. ``lanes == 1``: in
+    order. ``lanes > 1``: torch's split-window order, lane j summing j, j + lanes, ... in
+    order and the lanes then meeting in a halving tree (lane j + lane j + half, half =
+    lanes/2, lanes/4, ...). The tree is evaluated depth first, a lane's sum just before
+    its add, so a thread holds log2(lanes) partial sums rather than ``lanes``.
+    Each load is issued config.LONG_SUM_AHEAD terms before its add: a loop of 8 loads
+    then 8 adds made every 8 adds wait a shared-memory latency (config.py,
+    "LONG_SUM_AHEAD")."""
+    levels = lanes.bit_length() - 1
+
+    def lanes_under(t, j):  # the lanes of tree node (level t, lane j), in evaluation order
+        return [j] if t == 0 else lanes_under(t - 1, j) + lanes_under(t - 1, j + (lanes >> t))
+
+    order = [k for j in lanes_under(levels, 0) for k in range(j, n, lanes)]
+    ahead = config.LONG_SUM_AHEAD
+    ring = [load(order[i]) for i in range(min(ahead, n))]
+    taken = [0]
+
+    def take():
+        i = taken[0]
+        x = ring[i % ahead]
+        if i + ahead < n:
+            ring[i % ahead] = load(order[i + ahead])
+        taken[0] = i + 1
+        return x
+
+    def node(t, j):
+        if t > 0:
+            return node(t - 1, j) + node(t - 1, j + (lanes >> t))
+        acc = take()
+        for _ in range(j + lanes, n, lanes):
+            acc = acc + take()
+        return acc
+
+    return node(levels, 0)
+
+
 class _LongShape:
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
                pad: bool):
@@ -38,6 +78,8 @@ class _LongShape:
         self.slots = coff * ratio
         self.chunk_slots = config.long_slots_per_thread(self.slots, slots_per_thread)
         self.groups = self.slots // self.chunk_slots
+        # The softmax's sums in torch's order for this window and row width.
+        self.softmax_lanes = torch_softmax_lanes(self.slots, head_dim)
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
         self.threads = self.lanes * self.groups  # a CTA: (lanes, groups)
         self.col_groups = math.ceil(self.cpr / self.lanes)
@@ -95,29 +137,24 @@ class _LongShape:
                 sf[k, e] = cute.math.exp(sf[k, e] - mx)
                 buf[self.col(tid, e), g * CH + k] = sf[k, e]
         cute.arch.barrier()
-        self.serial_sum(buf, stat, tid, g, 0)
+        self.softmax_sum(buf, stat, tid, g, 0)
 
     @cute.jit
     def serial_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
-        """stat[col, slot] <- buf[col, 0] + buf[col, 1] + ... in slot order; thread g of a
-        chunk sums that chunk's column g (g < vec), then all threads meet at a barrier.
-        The window is unrolled and each slot's load written config.LONG_SUM_AHEAD slots
-        before its add (a ring of registers): a loop of 8 loads then 8 adds made every
-        8 adds wait a shared-memory latency first (config.py, "LONG_SUM_AHEAD")."""
+        """stat[col, slot] <- the sum of buf[col, :] over the window in slot order; thread
+        g of a chunk sums that chunk's column g (g < vec), then all threads meet at a
+        barrier."""
         if g < self.vec:
             col = self.col(tid, g)
-            D = config.LONG_SUM_AHEAD
-            ring = cute.make_rmem_tensor((D,), Float32)
-            for j in cutlass.range_constexpr(min(D, self.slots)):
-                ring[j] = buf[col, j]
-            acc = ring[0]
-            for k in cutlass.range_constexpr(self.slots):
-                x = ring[k % D]
-                if cutlass.const_expr(k + D < self.slots):
-                    ring[k % D] = buf[col, k + D]
-                if cutlass.const_expr(k > 0):
-                    acc = acc + x
-            stat[col, slot] = acc
+            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, 1)
+        cute.arch.barrier()
+
+    @cute.jit
+    def softmax_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
+        """serial_sum in the order torch's softmax sums this window (softmax_lanes)."""
+        if g < self.vec:
+            col = self.col(tid, g)
+            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, self.softmax_lanes)
         cute.arch.barrier()
 
 
@@ -219,7 +256,7 @@ class LongPoolBackward(PoolBackward):
     alloc_shared = _LongShape.alloc_shared
     col = _LongShape.col
     softmax_den = _LongShape.softmax_den
-    serial_sum = _LongShape.serial_sum
+    softmax_sum = _LongShape.softmax_sum
     # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
 
     def values_bytes(self) -> int:
@@ -265,7 +302,7 @@ class LongPoolBackward(PoolBackward):
             for e in cutlass.range_constexpr(vec):
                 buf[self.col(tid, e), g * CH + k] = mul_rn(sf[k, e], mul_rn(gv[e], vv[e]))
         cute.arch.barrier()
-        self.serial_sum(buf, stat, tid, g, 1)
+        self.softmax_sum(buf, stat, tid, g, 1)
         S = [stat[self.col(tid, e), 1] for e in range(vec)]
         dsc = cute.make_rmem_tensor((vec,), Float32)
         dkv = cute.make_rmem_tensor((vec,), Float32)
@@ -275,7 +312,7 @@ class LongPoolBackward(PoolBackward):
                 if valid:
                     for e in cutlass.range_constexpr(vec):
                         p = sf[kk, e]
-                        dsc[e] = buf[self.col(tid, e), g * CH + kk] - mul_rn(p, S[e])
+                        dsc[e] = sub_mul_rn(buf[self.col(tid, e), g * CH + kk], p, S[e])
                         dkv[e] = mul_rn(gv[e], p)
                         dacc[kk, e] = dacc[kk, e] + dsc[e]
                     gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
@@ -296,12 +333,12 @@ class LongPoolBackward(PoolBackward):
                 vf[k, e] = pdp
                 buf[self.col(tid, e), g * CH + k] = pdp
         cute.arch.barrier()
-        self.serial_sum(buf, stat, tid, g, 1)
+        self.softmax_sum(buf, stat, tid, g, 1)
         for e in cutlass.range_constexpr(vec):
             S = stat[self.col(tid, e), 1]
             for k in cutlass.range_constexpr(CH):
                 p = sf[k, e]
-                sf[k, e] = vf[k, e] - mul_rn(p, S)  # dscore
+                sf[k, e] = sub_mul_rn(vf[k, e], p, S)  # dscore
                 vf[k, e] = mul_rn(gv[e], p)  # dkv
         if active:
             for kk in cutlass.range_constexpr(CH):
