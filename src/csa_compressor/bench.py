@@ -6,7 +6,7 @@ inputs that their total exceeds twice the L2, so no call reads another call's da
 L2. SPEC §8's wording does not say which inputs the 20 calls take: ``same_inputs`` (the
 command's ``--same-inputs``) gives all 20 the same ones, so packs that fit the L2 (50 MB
 on the H200) are read from it after the first call. Issue 3's Triton calibration figures
-were reproduced only that way (docs/perf-notes.md v25); the default stays the rotation.
+were reproduced only that way (docs/lab/perf-notes.md v25); the default stays the rotation.
 Forward is timed with inputs that require grad (the training setting: each
 implementation saves what its backward needs). The floor is the bytes that must move
 (forward: read kv and score, write out; backward: read kv, score and grad_out, write dkv

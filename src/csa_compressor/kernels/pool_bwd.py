@@ -34,7 +34,7 @@ class PoolBackward(WindowSlots):
     large_guesses = False  # see __init__ (pool_long.LongPoolBackward keeps both False)
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
-    # previous kernel's tail (-0.3 to -0.6 us a step at d=128, docs/perf-notes.md v15).
+    # previous kernel's tail (-0.3 to -0.6 us a step at d=128, docs/lab/perf-notes.md v15).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False):

@@ -1,0 +1,128 @@
+"""The PTX of a grid of kernel specialisations, written one file a kernel, and a comparison
+of two such snapshots: the safety net of a refactor (runs on a CPU machine, no GPU).
+
+    python tools/ptx_snapshot.py write DIR [--archs sm_90a,sm_100a] [--jobs 2]
+    python tools/ptx_snapshot.py compare DIR_BEFORE DIR_AFTER
+
+Kernel symbols are normalised before comparing (they spell the defining class's module
+path), so moving a kernel class between modules is not a difference; everything else is.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# (dtype, ratio, coff, head_dim): the production configurations and their neighbours,
+# odd head_dims, each kernel family, and windows torch's softmax splits into lanes.
+GRID = ([("bfloat16", r, c, d) for r in (1, 2, 3, 4, 5, 8) for c in (1, 2) for d in (128, 512)]
+        + [("bfloat16", 16, 2, 128), ("bfloat16", 128, 1, 512), ("bfloat16", 128, 1, 128),
+           ("bfloat16", 128, 2, 512), ("bfloat16", 128, 1, 64), ("bfloat16", 12, 1, 65),
+           ("bfloat16", 7, 2, 512), ("bfloat16", 6, 1, 128),
+           ("float16", 4, 2, 64), ("float16", 1, 1, 65), ("float32", 8, 2, 64),
+           ("float32", 4, 2, 512), ("float32", 3, 2, 65)])
+
+
+def build(direction, dtype, ratio, coff, d, arch) -> bool:
+    """Compile one kernel (its PTX lands in CUTE_DSL_DUMP_DIR); False where the
+    specialisation has no such kernel (a large-pack backward, a wide dape layout)."""
+    import cutlass
+
+    from csa_compressor.kernels import compile as cc
+    from csa_compressor.kernels import config
+    from csa_compressor.kernels.pool_bwd import PoolBackward
+
+    if direction == "bwd_large":
+        cdt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+               "float32": cutlass.Float32}[str(dtype)[6:]]
+        if config.long_window(coff * ratio) or not PoolBackward(
+                cdt, ratio, coff, d, int(arch[3:-1]) // 10).has_large_variant:
+            return False
+    if direction == "dape_wide" and not config.dape_has_wide(ratio * coff * d):
+        return False
+    cc._build(direction, dtype, ratio, coff, d)
+    return True
+
+
+def _worker(arch, out, cases):
+    """Runs in a subprocess per architecture: the DSL reads CUTE_DSL_ARCH at import."""
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    code = f"""
+import os, sys, tempfile, torch
+sys.path.insert(0, {HERE!r})
+from ptx_snapshot import build
+for direction, dtype, ratio, coff, d in {cases!r}:
+    dump = tempfile.mkdtemp()
+    os.environ["CUTE_DSL_DUMP_DIR"] = dump
+    if not build(direction, getattr(torch, dtype), ratio, coff, d, {arch!r}):
+        continue
+    ptx = "".join(open(os.path.join(dump, f)).read() for f in sorted(os.listdir(dump)) if f.endswith(".ptx"))
+    name = f"{arch}-{{direction}}-{{dtype}}-r{{ratio}}-c{{coff}}-d{{d}}.ptx"
+    open(os.path.join({out!r}, name), "w").write(ptx)
+    print(name, flush=True)
+"""
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"{arch}: {res.stderr[-2000:]}")
+    return res.stdout.split()
+
+
+def write(out, archs, jobs):
+    os.makedirs(out, exist_ok=True)
+    cases = [(direction, *cfg) for cfg in GRID
+             for direction in ("fwd", "bwd", "bwd_large", "dape", "dape_wide")]
+    per = max(1, jobs // len(archs))
+    chunks = [(arch, cases[i::per]) for arch in archs for i in range(per)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        names = [n for ns in pool.map(lambda a: _worker(a[0], out, a[1]), chunks) for n in ns]
+    print(f"{len(names)} kernels written to {out}")
+
+
+def _normalised(path):
+    text = open(path).read()
+    return re.sub(r"kernel_cutlass_kernel_\w+", "KERNEL", text)
+
+
+def compare(a, b) -> int:
+    names_a, names_b = set(os.listdir(a)), set(os.listdir(b))
+    bad = 0
+    for name in sorted(names_a ^ names_b):
+        print(f"only in {'before' if name in names_a else 'after'}: {name}")
+        bad += 1
+    same = 0
+    for name in sorted(names_a & names_b):
+        if _normalised(os.path.join(a, name)) == _normalised(os.path.join(b, name)):
+            same += 1
+        else:
+            print(f"differs: {name}")
+            bad += 1
+    print(f"{same} identical, {bad} different or missing")
+    return 1 if bad else 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("out")
+    w.add_argument("--archs", default="sm_90a,sm_100a")
+    w.add_argument("--jobs", type=int, default=2)
+    c = sub.add_parser("compare")
+    c.add_argument("before")
+    c.add_argument("after")
+    args = ap.parse_args()
+    if args.cmd == "write":
+        write(args.out, args.archs.split(","), args.jobs)
+        return 0
+    return compare(args.before, args.after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
