@@ -1,5 +1,6 @@
-"""The command line on a machine without a GPU (CI): info, bench and check say what they
-can do and exit 0; report renders results.md from a results.json."""
+"""The command line on a machine without a GPU (CI): info says what it finds and exits 0;
+bench and check say they ran nothing and exit 2; bad arguments exit 2 before anything
+heavy loads; report renders results.md from a results.json."""
 
 import json
 import os
@@ -8,27 +9,58 @@ import pytest
 import torch
 
 from csa_compressor import __main__ as cli
-from csa_compressor import bench
+from csa_compressor import bench, shapes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
-@pytest.mark.parametrize("argv,expect", [
-    (["info"], "eager fallback (tensors are on cpu"), (["bench"], "compute capability 9.0"), (["check"], "compute capability 9.0"),
-    (["bench", "--same-inputs"], "compute capability 9.0"),
+@pytest.mark.parametrize("argv,code,expect", [
+    (["info"], 0, "eager fallback (tensors are on cpu"),
+    (["bench"], 2, "nothing was run"), (["check"], 2, "nothing was run"),
+    (["bench", "--same-inputs"], 2, "nothing was run"),
+    (["bench", "--out", "somewhere"], 2, "nothing was run"),
 ])
-def test_no_gpu_commands(argv, expect, capsys):
-    assert cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert expect in out
+def test_no_gpu_commands(argv, code, expect, capsys):
+    assert cli.main(argv) == code
+    out = capsys.readouterr()
+    assert expect in out.out + out.err
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["bench", "--impls", "eager,fuzed"], "--impls"),
+    (["bench", "--shapes", "3x8192:512"], "--shapes"),
+    (["bench", "--shapes", "3x8192:512:4:3"], "--shapes"),
+    (["bench", "--shapes", ","], "--shapes"),
+    (["bench", "--dtype", "fp64"], "--dtype"),
+    (["bench", "--outt", "x"], "unrecognized"),
+    (["check", "--dtypes", "bf16,int8"], "--dtypes"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_the_argument_named(argv, expect, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert expect in capsys.readouterr().err
+
+
+def test_help_answers_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, csa_compressor.__main__ as m\n"
+            "try:\n    m.main(['bench', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "--shapes" in res.stdout
 
 
 def test_shape_parsing():
-    s = bench.parse_shape("1023+2048+0:128:4:2")
+    s = shapes.parse_shape("1023+2048+0:128:4:2")
     assert s.lens == (1023, 2048, 0) and (s.d, s.ratio, s.coff) == (128, 4, 2)
-    assert bench.parse_shape("3x8192:512:128:1").name == "3x8192:512:128:1"
+    assert shapes.parse_shape("3x8192:512:128:1").name == "3x8192:512:128:1"
     with pytest.raises(ValueError, match="--shapes"):
-        bench.parse_shape("3x8192:512")
-    assert len(bench.shapes_from_arg("default")) == 9
+        shapes.parse_shape("3x8192:512")
+    assert len(shapes.shapes_from_arg("default")) == 9
 
 
 def test_report_renders_results(tmp_path):

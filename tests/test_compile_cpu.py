@@ -15,6 +15,7 @@ import sys
 import pytest
 
 pytest.importorskip("cutlass")
+pytestmark = pytest.mark.compile
 
 HERE = os.path.dirname(__file__)
 CONFIGS = [  # (direction, dtype, ratio, coff, head_dim)
@@ -241,43 +242,6 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == [info["target_ctas"]], info
     assert regs_for_one_wave(info) <= 65536, info
-
-
-CANDIDATE_CONFIGS = [("fwd", "bfloat16", 4, 2, 512), ("fwd", "bfloat16", 4, 2, 128),
-                     ("fwd", "bfloat16", 8, 2, 128), ("fwd", "float32", 4, 2, 512),
-                     ("fwd", "bfloat16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512),
-                     ("bwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
-                     ("bwd_large", "bfloat16", 4, 2, 128), ("fwd", "bfloat16", 128, 2, 512),
-                     ("bwd", "bfloat16", 16, 2, 128)]
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("cfg", CANDIDATE_CONFIGS, ids=["-".join(map(str, c)) for c in CANDIDATE_CONFIGS])
-def test_candidates_compile_without_spills(arch, cfg):
-    """The candidates behind config flags (config.CANDIDATES), all on, compile spill-free
-    with the copies as designed; a GPU session measures them."""
-    from csa_compressor.kernels import config
-
-    if not config.CANDIDATES:
-        pytest.skip("no candidate behind a flag in config.CANDIDATES")
-    base = probe(arch, cfg)
-    info = probe(arch, cfg, ",".join(config.CANDIDATES))
-    assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
-    # The same bytes read per thread (loads and cp.async copies together: a candidate may
-    # move loads to copies, as the long kernels' shared values do), in copies no narrower
-    # than before (a candidate may widen them, as the warp-cooperative staging of v17 did:
-    # 16-byte pieces).
-    def total(c):
-        return sum(int(b) * n for b, n in c.items())
-
-    def moved(i):
-        return total(i["async_copies_by_bytes"]) + total(i["loads_by_bytes"])
-
-    assert moved(info) == moved(base), (base, info)
-    if base["async_copies_by_bytes"]:
-        assert min(map(int, info["async_copies_by_bytes"])) >= min(
-            map(int, base["async_copies_by_bytes"])), (base, info)
-    assert info["loads_by_bytes"].get("16", 0) == base["loads_by_bytes"].get("16", 0), (base, info)
 
 
 def test_measurement_knobs_ship_off():

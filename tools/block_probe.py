@@ -28,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from csa_compressor import bench, pool_forward
+from csa_compressor import bench, testing, pool_forward
 from csa_compressor.kernels import config
 from csa_compressor.kernels.common import mul_rn, softmax_row, start_walk, walk_rows, walk_window
 from csa_compressor.kernels.compile import _cutlass_dtype, _direct, _fake
@@ -195,11 +195,11 @@ def main():
     what = os.environ.get("CSA_CONFIG", "") or "SPEC math"
     compiled = {}
     for name in shapes:
-        shape = bench.parse_shape(name)
+        shape = testing.parse_shape(name)
         assert shape.coff == 2 and all(n % shape.ratio == 0 for n in shape.lens), name
         set_bytes = 4 * sum(shape.lens) * shape.coff * shape.d
         n = bench.input_sets(set_bytes, l2)
-        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
+        sets = [testing.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N = sets[0][5]
         assert N == sum(shape.lens) // shape.ratio, "no padding rows"
         outs = [torch.empty(N, shape.d, dtype=torch.bfloat16, device=dev) for _ in sets]

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 
-from csa_compressor import bench, pool_backward, pool_forward
+from csa_compressor import bench, testing, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels.common import mul_rn
 
@@ -90,7 +90,7 @@ def main():
             plain(a, out)
             big(a, out)
         print(f"chain0 + chain0 asking {smem // 1024:3d} KB shared      {bench.time_graph(pair, 1):7.2f} µs")
-    kv, score, ape, cu, cuc, N, g = bench.make_inputs(bench.parse_shape("1x4:128:4:2"), torch.bfloat16, dev)
+    kv, score, ape, cu, cuc, N, g = testing.make_inputs(testing.parse_shape("1x4:128:4:2"), torch.bfloat16, dev)
     o = torch.empty(N, 128, dtype=torch.bfloat16, device=dev)
     dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 

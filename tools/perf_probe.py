@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from csa_compressor import bench, compress_thd_fused, pool_backward, pool_forward
+from csa_compressor import bench, testing, compress_thd_fused, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import config
 from csa_compressor.validation import validate
@@ -30,8 +30,8 @@ def _host_cases(spec):
     from csa_compressor.kernels.launch import _on_device
     from csa_compressor.validation import check_out
 
-    shape = bench.parse_shape(spec)
-    kv, score, ape, cu, cuc, N, _ = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
+    shape = testing.parse_shape(spec)
+    kv, score, ape, cu, cuc, N, _ = testing.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
     out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
     dev = kv.device
     pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)  # compiles
@@ -107,7 +107,7 @@ def floor():
             for _ in range(k):
                 x.add_(1.0)
         print(f"{k} one-element kernel(s) a call: {bench.time_graph(step, 1):6.2f} µs")
-    shapes = [bench.parse_shape(s) for s in ("1x4:128:4:2", "1x64:128:4:2", "1x1024:128:4:2")]
+    shapes = [testing.parse_shape(s) for s in ("1x4:128:4:2", "1x64:128:4:2", "1x1024:128:4:2")]
     for row in bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)["rows"]:
         print(row["shape"], f"fwd {row.get('fwd_us', float('nan')):.2f} µs "
               f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.2f} µs", row.get("error", ""))
@@ -132,11 +132,11 @@ def parts():
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for name in names:
-        shape = bench.parse_shape(name)
+        shape = testing.parse_shape(name)
         r, c, d = shape.ratio, shape.coff, shape.d
         set_bytes = 4 * sum(shape.lens) * c * d
         n = bench.input_sets(set_bytes, l2)
-        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
+        sets = [testing.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N, T = sets[0][5], sets[0][0].shape[0]
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
         grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
@@ -186,7 +186,7 @@ def parts():
 def sweep():
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
         "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
-    shapes = [bench.parse_shape(s) for s in names]
+    shapes = [testing.parse_shape(s) for s in names]
     variants = [dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=2, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=4, FWD_SMEM_PER_CTA=65536, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
@@ -261,16 +261,16 @@ def reads():
                                _fake(cutlass.Int32, (M,), 4), Int32(1), stream))
            for u in (4, 8, 16)}
     for name in names:
-        shape = bench.parse_shape(name)
+        shape = testing.parse_shape(name)
         T, W = sum(shape.lens), shape.coff * shape.d
-        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=0)]
+        sets = [testing.make_inputs(shape, torch.bfloat16, dev, seed=0)]
         N = sets[0][5]
         fwd_bytes = 2 * T * W * 2 + N * shape.d * 2
         n = bench.input_sets(fwd_bytes, l2)
         # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
         # against the bench's rotation over sets of twice the L2.
         n = int(os.environ.get("SETS", n))
-        sets += [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(1, n)]
+        sets += [testing.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(1, n)]
         outs = [torch.empty(N, shape.d, dtype=torch.bfloat16, device=dev) for _ in sets]
         words = -(-fwd_bytes // 16) * 4
         xs = [torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device=dev) for _ in range(n)]

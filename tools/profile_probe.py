@@ -13,13 +13,13 @@ import sys
 
 import torch
 
-from csa_compressor import bench, compress_thd_fused
+from csa_compressor import compress_thd_fused, testing
 from csa_compressor.kernels import config
 
 config.override(os.environ.get("PROBE_CONFIG", ""))
 
-shape = bench.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
-kv, score, ape, cu, cuc, N, g = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
+shape = testing.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
+kv, score, ape, cu, cuc, N, g = testing.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
 leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
 for _ in range(4):
     out = compress_thd_fused(*leaves, cu, cuc, N, ratio=shape.ratio, coff=shape.coff)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import csa_compressor as C
-from csa_compressor.bench import make_inputs, parse_shape
+from csa_compressor.testing import make_inputs, parse_shape
 from csa_compressor.kernels import config, launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_compressor import bench, pool_forward
+from csa_compressor import bench, testing, pool_forward
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def main():
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for name in names:
-        shape = bench.parse_shape(name)
+        shape = testing.parse_shape(name)
         r, d = shape.ratio, shape.d
         assert shape.coff == 2 and r & (r - 1) == 0, name
         T, W = sum(shape.lens), 2 * d
@@ -73,7 +73,7 @@ def main():
         # SETS=1: every call of a graph on the same inputs (L2-warm where they fit),
         # against the bench's rotation over sets of twice the L2.
         n = int(os.environ.get("SETS", n))
-        sets = [bench.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
+        sets = [testing.make_inputs(shape, torch.bfloat16, dev, seed=i) for i in range(n)]
         N = sets[0][5]
         assert N == sum(x // r for x in shape.lens), "no padding rows"
         tables = [row_table(s[3], s[4], N, r) for s in sets]

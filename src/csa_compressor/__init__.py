@@ -2,24 +2,41 @@
 
 Public surface:
 - ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs).
-- ``pool_forward`` / ``pool_backward``: kernel-level API with caller-provided buffers.
+- ``pool_forward`` / ``pool_backward`` / ``backward_workspace_shape``: kernel-level API
+  with caller-provided buffers.
 - ``precompile``: compile ahead of time (before CUDA-graph capture).
 - ``maybe_compress_thd_fused`` / ``fused_unavailable_reason``: dispatch with fallback.
 - ``Compressor``: the whole Compressor block as an ``nn.Module``.
 - ``reference``: the plain-PyTorch references (``compress_thd``, ``compress_sbhd``).
 - ``compressed_cu_seqlens`` / ``compressed_capacity``: THD layout helpers.
+
+Names load on first use, so ``python -m csa_compressor --help`` needs no torch import.
 """
 
-from . import reference
-from .kernels import backward_workspace_shape, pool_backward, pool_forward, precompile
-from .module import Compressor
-from .layout import compressed_capacity, compressed_cu_seqlens
-from .ops import compress_thd_fused
-from .dispatch import fused_unavailable_reason, maybe_compress_thd_fused
+import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "Compressor",
-    "backward_workspace_shape", "compress_thd_fused", "compressed_capacity",
-    "compressed_cu_seqlens", "fused_unavailable_reason", "maybe_compress_thd_fused", "pool_backward", "pool_forward", "precompile", "reference",
-]
+
+_WHERE = {
+    "Compressor": "module",
+    "backward_workspace_shape": "kernels", "pool_backward": "kernels",
+    "pool_forward": "kernels", "precompile": "kernels",
+    "compress_thd_fused": "ops",
+    "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
+    "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
+}
+__all__ = sorted([*_WHERE, "reference"])
+
+
+def __getattr__(name):
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    if name in _WHERE:
+        value = getattr(importlib.import_module("." + _WHERE[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

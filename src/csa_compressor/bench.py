@@ -1,12 +1,11 @@
 """`python -m csa_compressor bench`: eager vs torch.compile vs fused, side by side.
 
-Method (SPEC §8): 20 calls captured in one CUDA graph, the graph replayed, time per call =
-replay time / 20, median over replays. The 20 calls rotate over enough copies of the
-inputs that their total exceeds twice the L2, so no call reads another call's data out of
-L2. SPEC §8's wording does not say which inputs the 20 calls take: ``same_inputs`` (the
-command's ``--same-inputs``) gives all 20 the same ones, so packs that fit the L2 (50 MB
-on the H200) are read from it after the first call. Issue 3's Triton calibration figures
-were reproduced only that way (docs/lab/perf-notes.md v25); the default stays the rotation.
+Method: 20 calls captured in one CUDA graph, the graph replayed, time per call = replay
+time / 20, median over replays (one graph launch costs ~10 µs on the H200 host, so a graph
+of one call would time the launch). The 20 calls rotate over enough copies of the inputs
+that their total exceeds twice the L2, so no call reads another call's data out of L2;
+``same_inputs`` (the command's ``--same-inputs``) gives all 20 the same ones instead, so
+packs that fit the L2 (50 MB on the H200) are read from it after the first call.
 Forward is timed with inputs that require grad (the training setting: each
 implementation saves what its backward needs). The floor is the bytes that must move
 (forward: read kv and score, write out; backward: read kv, score and grad_out, write dkv
@@ -22,80 +21,14 @@ import os
 import platform
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 import torch
 
 from . import reference
-from .layout import compressed_capacity, compressed_cu_seqlens
+from .shapes import COMPILE_DEFAULT, Shape
+from .testing import make_inputs
 
 CALLS_PER_GRAPH = 20
-
-
-@dataclass(frozen=True)
-class Shape:
-    lens: tuple
-    d: int
-    ratio: int
-    coff: int
-
-    @property
-    def name(self) -> str:
-        if len(set(self.lens)) == 1 and len(self.lens) > 0:
-            pack = f"{len(self.lens)}x{self.lens[0]}"
-        else:
-            pack = "[" + ",".join(map(str, self.lens)) + "]"
-        return f"{pack}:{self.d}:{self.ratio}:{self.coff}"
-
-
-def parse_shape(text: str) -> Shape:
-    """``3x8192:512:4:2`` or ``1023+2048+509+3+0+77:128:4:2`` (pack:head_dim:ratio:coff)."""
-    try:
-        pack, d, ratio, coff = text.strip().split(":")
-        if "x" in pack:
-            b, n = pack.split("x")
-            lens = (int(n),) * int(b)
-        else:
-            lens = tuple(int(x) for x in pack.strip("[]").replace(",", "+").split("+"))
-        return Shape(lens, int(d), int(ratio), int(coff))
-    except ValueError as exc:
-        raise ValueError(f"--shapes: cannot parse {text!r}; expected e.g. 3x8192:512:4:2") from exc
-
-
-PRODUCTION = [parse_shape(s) for s in (
-    "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",
-    "1023+2048+509+3+0+77:128:4:2", "1x8192:128:128:1", "3x8192:512:128:1",
-)]
-DEFAULT = PRODUCTION + [parse_shape(s) for s in ("1x8192:512:128:2", "3x8192:512:2:2")]
-EXTRA = [parse_shape(s) for s in ("2048x64:128:4:2", "1x131072:128:4:2", "1x8192:65:3:2")]
-# torch.compile costs tens of seconds per shape; by default it runs where SPEC §8 quotes it.
-COMPILE_DEFAULT = {"1x8192:128:4:2", "3x8192:512:4:2", "1x8192:128:128:1", "3x8192:512:128:1"}
-
-
-def shapes_from_arg(arg: str) -> list[Shape]:
-    if arg in (None, "default"):
-        return list(DEFAULT)
-    if arg == "production":
-        return list(PRODUCTION)
-    if arg == "all":
-        return list(DEFAULT) + list(EXTRA)
-    return [parse_shape(s) for s in arg.split(",") if s.strip()]
-
-
-def make_inputs(shape: Shape, dtype, device, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    T, W = sum(shape.lens), shape.coff * shape.d
-    kv = torch.randn(T, W, device=device, dtype=torch.float32, generator=gen).to(dtype)
-    score = (2 * torch.randn(T, W, device=device, generator=gen)).to(dtype)
-    ape = torch.randn(shape.ratio, W, device=device, generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(shape.lens).cumsum(0).tolist()), dtype=torch.int32,
-                      device=device)
-    cuc = compressed_cu_seqlens(cu, shape.ratio)
-    # Static capacity, as a CUDA-graph training step would pass it (no host sync).
-    N = compressed_capacity(T, len(shape.lens), max(shape.lens), shape.ratio)
-    g = torch.randn(N, shape.d, device=device, generator=gen).to(dtype)
-    return kv, score, ape, cu, cuc, N, g
 
 
 def floor_bytes(shape: Shape, N: int, elem: int):
@@ -441,15 +374,3 @@ def write(result, out_dir, with_json: bool = True) -> list[str]:
         print("matplotlib missing: no plots (python -m csa_compressor report results.json makes them)",
               file=sys.stderr)
     return files
-
-
-def no_gpu_demo() -> int:
-    print("No CUDA GPU: the fused kernels need an NVIDIA GPU with compute capability 9.0 or newer "
-          "(H100/H200, B200/GB200). Running the reference path on a small pack instead.")
-    shape = parse_shape("40+13+0+7:64:4:2")
-    kv, score, ape, cu, cuc, N, g = make_inputs(shape, torch.float32, torch.device("cpu"))
-    t = time.perf_counter()
-    out = reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=4, coff=2, mode="upstream")
-    print(f"reference (upstream) on {shape.name}: out {tuple(out.shape)} in "
-          f"{(time.perf_counter() - t) * 1e3:.1f} ms on the CPU")
-    return 0

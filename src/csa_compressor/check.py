@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .bench import make_inputs, parse_shape
+from .shapes import parse_shape
+from .testing import make_inputs
 from .numerics import compare
 
 # Ragged packs: an empty segment, one shorter than ratio, tails, token padding via the
