@@ -291,3 +291,25 @@ def test_wide_score_spread_hits_the_exact_division_fallback(ratio, coff, scale):
     assert_forward_contract(fused[0], ref[0])
     assert torch.equal(fused[1], ref[1]), "dkv not bitwise equal to the fp32 reference"
     assert torch.equal(fused[2], ref[2]), "dscore not bitwise equal to the fp32 reference"
+
+
+def test_bad_offsets_are_caught_on_request_by_the_fused_entries():
+    """compress_thd_fused / pool_forward / pool_backward with check_offsets=True refuse the
+    offsets the CPU tests refuse (tests/test_offsets_check_cpu.py), naming the argument."""
+    from test_offsets_check_cpu import BAD, RATIO, COFF, _i32
+
+    from csa_compressor import compressed_cu_seqlens
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(40, 8, generator=gen).cuda()
+    score, ape = torch.randn(40, 8, generator=gen).cuda(), torch.randn(RATIO, 8).cuda()
+    for cu, cuc, N, name, _ in BAD:
+        cu_t = _i32(cu).cuda()
+        cuc_t = _i32(cuc).cuda() if cuc is not None else compressed_cu_seqlens(cu_t, RATIO)
+        with pytest.raises(ValueError, match=name):
+            compress_thd_fused(kv, score, ape, cu_t, cuc_t, N, ratio=RATIO, coff=COFF,
+                               check_offsets=True)
+        out = torch.empty(N, 4, device="cuda")
+        with pytest.raises(ValueError, match=name):
+            pool_forward(kv, score, ape, cu_t, cuc_t, out, ratio=RATIO, coff=COFF,
+                         check_offsets=True)

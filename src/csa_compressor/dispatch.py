@@ -8,7 +8,7 @@ import os
 import torch
 
 from .kernels.compile import dsl_import_error
-from .validation import validate
+from .validation import check_flag, env_flag, offsets_check_requested, validate
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -39,15 +39,16 @@ def _device_reason_const(device_type: str, index):
 
 @torch._dynamo.assume_constant_result
 def _kill_switch_reason():
-    value = os.environ.get(KILL_SWITCH, "1")
-    if value.strip().lower() in ("0", "false", "off", "no"):
-        return f"disabled by the environment ({KILL_SWITCH}={value})"
+    if not env_flag(KILL_SWITCH, True):  # an unknown value raises: a typo is not "on"
+        return f"disabled by the environment ({KILL_SWITCH}={os.environ[KILL_SWITCH]})"
     return None
 
 
 def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                              enabled: bool = True):
-    """None when the fused kernels would run on these arguments, else a one-line reason."""
+    """None when the fused kernels would run on these arguments, else a one-line reason.
+    Offsets' contents are not read here (maybe_compress_thd_fused's check_offsets)."""
+    check_flag("enabled", enabled)
     reason = _kill_switch_reason()
     if reason:
         return reason
@@ -67,16 +68,21 @@ def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                             enabled: bool = True):
+                             enabled: bool = True, check_offsets: bool = False):
     """The fused pooling, or ``None`` with the reason logged once (when a capable GPU was
-    passed over) so the caller runs its own eager region."""
+    passed over) so the caller runs its own eager region. ``check_offsets`` (or
+    CSA_COMPRESSOR_CHECK_OFFSETS=1) checks the offsets' contents either way and raises on
+    bad ones: a fallback would compute the same wrong rows."""
     reason = fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
                                       ratio=ratio, coff=coff, enabled=enabled)
     if reason is None:
         from .ops import compress_thd_fused
 
         return compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                                  ratio=ratio, coff=coff)
+                                  ratio=ratio, coff=coff, check_offsets=check_offsets)
+    if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
+        validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
+                 check_offsets=True)
     device = getattr(kv, "device", None)
     capable = device is not None and _device_reason(device) is None
     if capable and reason not in _logged:

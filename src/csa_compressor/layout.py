@@ -16,6 +16,8 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
             f"cu_seqlens: expected a 1-D tensor of B+1 >= 1 offsets, got "
             f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}"
         )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected int32 (or int64) offsets, got {cu_seqlens.dtype}")
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"ratio: expected an int >= 1, got {ratio!r}")
     cu = cu_seqlens.to(torch.int64)

@@ -91,16 +91,20 @@ class _PoolFn(torch.autograd.Function):
 
 
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                       deterministic=None):
+                       deterministic=None, check_offsets: bool = False):
     """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
 
     Differentiable in ``kv``, ``score`` and ``ape``. Raises (never falls back) on anything
-    the kernels do not support. ``deterministic`` is accepted for API stability: the
+    the kernels do not support. ``cu_seqlens_comp=None`` derives it on the device.
+    ``check_offsets=True`` (or CSA_COMPRESSOR_CHECK_OFFSETS=1) reads the offsets and raises
+    on contents that break the layout (one host sync; skipped inside torch.compile and
+    graph capture); by default they are not read, and bad contents give unspecified rows,
+    never an out-of-bounds access. ``deterministic`` is accepted for API stability: the
     backward is always bitwise reproducible (dape partials are reduced in a fixed order),
     so both settings, and ``torch.use_deterministic_algorithms(True)``, give the same result.
     """
     p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
-                 for_kernel=True)
+                 for_kernel=True, check_offsets=check_offsets)
     if torch.compiler.is_compiling():
         return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp,
                            ratio, coff)

@@ -142,17 +142,20 @@ def _pool(v, s, a, mask, mode, out_dtype):
     return (v * w).sum(dim=1).to(out_dtype)
 
 
-def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, mode="fp32"):
+def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, mode="fp32",
+                 check_offsets: bool = False):
     """Reference gated pooling over a packed THD batch; returns ``(total_comp, d)``.
 
     The output has the dtype of ``kv``, except in ``"fp64"`` mode (float64). Padding rows
     (``b >= cu_seqlens_comp[-1]``) are computed from token 0 and take no gradient; if
     ``T < ratio`` they are zeros. No host sync: the region can be captured in a CUDA
     graph and traced by ``torch.compile``, which is how the benchmark runs it.
+    ``cu_seqlens_comp=None`` and ``check_offsets``: as for compress_thd_fused.
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    prob = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff)
+    prob = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
+                    check_offsets=check_offsets)
     kv2, score2, d, N = prob.kv, prob.score, prob.head_dim, total_comp
     out_dtype = torch.float64 if mode == "fp64" else kv2.dtype
     if N == 0 or kv2.shape[0] < ratio:

@@ -1,15 +1,21 @@
 """Input validation shared by every public entry (references, fused op, kernel API, dispatch).
 
-Each error names the argument, the value seen and what was expected. Nothing here reads
-tensor contents, so validation never syncs the host with the device.
+Each error names the argument, the value seen and what was expected. By default nothing
+here reads tensor contents, so validation never syncs the host with the device; the
+offsets' contents are checked only on request (``check_offsets=True``, or
+``CSA_COMPRESSOR_CHECK_OFFSETS=1`` for every call), at the cost of one host sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import os
+
 import torch
 
+CHECK_OFFSETS_ENV = "CSA_COMPRESSOR_CHECK_OFFSETS"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OFFSET_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
@@ -81,15 +87,94 @@ def _check_offsets(name: str, t) -> torch.Tensor:
     return t
 
 
+_log = logging.getLogger("csa_compressor")
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment switch; values other than the usual spellings are an error,
+    so a typo never leaves a switch in an unintended state."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{name}: expected one of {', '.join(repr(v) for v in _ON + _OFF[1:])} "
+                     f"(or unset), got {raw!r}")
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def offsets_check_requested(check_offsets) -> bool:
+    return check_flag("check_offsets", check_offsets) or env_flag(CHECK_OFFSETS_ENV, False)
+
+
+_skipped_warned = []
+
+
+def check_offset_contents(p: "Problem") -> None:
+    """Read the offsets (one host sync) and raise a ValueError naming the argument when they
+    break the layout's rules: ``cu_seqlens`` starts at 0, never decreases, ends within the
+    token count; ``cu_seqlens_comp`` is ``compressed_cu_seqlens(cu_seqlens, ratio)``;
+    ``total_comp`` holds every row. Skipped (warned once) where a sync is impossible: inside
+    torch.compile tracing and CUDA-graph capture."""
+    cu, cuc = p.cu_seqlens, p.cu_seqlens_comp
+    capturing = cu.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        if not _skipped_warned:
+            _skipped_warned.append(True)
+            _log.warning("csa_compressor: offsets not checked inside torch.compile or CUDA-graph "
+                         "capture (the check needs a host sync); check an eager call instead")
+        return
+    c = cu.to(torch.int64).cpu()
+    cc = cuc.to(torch.int64).cpu()
+    if c[0] != 0:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(c[0])}")
+    step = c[1:] - c[:-1]
+    if (step < 0).any():
+        s = int(torch.nonzero(step < 0)[0])
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s}] = "
+                         f"{int(c[s])} > cu_seqlens[{s + 1}] = {int(c[s + 1])}")
+    if c[-1] > p.num_tokens:
+        raise ValueError(f"cu_seqlens: the last offset {int(c[-1])} is past the {p.num_tokens} "
+                         "tokens of kv")
+    want = torch.zeros_like(c)
+    want[1:] = torch.cumsum(torch.div(step, p.ratio, rounding_mode="floor"), 0)
+    if not torch.equal(cc, want):
+        s = int(torch.nonzero(cc != want)[0])
+        raise ValueError(
+            f"cu_seqlens_comp: expected compressed_cu_seqlens(cu_seqlens, ratio={p.ratio}), "
+            f"which has {int(want[s])} at index {s}, got {int(cc[s])} (built for another ratio, "
+            "or swapped with cu_seqlens?)")
+    if p.total_comp < int(want[-1]):
+        raise ValueError(f"total_comp: the pack has {int(want[-1])} rows, got a capacity of "
+                         f"{p.total_comp} (an understated max_seqlen?)")
+
+
 def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-             for_kernel: bool = False) -> Problem:
+             for_kernel: bool = False, check_offsets: bool = False) -> Problem:
     """Check every argument of a THD call and return 2-D views and sizes.
 
     ``for_kernel`` adds what the fused kernels need beyond the math: a CUDA device,
     contiguous storage, 16-byte aligned data pointers and int32-addressable sizes.
+    ``cu_seqlens_comp=None`` derives it from ``cu_seqlens`` on the device (no sync).
+    ``check_offsets`` (or CSA_COMPRESSOR_CHECK_OFFSETS=1) also reads the offsets'
+    contents: check_offset_contents.
     """
     check_ratio_coff(ratio, coff)
     _check_int("total_comp", total_comp, 0)
+    check_contents = offsets_check_requested(check_offsets)
+    if cu_seqlens_comp is None:
+        from .layout import compressed_cu_seqlens
+
+        cu_seqlens_comp = compressed_cu_seqlens(_check_offsets("cu_seqlens", cu_seqlens), ratio)
     kv = _as_2d("kv", _check_tensor("kv", kv))
     score = _as_2d("score", _check_tensor("score", score))
     ape = _check_tensor("ape", ape)
@@ -146,7 +231,10 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
         cu = cu.to(torch.int32).contiguous()
     if cuc.dtype != torch.int32 or not cuc.is_contiguous():
         cuc = cuc.to(torch.int32).contiguous()
-    return Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
+    p = Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
+    if check_contents:
+        check_offset_contents(p)
+    return p
 
 
 def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,9 +13,10 @@ from . import config
 from .compile import get_kernel, sm_count
 
 
-def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+             check_offsets=False):
     return validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                    coff=coff, for_kernel=True)
+                    coff=coff, for_kernel=True, check_offsets=check_offsets)
 
 
 @functools.cache  # asked at the first launch; the visible devices do not change after
@@ -56,11 +57,14 @@ def launch_forward(p, out):
     return out
 
 
-def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int):
-    """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp)."""
+def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int,
+                 check_offsets: bool = False):
+    """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp).
+    ``check_offsets``: as compress_thd_fused's."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff)
+    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff,
+                 check_offsets)
     check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
     return launch_forward(p, out)
 
@@ -110,13 +114,15 @@ def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtyp
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                  grad_ape, *, ratio: int, coff: int, workspace=None):
+                  grad_ape, *, ratio: int, coff: int, workspace=None, check_offsets: bool = False):
     """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
     ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
-    reproducible: dape partials are reduced in a fixed order, never with atomics."""
+    reproducible: dape partials are reduced in a fixed order, never with atomics.
+    ``check_offsets``: as compress_thd_fused's."""
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
-    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff)
+    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff,
+                 check_offsets)
     dev, dt, N, d = p.kv.device, p.kv.dtype, p.total_comp, p.head_dim
     check_out("grad_out", grad_out, (N, d), dt, dev)
     check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
