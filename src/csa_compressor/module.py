@@ -11,6 +11,7 @@ from torch import nn
 from . import reference
 from .dispatch import fused_unavailable_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
+from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
 POOLING = ("auto", "fused", "reference")
 
@@ -46,20 +47,36 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
 
 
 class Compressor(nn.Module):
+    """Projections ``wkv`` / ``wgate`` (hidden -> coff*head_dim), the gated pooling (fused
+    where it can run, else the fp32 reference), RMSNorm over head_dim, rotary embedding on
+    the last ``rope_dim`` channels (default: 64, or all of a smaller head_dim) and an
+    optional Hadamard rotation. ``coff`` defaults to 2 at ratio 4, else 1."""
+
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, *, coff: int | None = None,
-                 rope_dim: int = 64, rope_theta: float = 160000.0, rope_interleaved: bool = True,
-                 norm_eps: float = 1e-6, rotate: bool = False, dtype=torch.bfloat16, device=None,
-                 pooling: str = "auto"):
+                 rope_dim: int | None = None, rope_theta: float = 160000.0,
+                 rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
+                 dtype=torch.bfloat16, device=None, pooling: str = "auto"):
         super().__init__()
+        check_int("hidden_size", hidden_size, 1)
+        check_int("head_dim", head_dim, 1)
+        check_int("ratio", ratio, 1)
         coff = (2 if ratio == 4 else 1) if coff is None else coff
-        if coff not in (1, 2):
-            raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
-        if ratio < 1:
-            raise ValueError(f"ratio: expected an int >= 1, got {ratio!r}")
-        if rope_dim % 2 or not 0 <= rope_dim <= head_dim:
+        check_ratio_coff(ratio, coff)
+        if rope_dim is None:
+            rope_dim = min(64, head_dim - head_dim % 2)
+        check_int("rope_dim", rope_dim, 0)
+        if rope_dim % 2 or rope_dim > head_dim:
             raise ValueError(f"rope_dim: expected an even int in [0, head_dim={head_dim}], got {rope_dim}")
+        for name, value in (("rope_theta", rope_theta), ("norm_eps", norm_eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+        check_flag("rope_interleaved", rope_interleaved)
+        check_flag("rotate", rotate)
         if rotate and head_dim & (head_dim - 1):
             raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
         if pooling not in POOLING:
             raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff

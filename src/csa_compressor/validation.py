@@ -47,7 +47,7 @@ class Problem:
         return self.cu_seqlens.numel() - 1
 
 
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected a Python int, got {type(value).__name__} {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -63,9 +63,38 @@ def _check_tensor(name: str, t) -> torch.Tensor:
 
 
 def check_ratio_coff(ratio, coff) -> None:
-    _check_int("ratio", ratio, 1)
+    check_int("ratio", ratio, 1)
     if isinstance(coff, bool) or not isinstance(coff, int) or coff not in (1, 2):
         raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
+
+
+def check_specialisation(dtype, ratio, coff, head_dim) -> None:
+    """The arguments that select a compiled kernel (precompile, backward_workspace_shape)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    check_ratio_coff(ratio, coff)
+    check_int("head_dim", head_dim, 1)
+
+
+def check_cuda_device(device) -> torch.device:
+    """``device`` (None: the current one) as a CUDA torch.device that exists here."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: no CUDA GPU is available; the fused kernels need one "
+                               "(compute capability 9.0 or newer)")
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected a CUDA device, got {device!r}") from exc
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {dev}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device: {dev} asked for, but no CUDA GPU is available")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} visible)")
+    return torch.device("cuda", index)
 
 
 def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -169,7 +198,7 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     contents: check_offset_contents.
     """
     check_ratio_coff(ratio, coff)
-    _check_int("total_comp", total_comp, 0)
+    check_int("total_comp", total_comp, 0)
     check_contents = offsets_check_requested(check_offsets)
     if cu_seqlens_comp is None:
         from .layout import compressed_cu_seqlens

@@ -238,7 +238,12 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
                directions=("fwd", "bwd")) -> None:
     """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
     its large-pack variant."""
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    from ..validation import check_cuda_device, check_specialisation
+
+    check_specialisation(dtype, ratio, coff, head_dim)
+    device = check_cuda_device(device)
+    if isinstance(directions, str) or not set(directions) <= {"fwd", "bwd"} or not directions:
+        raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
     for direction in directions:
         get_kernel(direction, device, dtype, ratio, coff, head_dim)
 

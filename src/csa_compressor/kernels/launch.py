@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..validation import check_out, validate
+from ..validation import check_cuda_device, check_int, check_out, check_specialisation, validate
 from . import config
 from .compile import get_kernel, sm_count
 
@@ -109,7 +109,10 @@ def dape_sum(kernel, rows: int):
 
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
     """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
-    return backward_plan(torch.device(device), dtype, ratio, coff, head_dim, total_comp,
+    check_specialisation(dtype, ratio, coff, head_dim)
+    check_int("total_comp", total_comp, 0)
+    check_int("num_tokens", num_tokens, 0)
+    return backward_plan(check_cuda_device(device), dtype, ratio, coff, head_dim, total_comp,
                          num_tokens)[3]
 
 

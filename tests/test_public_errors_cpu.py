@@ -1,0 +1,68 @@
+"""Every public function and constructor names the argument it refuses (CPU)."""
+
+import pytest
+import torch
+
+from csa_compressor import Compressor, backward_workspace_shape, precompile
+
+NO_GPU = not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(ratio=0), ValueError, "ratio"), (dict(head_dim=0), ValueError, "head_dim"),
+    (dict(coff=3), ValueError, "coff"), (dict(dtype=torch.float64), TypeError, "dtype"),
+    (dict(ratio=4.0), TypeError, "ratio"), (dict(directions="fwd"), ValueError, "directions"),
+    (dict(device="cpu"), ValueError, "device"),
+])
+def test_precompile_names_the_argument(kwargs, error, name):
+    args = dict(dtype=torch.bfloat16, ratio=4, coff=2, head_dim=128)
+    args.update(kwargs)
+    if NO_GPU and name == "directions":
+        args["device"] = "cpu"  # the device check would answer first
+        error, name = ValueError, "device"
+    with pytest.raises(error, match=name):
+        precompile(**args)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the no-GPU answer")
+def test_kernel_entries_without_a_gpu_say_so():
+    with pytest.raises(RuntimeError, match="device: no CUDA GPU"):
+        precompile(torch.bfloat16, 4, 2, 128)
+    with pytest.raises(RuntimeError, match="device: .*no CUDA GPU"):
+        backward_workspace_shape(100, 400, 4, 2, 128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("args,error,name", [
+    ((-1, 400, 4, 2, 128, torch.bfloat16, "cuda"), ValueError, "total_comp"),
+    ((100, 400, 0, 2, 128, torch.bfloat16, "cuda"), ValueError, "ratio"),
+    ((100, 400, 4, 2, 128, torch.float64, "cuda"), TypeError, "dtype"),
+    ((100, 400, 4, 2, 128, torch.bfloat16, "cpu"), ValueError, "device"),
+])
+def test_backward_workspace_shape_names_the_argument(args, error, name):
+    with pytest.raises(error, match=name):
+        backward_workspace_shape(*args)
+
+
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(ratio=4.0), TypeError, "ratio"), (dict(ratio="4"), TypeError, "ratio"),
+    (dict(ratio=0), ValueError, "ratio"), (dict(hidden_size=-1), ValueError, "hidden_size"),
+    (dict(head_dim=-8), ValueError, "head_dim"), (dict(coff=3), ValueError, "coff"),
+    (dict(dtype=torch.float64), TypeError, "dtype"), (dict(norm_eps=-1), ValueError, "norm_eps"),
+    (dict(norm_eps=float("nan")), ValueError, "norm_eps"), (dict(rope_theta=0), ValueError, "rope_theta"),
+    (dict(rope_dim=33), ValueError, "rope_dim"), (dict(rope_dim=64), ValueError, "rope_dim"),
+    (dict(rotate="yes"), TypeError, "rotate"), (dict(pooling="fast"), ValueError, "pooling"),
+])
+def test_compressor_names_the_argument(kwargs, error, name):
+    args = dict(hidden_size=64, head_dim=32, ratio=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=name):
+        Compressor(**args)
+
+
+def test_compressor_defaults_fit_a_small_head_dim():
+    m = Compressor(64, 32, 4, dtype=torch.float32)
+    assert m.rope_dim == 32 and m.coff == 2
+    x = torch.randn(40, 64)
+    out, cuc = m(x, torch.tensor([0, 17, 40], dtype=torch.int32))
+    assert out.shape == (4 + 5, 32) and torch.isfinite(out).all()
+    assert Compressor(64, 7, 3, dtype=torch.float32).rope_dim == 6
