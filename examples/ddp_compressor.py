@@ -56,7 +56,8 @@ def shard(global_lens, rank, world, seed, device, dtype):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=["cuda", "cpu"], help="default: cuda where a GPU is visible, else cpu")
     ap.add_argument("--ratio", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--init-method", default="env://",

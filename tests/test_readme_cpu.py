@@ -1,0 +1,17 @@
+"""The README's CPU usage example runs as written."""
+
+import os
+import re
+
+import torch
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def test_readme_cpu_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+    scope = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)  # noqa: S102
+    assert "torch.Size([26, 128])" in capsys.readouterr().out
+    assert scope["kv"].grad is not None and torch.isfinite(scope["kv"].grad).all()
+    assert scope["ape"].grad.abs().sum() > 0
