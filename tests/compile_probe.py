@@ -20,10 +20,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import compile as cc  # noqa: E402
-from csa_compressor.kernels import config  # noqa: E402
-
-# CSA_CONFIG="K=V,K=V": kernel-shaping constants to override (a sweep variant).
-config.override(os.environ.get("CSA_CONFIG", ""))
+# CSA_CONFIG="K=V,K=V" (a sweep variant) is read by kernels/tuning.py at import.
 
 _orig = cute.compile
 
@@ -53,7 +50,8 @@ def _modelled(self, size, byte_alignment=1, *a, **k):
 SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-    kernel, _ = cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+    built = cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+kernel = built.kernel
 log = buf.getvalue()
 ptx = "".join(open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx"))
 regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
@@ -82,12 +80,11 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
                   "chunk_slots": getattr(kernel, "chunk_slots", 0),  # slots a thread reads
                   "coop": bool(getattr(kernel, "coop", False)),
-                  # The grid's CTAs an SM as designed (shared memory, config), and as
-                  # launched: capped by what the cubin's registers leave resident where
-                  # config.GRID_FITS_REGISTERS is on.
-                  "target_ctas": getattr(kernel, "design_ctas_per_sm", None) or 0,
-                  "grid_ctas": getattr(kernel, "target_ctas_per_sm", 0),
-                  "cubin_regs": getattr(kernel, "registers", None),
+                  # The grid's CTAs an SM as designed (shared memory, tuning), and as
+                  # launched: capped by what the cubin's registers leave resident.
+                  "target_ctas": getattr(kernel, "target_ctas_per_sm", None) or 0,
+                  "grid_ctas": built.ctas_per_sm or 0,
+                  "cubin_regs": built.registers,
                   "threads": getattr(kernel, "threads", 0),
                   "smem_asked": getattr(kernel, "smem_bytes", 0),
                   "smem_used": max(smem_ends.values(), default=0)}))

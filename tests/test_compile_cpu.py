@@ -2,7 +2,7 @@
 
 Each production configuration is compiled in a subprocess; what ptxas reports and the PTX
 must show: no local-memory spills or stack, the pinned ``mul.rn.f32`` present, the shared
-reciprocal of the division present, the main loads as wide as config designs them, the
+reciprocal of the division present, the main loads as wide as the tuning designs them, the
 programmatic-dependent wait before any global memory access where the launch uses PDL,
 and the narrow forward's register bound.
 """
@@ -16,6 +16,10 @@ import pytest
 
 pytest.importorskip("cutlass")
 pytestmark = pytest.mark.compile
+
+from csa_compressor.kernels import hardware, tuning  # noqa: E402
+
+T = tuning.current()
 
 HERE = os.path.dirname(__file__)
 CONFIGS = [  # (direction, dtype, ratio, coff, head_dim)
@@ -60,7 +64,7 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     width = info["vec"] * info["elem_bytes"]
     # Every window slot reads kv and score with one vector of the designed width: a
     # cp.async into shared memory in the short-window kernels, a load in the long ones.
-    # Where the warp stages its window cooperatively (common.stage_window_warp: the
+    # Where the warp stages its window cooperatively (staging.stage_window_warp: the
     # forwards, and on sm_90 the backward with one row lane and the large-pack backward),
     # the window's copies are 16-byte pieces instead, 32 vectors of a slot shared out over
     # the warp.
@@ -78,19 +82,18 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         assert reads.get("16", 0) >= 2 * pieces, info
     else:
         assert reads.get(str(width), 0) >= 2 * info["chunk_slots"], info
-    # One shared reciprocal per column instead of a division per slot (common.div_rn).
+    # One shared reciprocal per column instead of a division per slot (softmax.div_rn).
     assert info["rcp_rn"] >= 1, info
-    from csa_compressor.kernels import config
 
-    designed = config.VEC_BYTES if direction == "fwd" else config.BWD_VEC_BYTES  # bwd, bwd_large
+    designed = T.VEC_BYTES if direction == "fwd" else T.BWD_VEC_BYTES  # bwd, bwd_large
     if direction == "fwd" and d == 128:
-        # 32 chunks of 8 B a row: halved to 64 chunks (config.FWD_MIN_CHUNKS_PER_ROW).
-        designed = config.FWD_MIN_VEC_BYTES
+        # 32 chunks of 8 B a row: halved to 64 chunks (FWD_MIN_CHUNKS_PER_ROW).
+        designed = T.FWD_MIN_VEC_BYTES
     if ratio > 8:
-        designed = config.LONG_VEC_BYTES if direction == "fwd" else config.LONG_BWD_VEC_BYTES
+        designed = T.LONG_VEC_BYTES if direction == "fwd" else T.LONG_BWD_VEC_BYTES
     assert width == designed, info  # head_dim 512/128 bf16 allow the designed width
     # The short-window kernels' warps are 32 column lanes of one row, so the first segment
-    # search of a walk is the warp-wide one (common.find_segment_warp). (The long backward's
+    # search of a walk is the warp-wide one (segments.find_segment_warp). (The long backward's
     # slot groups are 16 lanes wide: binary search there.)
     if staged:
         assert info["ballots"] >= 1, info
@@ -102,22 +105,22 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
         # The grid is sized for one wave of target_ctas CTAs an SM (launch.py, pool_fwd
         # rows_per_thread): their registers must fit the SM's 64K, or the last CTAs wait
         # for a second wave (the backward's grid for more CTAs than fit ran 1.3 waves:
-        # 1x8192/128 fwd+bwd 27.9 against 24.6 us, config.py). The d=512 forward sits at
+        # 1x8192/128 fwd+bwd 27.9 against 24.6 us, docs/lab/tuning-log.md). The d=512 forward sits at
         # the limit: 128 registers x 128 threads x 4 CTAs.
         assert regs_for_one_wave(info) <= 65536, info
         assert info["grid_ctas"] == info["target_ctas"], info
     if direction == "fwd" and width <= 4 and staged:
-        # The narrow forward's register bound (config.FWD_BOUND_CTAS_PER_SM).
-        assert info["min_ctas"] == [config.FWD_BOUND_CTAS_PER_SM[arch_major]], info
+        # The narrow forward's register bound (FWD_BOUND_CTAS_PER_SM).
+        assert info["min_ctas"] == [T.fwd_bound_ctas(arch_major)], info
     elif direction in ("bwd", "bwd_large") and coop:
         # The cooperative backward is held to the registers of the CTAs its grid is sized
         # for (pool_bwd.py: unbounded, ptxas took a register too many for one wave).
         assert info["min_ctas"] == [info["target_ctas"]] and info["target_ctas"] >= 1, info
     elif direction == "bwd" and not staged:
         # The long backward is compiled for the CTAs its grid is sized for
-        # (config.LONG_BWD_CTAS_PER_SM at d=512's 16 slots a thread): unbounded it took 101
+        # (LONG_BWD_CTAS_PER_SM at d=512's 16 slots a thread): unbounded it took 101
         # registers, one CTA an SM.
-        assert info["min_ctas"] == [config.LONG_BWD_CTAS_PER_SM] == [info["target_ctas"]], info
+        assert info["min_ctas"] == [T.LONG_BWD_CTAS_PER_SM] == [info["target_ctas"]], info
     else:
         assert info["min_ctas"] == [], info
 
@@ -136,7 +139,7 @@ def test_dape_reduction_compiles_with_wide_loads(arch, layout, ratio, coff, d):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("ratio", [5, 8])
 def test_wide_narrow_forwards_go_unbounded_without_spills(arch, ratio):
-    """bf16 windows of more than config.FWD_BOUND_MAX_ELEMS elements a thread (coff 2,
+    """bf16 windows of more than FWD_BOUND_MAX_ELEMS elements a thread (coff 2,
     ratios 5-8) spilled 32-232 B under the narrow forward's register bound; they compile
     unbounded and spill-free (the 22a19a6 sweep measured them 1-6 us faster)."""
     info = probe(arch, ("fwd", "bfloat16", ratio, 2, 128))
@@ -145,7 +148,7 @@ def test_wide_narrow_forwards_go_unbounded_without_spills(arch, ratio):
 
 
 # Kernels that tools/spill_survey.py found spilling under a register bound, or with a
-# grid sized for more CTAs than their registers hold (config.FWD_BOUND_SPILLS,
+# grid sized for more CTAs than their registers hold (FWD_BOUND_SPILLS,
 # BWD_COOP_MAX_CTAS, GRID_FITS_REGISTERS, FWD_MAX_WINDOW_ELEMS): (arch, cfg, the bound
 # expected, whether the grid is smaller than designed).
 SURVEY_FIXES = [
@@ -166,40 +169,37 @@ SURVEY_FIXES = [
 def test_survey_fixes_compile_spill_free_for_one_wave(arch, cfg, bound, smaller):
     """Spill-free, with the bound named, and a grid no larger than the compiled kernel's
     registers hold (fewer CTAs than designed where the design overshot them)."""
-    from csa_compressor.kernels import config
 
     info = probe(arch, cfg)
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == bound, info
-    fits = config.ctas_fitting_registers(info["cubin_regs"], info["threads"])
+    fits = hardware.ctas_fitting_registers(info["cubin_regs"], info["threads"])
     assert 1 <= info["grid_ctas"] <= fits, info
     assert (info["grid_ctas"] < info["target_ctas"]) == smaller, info
 
 
 @pytest.mark.parametrize("ratio,vec", [(4, 4), (5, 4), (6, 2), (8, 2)])
 def test_wide_forward_windows_take_half_vectors(ratio, vec):
-    """d=512 bf16 forwards of windows over config.FWD_MAX_WINDOW_ELEMS elements a thread
+    """d=512 bf16 forwards of windows over FWD_MAX_WINDOW_ELEMS elements a thread
     (coff 2, ratios 6-8) take 4-byte vectors, spill-free and unbounded; ratios 4 and 5 keep
     8 bytes. In 8-byte vectors ratios 6-8 took 207-254 registers, 2 CTAs an SM."""
-    from csa_compressor.kernels import config
 
     info = probe("sm_90a", ("fwd", "bfloat16", ratio, 2, 512))
     assert info["vec"] == vec, info
     assert all(s == 0 for s in info["spills"]) and info["local"] == 0 and info["min_ctas"] == [], info
     if vec == 2:
-        assert config.ctas_fitting_registers(info["cubin_regs"], info["threads"]) >= info["target_ctas"] == 4, info
+        assert hardware.ctas_fitting_registers(info["cubin_regs"], info["threads"]) >= info["target_ctas"] == 4, info
 
 
 def test_ctas_fitting_registers_follows_the_occupancy_rule():
     """Registers go to warps in units of 256, whole warps a partition (of 4): e.g. 56
     registers x 256 threads leave 4 CTAs (the ratio 4 coff 1 d=128 backward), 79-80 x 128
     leave 6 (the d=512 backward's grid), 96 x 128 leave 5, 255 x 128 leave 2."""
-    from csa_compressor.kernels import config
 
     cases = {(56, 256): 4, (64, 256): 4, (32, 256): 8, (80, 128): 6, (79, 128): 6,
              (96, 128): 5, (128, 128): 4, (168, 128): 3, (255, 128): 2, (24, 64): 32, (16, 32): 32}
     for (regs, threads), ctas in cases.items():
-        assert config.ctas_fitting_registers(regs, threads) == ctas, (regs, threads)
+        assert hardware.ctas_fitting_registers(regs, threads) == ctas, (regs, threads)
 
 
 def test_cubin_reader_declines_what_is_not_a_cubin():
@@ -235,19 +235,10 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     """The large-pack backward, sm_90a, bf16 at d=128 at each step it takes (3 -> 2 CTAs:
     ratio 4 coff 2, ratio 8 coff 1; 4 -> 3: ratio 3 coff 2, ratio 6 coff 1; 5 -> 4: ratio 5
     coff 1; 6 -> 5: ratios 1 and 3 coff 1, ratio 1 coff 2; the largest windows of each
-    within config.BWD_LARGE_MAX_SLOTS; 6 -> 4: ratio 4 coff 1, ratio 2 coff 2), and fp32
+    within BWD_LARGE_MAX_SLOTS; 6 -> 4: ratio 4 coff 1, ratio 2 coff 2), and fp32
     at d=64, whose defaults differ (ratio 7 coff 1: 4 -> 3): cooperative copies, no
     spills, held to registers for one wave of its CTAs."""
     info = probe("sm_90a", ("bwd_large", dtype, ratio, coff, d))
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == [info["target_ctas"]], info
     assert regs_for_one_wave(info) <= 65536, info
-
-
-def test_measurement_knobs_ship_off():
-    """config.WHATIF_MATH swaps SPEC §5's softmax for approximate math or none, for a sweep
-    to price the numerics; the shipped kernels must never have it on."""
-    from csa_compressor.kernels import config
-
-    assert config.WHATIF_MATH == 0
-    assert config.WHATIF_BWD_APE == 0

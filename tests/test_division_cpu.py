@@ -1,4 +1,4 @@
-"""The kernels' division (common.div_by_rcp) replayed in exact rational arithmetic: one
+"""The kernels' division (ptx.div_by_rcp) replayed in exact rational arithmetic: one
 correctly rounded reciprocal shared by all numerators, a product and one FMA residual
 correction must give the IEEE quotient for every numerator the fast path accepts,
 including quotients next to a rounding midpoint divided by the denominators whose
@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from csa_compressor.kernels.config import DIV_FAST_MIN
+from csa_compressor.kernels.softmax import DIV_FAST_MIN
 
 
 def rn32(x: Fraction) -> Fraction:

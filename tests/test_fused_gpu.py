@@ -25,6 +25,16 @@ def _grads(fn, kv, score, ape, cu, cuc, N, ratio, coff, g):
             ape.grad if ape.grad is not None else z(ape))
 
 
+@pytest.fixture
+def large_variant_always():
+    """Every pack takes the large-pack backward where a kernel has one (a launch-only
+    tuning: nothing recompiles)."""
+    from csa_compressor.kernels import tuning
+
+    with tuning.use(BWD_LARGE_PACK_ROWS=0, BWD_LARGE_GUESS_PACK_ROWS=0):
+        yield
+
+
 def _ref(mode):
     return lambda *a, **k: reference.compress_thd(*a, mode=mode, **k)
 
@@ -71,7 +81,7 @@ def assert_never_worse_than_upstream(fused, up, oracle):
 # Every ratio 1-8 and both coff in bf16 at head_dim 128 and at an odd head_dim; fp16 and
 # fp32 at head_dim 64; head_dim 512 at the production ratios, and in bf16 at the wide
 # windows whose kernels differ there (ratios 5-8 coff 2: register-fitted grids, the
-# backward held to 4 CTAs, config.FWD_MAX_WINDOW_ELEMS).
+# backward held to 4 CTAs, FWD_MAX_WINDOW_ELEMS).
 GRID = ([(128, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
         + [(65, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
         + [(64, r, c, dt) for r in range(1, 9) for c in (1, 2) for dt in (torch.float16, torch.float32)]
@@ -99,13 +109,13 @@ def test_numerics_contract(d, ratio, coff, dtype):
 def test_large_pack_backward_variant():
     """A pack of BWD_LARGE_PACK_ROWS rows or more takes the backward's large-pack variant
     (cooperative copies with stacked row lanes): same contract as the small one."""
-    from csa_compressor.kernels import config, launch
+    from csa_compressor.kernels import launch, tuning
 
     kv, score, ape, cu, cuc, N = make_pack([8192, 8192, 1000, 3, 0, 77], 128, 4, 2,
                                            dtype=torch.bfloat16, device="cuda", pad_tokens=5,
                                            extra_rows=3, seed=17)
-    assert N >= config.BWD_LARGE_PACK_ROWS
-    kernel, _ = launch.backward_kernel(kv.device, torch.bfloat16, 4, 2, 128, N)
+    assert N >= tuning.current().BWD_LARGE_PACK_ROWS
+    kernel = launch.backward_kernel(kv.device, torch.bfloat16, 4, 2, 128, N).kernel
     assert kernel.coop and kernel.row_lanes > 1  # the large variant on sm_90
     g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
     fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, 4, 2, g)
@@ -122,13 +132,10 @@ LARGE_GRID = ([(128, r, c, torch.bfloat16) for r in range(1, 9) for c in (1, 2)]
 
 @pytest.mark.parametrize("d,ratio,coff,dtype", LARGE_GRID,
                          ids=[f"d{a}-r{b}-c{c}-{str(e)[6:]}" for a, b, c, e in LARGE_GRID])
-def test_large_pack_variant_on_ragged_packs(monkeypatch, d, ratio, coff, dtype):
+def test_large_pack_variant_on_ragged_packs(large_variant_always, d, ratio, coff, dtype):
     """The large-pack backward forced onto the ragged packs of test_numerics_contract (the
     threshold is read at launch): dkv/dscore bitwise equal to the fp32 reference, padding
     rows ignored, NaN-filled buffers fully written."""
-    from csa_compressor.kernels import config
-
-    monkeypatch.setattr(config, "BWD_LARGE_PACK_ROWS", 0)
     kv, score, ape, cu, cuc, N = make_pack(RAGGED, d, ratio, coff, dtype=dtype, device="cuda",
                                            pad_tokens=5, extra_rows=2, seed=ratio * 10 + coff)
     g = torch.randn(N, d, device="cuda").to(dtype)
@@ -278,7 +285,7 @@ def test_non_finite_inputs_propagate_like_the_reference():
 @pytest.mark.parametrize("ratio,coff,scale", [(4, 2, 30.0), (8, 2, 60.0), (128, 1, 30.0)])
 def test_wide_score_spread_hits_the_exact_division_fallback(ratio, coff, scale):
     """Scores spread so wide that many softmax numerators fall below the shared-reciprocal
-    fast path (common.DIV_FAST_MIN = 2^-64), underflow to subnormals or to zero: the
+    fast path (softmax.DIV_FAST_MIN = 2^-64), underflow to subnormals or to zero: the
     kernels' quotients must still be the IEEE ones (dkv = g*p bitwise)."""
     kv, score, ape, cu, cuc, N = make_pack(RAGGED, 64, ratio, coff, dtype=torch.float32,
                                            device="cuda", seed=11)

@@ -1,6 +1,7 @@
 """Host-side launch schedules (CPU): every row and token is covered, the forward grid is one
 wave, and staging fits the SM. The kernels' index arithmetic mirrors these formulas."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,10 @@ cutlass = pytest.importorskip("cutlass")
 
 import torch  # noqa: E402
 
-from csa_compressor.kernels import config, launch  # noqa: E402
+from csa_compressor.kernels import hardware, launch, tuning  # noqa: E402
+from csa_compressor.kernels.compile import Compiled  # noqa: E402
+
+T = tuning.current()
 from csa_compressor.kernels.pool_bwd import PoolBackward  # noqa: E402
 from csa_compressor.kernels.pool_fwd import PoolForward  # noqa: E402
 from csa_compressor.kernels.pool_long import LongPoolBackward, LongPoolForward  # noqa: E402
@@ -25,10 +29,10 @@ ROWS = [1, 7, 511, 2048, 6144, 24576, 10**6]
 def test_forward_grid_covers_rows_in_one_wave(cfg, rows):
     k = PoolForward(*cfg)
     per = k.rows_per_thread(rows, SMS)
-    assert 1 <= per <= config.FWD_MAX_ROWS_PER_THREAD
+    assert 1 <= per <= T.FWD_MAX_ROWS_PER_THREAD
     grid_x = math.ceil(rows / (per * k.row_lanes))  # PoolForward.__call__
     assert grid_x * per * k.row_lanes >= rows
-    if per < config.FWD_MAX_ROWS_PER_THREAD:
+    if per < T.FWD_MAX_ROWS_PER_THREAD:
         assert grid_x * k.col_groups <= SMS * k.target_ctas_per_sm
 
 
@@ -38,7 +42,7 @@ def test_forward_staging_fits_the_sm(cfg):
     assert k.staged == (k.vec * cfg[0].width // 8 in (4, 8, 16))
     if k.staged:
         assert k.stages >= 2
-    assert k.target_ctas_per_sm * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
+    assert k.target_ctas_per_sm * (k.smem_bytes + hardware.SMEM_RESERVED_PER_CTA) <= hardware.SMEM_PER_SM
 
 
 BWD = [(PoolBackward, cutlass.BFloat16, 4, 2, 512), (PoolBackward, cutlass.BFloat16, 4, 2, 128),
@@ -55,8 +59,8 @@ def test_backward_schedule_covers_rows_and_tokens(monkeypatch, cfg, rows, tokens
     per_cta, row_ctas, zero_ctas = launch.backward_schedule(rows, tokens, k, torch.device("cuda", 0))
     assert per_cta >= 1 and row_ctas * per_cta >= rows
     # zero CTA b, row lane y walks tokens (b*row_lanes + y)*Z .. +Z-1 (pool_bwd/pool_long)
-    assert zero_ctas * k.row_lanes * config.ZERO_TOKENS_PER_THREAD >= tokens
-    assert (zero_ctas - 1) * k.row_lanes * config.ZERO_TOKENS_PER_THREAD < max(tokens, 1)
+    assert zero_ctas * k.row_lanes * T.ZERO_TOKENS_PER_THREAD >= tokens
+    assert (zero_ctas - 1) * k.row_lanes * T.ZERO_TOKENS_PER_THREAD < max(tokens, 1)
 
 
 @pytest.mark.parametrize("d", [64, 128, 512])
@@ -73,7 +77,7 @@ def test_large_pack_backward_variant(monkeypatch, d):
     large = PoolBackward(cutlass.BFloat16, 4, 2, d, large=True)
     assert large.coop and not small.coop and not large.has_large_variant
     assert large.target_ctas_per_sm == small.target_ctas_per_sm - 1 == 2
-    assert large.target_ctas_per_sm * (large.smem_bytes + config.SMEM_RESERVED_PER_CTA) <= config.SMEM_PER_SM
+    assert large.target_ctas_per_sm * (large.smem_bytes + hardware.SMEM_RESERVED_PER_CTA) <= hardware.SMEM_PER_SM
     for rows in (4096, 6144, 32768):
         per_cta, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, large, torch.device("cuda", 0))
         assert row_ctas * per_cta >= rows and row_ctas <= SMS * large.target_ctas_per_sm
@@ -111,7 +115,7 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
     guesses too; the stacked default and sm_100 do not. The long backward (ratio 128) has
     neither and still picks (its missing attribute failed the bench at f9c11e4)."""
     if guess_rows is not None:
-        monkeypatch.setattr(config, "BWD_LARGE_GUESS_PACK_ROWS", guess_rows)
+        monkeypatch.setattr(tuning, "_current", dataclasses.replace(T, BWD_LARGE_GUESS_PACK_ROWS=guess_rows))
     small = PoolBackward(cutlass.BFloat16, ratio, coff, 128)
     guesses = (ratio, coff) in ((4, 2), (3, 2), (6, 1))
     assert small.large_guesses == guesses and not small.guess_first
@@ -125,30 +129,31 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
 
     def get_kernel(which, *args):
         picked.append(which)
-        return kernel, None
+        return Compiled(kernel, None, None, None)
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
     dev = torch.device("cuda", 0)
-    threshold = config.BWD_LARGE_PACK_ROWS
+    t = tuning.current()
+    threshold = t.BWD_LARGE_PACK_ROWS
     if guesses:
-        threshold = min(threshold, config.BWD_LARGE_GUESS_PACK_ROWS)
-    for rows in (threshold - 1, threshold, config.BWD_LARGE_PACK_ROWS):
+        threshold = min(threshold, t.BWD_LARGE_GUESS_PACK_ROWS)
+    for rows in (threshold - 1, threshold, t.BWD_LARGE_PACK_ROWS):
         picked.clear()
         launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
         want = small.has_large_variant and rows >= threshold
         assert picked == (["bwd", "bwd_large"] if want else ["bwd"]), rows
     kernel = LongPoolBackward(cutlass.BFloat16, 128, 1, 128)
     picked.clear()
-    assert launch.backward_kernel(dev, torch.bfloat16, 128, 1, 128, 1 << 20)[0] is kernel
+    assert launch.backward_kernel(dev, torch.bfloat16, 128, 1, 128, 1 << 20).kernel is kernel
     assert picked == ["bwd"]
 
 
 @pytest.mark.parametrize("d", [128, 512])
 def test_production_forward_runs_the_measured_occupancy(d):
-    # The measured grids (config.py): d=512 (8-byte vectors) 4 CTAs per SM (ncu:
+    # The measured grids (docs/lab/tuning-log.md): d=512 (8-byte vectors) 4 CTAs per SM (ncu:
     # shared-memory limit 4); d=128 (4-byte vectors) the register bound's 8 on sm_90.
     k = PoolForward(cutlass.BFloat16, 4, 2, d)
-    want = config.FWD_TARGET_CTAS_PER_SM if d == 512 else config.FWD_BOUND_CTAS_PER_SM[9]
+    want = T.FWD_TARGET_CTAS_PER_SM if d == 512 else T.fwd_bound_ctas(9)
     assert k.target_ctas_per_sm == want == (4 if d == 512 else 8)
 
 
@@ -158,8 +163,8 @@ def test_backward_grid_fits_one_wave_of_resident_ctas(monkeypatch, d):
     (at d=128 three, where BWD_TARGET_CTAS_PER_SM is 4)."""
     monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
     k = PoolBackward(cutlass.BFloat16, 4, 2, d)
-    fit = config.SMEM_PER_SM // (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-    assert 1 <= k.target_ctas_per_sm <= min(fit, config.BWD_TARGET_CTAS_PER_SM)
+    fit = hardware.SMEM_PER_SM // (k.smem_bytes + hardware.SMEM_RESERVED_PER_CTA)
+    assert 1 <= k.target_ctas_per_sm <= min(fit, T.BWD_TARGET_CTAS_PER_SM)
     for rows in (2048, 6144, 24576):
         _, row_ctas, _ = launch.backward_schedule(rows, 4 * rows, k, torch.device("cuda", 0))
         assert row_ctas * k.col_groups <= SMS * fit
@@ -199,19 +204,19 @@ def test_forward_vector_width_follows_chunks_per_row(dtype, d, want_bytes):
 
 @pytest.mark.parametrize("arch_major,sms", [(9, 132), (10, 148)])
 def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(arch_major, sms):
-    """config.FWD_BOUND_CTAS_PER_SM: the 4-byte forward at d=128 is bounded to the arch's
+    """FWD_BOUND_CTAS_PER_SM: the 4-byte forward at d=128 is bounded to the arch's
     CTAs an SM, sized for them (one row a thread for 2,048 rows in one wave), and holds its
     staging in the carveout; so is the unstaged 2-byte forward of d=65; 8-byte forwards
     (d=512) are left alone."""
     k = PoolForward(cutlass.BFloat16, 4, 2, 128, arch_major)
-    assert k.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major] == k.target_ctas_per_sm
+    assert k.min_ctas == T.fwd_bound_ctas(arch_major) == k.target_ctas_per_sm
     assert k.rows_per_thread(2048, sms) == 1
     assert math.ceil(2048 / k.row_lanes) <= sms * k.min_ctas  # one wave
-    assert k.carveout * config.SMEM_PER_SM / 100 >= k.min_ctas * (k.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+    assert k.carveout * hardware.SMEM_PER_SM / 100 >= k.min_ctas * (k.smem_bytes + hardware.SMEM_RESERVED_PER_CTA)
     wide = PoolForward(cutlass.BFloat16, 4, 2, 512, arch_major)
     assert wide.min_ctas == 0 and wide.carveout is None
     odd = PoolForward(cutlass.Float16, 3, 2, 65, arch_major)
-    assert not odd.staged and odd.min_ctas == config.FWD_BOUND_CTAS_PER_SM[arch_major]
+    assert not odd.staged and odd.min_ctas == T.fwd_bound_ctas(arch_major)
 
 
 @pytest.mark.parametrize("ratio,coff,d,tokens,wide", [
@@ -223,19 +228,19 @@ def test_register_bound_gives_one_row_a_thread_at_1x8192_d128(arch_major, sms):
 ])
 def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, tokens, wide):
     """The backward's dape sum takes the wide layout for few partial rows of many columns
-    (config.REDUCE_WIDE_*), as the sweep at 748cd3e measured, chosen from the schedule."""
+    (REDUCE_WIDE_*), as the sweep at 748cd3e measured, chosen from the schedule."""
     monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
-    cls = LongPoolBackward if config.long_window(ratio * coff) else PoolBackward
+    cls = LongPoolBackward if T.long_window(ratio * coff) else PoolBackward
     k = cls(cutlass.BFloat16, ratio, coff, d)
     _, row_ctas, _ = launch.backward_schedule(tokens // ratio, tokens, k, torch.device("cuda", 0))
-    k.dape_fn, k.dape_wide_fn = "default", "wide" if config.dape_has_wide(ratio * coff * d) else None
-    assert launch.dape_sum(k, row_ctas) == ("wide" if wide else "default")
+    c = Compiled(k, None, None, None, "default", "wide" if T.dape_has_wide(ratio * coff * d) else None)
+    assert launch.dape_sum(c, row_ctas) == ("wide" if wide else "default")
 
 
 @pytest.mark.parametrize("cls,ratio,coff,d,free", [
     ("fwd", 128, 1, 512, True), ("fwd", 128, 1, 128, True), ("bwd", 128, 1, 512, True),
     ("bwd", 128, 2, 512, True), ("bwd", 128, 1, 128, True),
-    ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (config.py, v22)
+    ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (tuning log, v22)
 ])
 def test_long_kernels_shared_stores_and_sums_avoid_bank_conflicts(cls, ratio, coff, d, free):
     """The long kernels' shared buffer (pool_long._LongShape): a warp's stores of one slot

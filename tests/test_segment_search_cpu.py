@@ -1,4 +1,4 @@
-"""common.find_segment_warp replayed in Python, lane by lane: the 32-ary warp search must
+"""segments.find_segment_warp replayed in Python, lane by lane: the 32-ary warp search must
 give find_segment's answer (the upper bound) on non-decreasing offsets, with at most
 ceil(log32(B)) + 1 rounds of dependent loads, and stay in [0, B] and terminate on any
 offsets (a caller error must never turn into an out-of-bounds read or a hang)."""
@@ -11,7 +11,7 @@ import pytest
 
 
 def find_segment(cu, x):
-    """common.find_segment: largest s in [0, B] with cu[s] <= x (binary search)."""
+    """segments.find_segment: largest s in [0, B] with cu[s] <= x (binary search)."""
     lo, n = 0, len(cu) - 1
     while n > 0:
         half = n // 2
@@ -23,7 +23,7 @@ def find_segment(cu, x):
 
 
 def find_segment_warp(cu, x):
-    """common.find_segment_warp, the 32 lanes simulated; returns (answer, rounds, reads)."""
+    """segments.find_segment_warp, the 32 lanes simulated; returns (answer, rounds, reads)."""
     lo, hi = 0, len(cu) - 1
     rounds, reads = 0, set()
     while hi > lo:

@@ -22,8 +22,8 @@ def test_kernel_sum_order_is_the_reference_order(n, d):
          * torch.exp2(torch.randint(-30, 30, (64, n, d), generator=gen).float()))
     want = reference._window_sum(x)[:, 0]  # (rows, n, d): the lanes follow d
     cols = x[:, :, 0].numpy()
-    got = [pool_long.ordered_sum(lambda k: np.float32(row[k]), n, lanes) for row in cols]
+    got = [pool_long.ordered_sum(lambda k: np.float32(row[k]), n, lanes, 8) for row in cols]
     assert np.array_equal(np.array(got, dtype=np.float32), want.numpy())
     if lanes > 1:  # and the grouping matters: a serial sum gives other bits
-        serial = [pool_long.ordered_sum(lambda k: np.float32(row[k]), n, 1) for row in cols]
+        serial = [pool_long.ordered_sum(lambda k: np.float32(row[k]), n, 1, 8) for row in cols]
         assert not np.array_equal(np.array(serial, dtype=np.float32), want.numpy())

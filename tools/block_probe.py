@@ -8,8 +8,8 @@ bulk copy (cp.async.bulk) a token row and tensor, all issued at its start behind
 mbarrier: ~(R+1)*ratio*coff*d*2 bytes a tensor in flight from a few instructions, one
 segment search a row lane and one APE load a CTA, instead of every thread's cp.async
 stages refilled row after row (pool_fwd.py). The rows then read their windows from shared
-memory and pool them with the product kernel's own helpers (common.softmax_row, mul_rn), so
-the outputs are bitwise pool_forward's and config.WHATIF_MATH applies as in the product.
+memory and pool them with the product kernel's own helpers (softmax.softmax_row, mul_rn), so
+the outputs are bitwise pool_forward's.
 
 Only packs whose segments are whole blocks of ``ratio`` tokens (then row r's first token
 is r*ratio, so a block's rows are contiguous in the tokens), coff 2, and no padding rows:
@@ -29,8 +29,9 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from csa_compressor import bench, testing, pool_forward
-from csa_compressor.kernels import config
-from csa_compressor.kernels.common import mul_rn, softmax_row, start_walk, walk_rows, walk_window
+from csa_compressor.kernels.ptx import mul_rn
+from csa_compressor.kernels.segments import start_walk, walk_rows, walk_window
+from csa_compressor.kernels.softmax import softmax_row
 from csa_compressor.kernels.compile import _cutlass_dtype, _direct, _fake
 
 
@@ -183,16 +184,15 @@ def compile_block(dtype, ratio, head_dim, rows, threads, vec_bytes):
 def main():
     """Each shape: pool_forward, then every variant ("R=<rows a CTA>,THREADS=<n>,VEC=<bytes>")
     of the block forward, timed as the bench times (graphs of 20 calls over rotating input
-    sets) and compared bitwise with pool_forward. CSA_CONFIG (e.g. WHATIF_MATH=2) applies
-    to both."""
+    sets) and compared bitwise with pool_forward. CSA_CONFIG (kernels/tuning.py) applies
+    to pool_forward."""
     import os
 
-    config.override(os.environ.get("CSA_CONFIG", ""))
     shapes = sys.argv[1].split(",")
     variants = sys.argv[2:] or ["R=16,THREADS=128"]
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    what = os.environ.get("CSA_CONFIG", "") or "SPEC math"
+    what = os.environ.get("CSA_CONFIG", "") or "default tuning"
     compiled = {}
     for name in shapes:
         shape = testing.parse_shape(name)

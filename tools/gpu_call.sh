@@ -14,11 +14,7 @@
 #                        tests_rest are its four shards (run them side by side),
 #                        tests_fused_k a -k "$TESTS_K" subset
 #   check                python -m csa_compressor check (the numerics gate)
-#   tests_candidates     the whole GPU suite with every config.CANDIDATES setting on
-#   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py;
-#                        sanitize_candidates the same with the candidates on
-#                        (the *_candidates steps take the last GPU, so on a two-GPU machine
-#                        they run beside the plain suite without sharing its GPU)
+#   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -51,11 +47,6 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
 END=$((SECONDS + ${DEADLINE:-560}))
-# Every candidate flag of kernels/config.py on, for the *_candidates steps.
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-LAST_GPU="CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? NGPU - 1 : 0 ))"
-# CAND_CONFIG="K=V,..." instead: a variant of sweep knobs that are not 0/1 flags.
-CAND="${CAND_CONFIG:-$(python3 -c 'from csa_compressor.kernels import config; print(",".join(config.CANDIDATES))')}"
 
 # ncu over the forward, backward and dape sum of the profile probe's third and fourth steps.
 NCU="ncu --clock-control none -k regex:'Pool|Dape|reduce_kernel' --launch-skip 6 --launch-count 3"
@@ -70,8 +61,6 @@ cmd_of() {
         check) echo "python3 -m csa_compressor check" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
-        tests_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND python3 -m pytest -q -m gpu tests -rs --durations=10" ;;
-        sanitize_candidates) echo "$LAST_GPU CSA_CONFIG=$CAND compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;

@@ -27,7 +27,7 @@ from cutlass import Int32
 
 from csa_compressor import bench, testing, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
-from csa_compressor.kernels.common import mul_rn
+from csa_compressor.kernels.ptx import mul_rn
 
 
 class Chain:
@@ -81,7 +81,7 @@ def main():
         print(f"straight{n} (launch + {n} multiplies, 8 chains)  {bench.time_graph(lambda _: run(a, out), 1):7.2f} µs")
     # Two kernels a call, alike or asking for different shared memory (the forward stages
     # 16 KB a CTA at d=128, the backward 68 KB): does an L1/shared split change between
-    # consecutive kernels cost time? (config.SMEM_CARVEOUT)
+    # consecutive kernels cost time?
     plain, keep0 = compile_chain(0)
     for smem in (0, 16 * 1024, 68 * 1024):
         big, keep1 = compile_chain(0, smem)

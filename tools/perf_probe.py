@@ -20,7 +20,7 @@ from cutlass import Int32
 
 from csa_compressor import bench, testing, compress_thd_fused, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
-from csa_compressor.kernels import config
+from csa_compressor.kernels import tuning
 from csa_compressor.validation import validate
 
 
@@ -193,18 +193,15 @@ def sweep():
                 dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=4, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=16, FWD_TARGET_CTAS_PER_SM=2)]
     if len(sys.argv) > 2:  # e.g. 'FWD_STAGES=2,FWD_MAX_ROWS_PER_THREAD=4;FWD_STAGES=3'
-        variants = [config.parse_overrides(v) for v in sys.argv[2].split(";")]
-    base = {k: getattr(config, k) for v in variants for k in v}
+        variants = [tuning.parse_overrides(v) for v in sys.argv[2].split(";")]
     for v in variants:
-        for k, val in {**base, **v}.items():  # each variant from the defaults, not the last one
-            setattr(config, k, val)
-        cc._CACHE.clear()
-        r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
+        # Each variant from the process's tuning, not the last variant; its kernels compile
+        # under their own cache key.
+        with tuning.use(**v):
+            r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
         for row in r["rows"]:
             print(v, row["shape"], f"fwd {row.get('fwd_us', float('nan')):.1f} µs "
                   f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.1f} µs", row.get("error", ""))
-    for k, val in base.items():
-        setattr(config, k, val)
 
 
 class _ReadStream:

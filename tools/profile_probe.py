@@ -5,7 +5,7 @@
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python tools/profile_probe.py 3x8192:512:4:2
 
-PROBE_CONFIG="K=V,..." profiles a sweep variant (kernels/config.py constants overridden).
+PROBE_CONFIG="K=V,..." profiles a sweep variant (kernels/tuning.py constants overridden).
 """
 
 import os
@@ -14,9 +14,9 @@ import sys
 import torch
 
 from csa_compressor import compress_thd_fused, testing
-from csa_compressor.kernels import config
+from csa_compressor.kernels import tuning
 
-config.override(os.environ.get("PROBE_CONFIG", ""))
+tuning.set_current(tuning.replace(tuning.current(), **tuning.parse_overrides(os.environ.get("PROBE_CONFIG", ""))))
 
 shape = testing.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
 kv, score, ape, cu, cuc, N, g = testing.make_inputs(shape, torch.bfloat16, torch.device("cuda"))

@@ -34,8 +34,10 @@ def build(direction, dtype, ratio, coff, d, arch) -> bool:
     import cutlass
 
     from csa_compressor.kernels import compile as cc
-    from csa_compressor.kernels import config
     from csa_compressor.kernels.pool_bwd import PoolBackward
+    from csa_compressor.kernels.tuning import current
+
+    config = current()
 
     if direction == "bwd_large":
         cdt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,

@@ -4,9 +4,9 @@ all three dtypes, where buffer sizes are not multiples of their alignment), long
 fwd/bwd (ratio 128), capacity padding rows, N below the true count, T < ratio; then
 offsets a caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in
 bounds counts (d=64, and d=512 at ratio 4 coff 2); all of it twice, the second time with
-the backward's large-pack variant forced (config.BWD_LARGE_PACK_ROWS = 0) and every grid
+the backward's large-pack variant forced (BWD_LARGE_PACK_ROWS = 0) and every grid
 sized for a 4-SM GPU (CTAs walk many rows, across segments). CSA_CONFIG="K=V,..." runs it
-with kernels/config.py constants overridden."""
+with the tuning's constants overridden."""
 
 import os
 import sys
@@ -15,20 +15,21 @@ import torch
 
 import csa_compressor as C
 from csa_compressor.testing import make_inputs, parse_shape
-from csa_compressor.kernels import config, launch
+from csa_compressor.kernels import launch, tuning
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from packs import CORRUPT_OFFSETS  # noqa: E402
 
-config.override(os.environ.get("CSA_CONFIG", ""))
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 # Twice: with the backward's large-pack variant where packs reach its threshold (none of
 # these do) and the GPU's own schedules, then the variant forced on every pack that has
 # one (threshold 0) and the schedules of a 4-SM GPU.
 sm_count = launch.sm_count
-for large_from, sms in ((config.BWD_LARGE_PACK_ROWS, None), (0, 4)):
-    config.BWD_LARGE_PACK_ROWS = large_from
+base = tuning.current()
+for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
+    tuning.set_current(tuning.replace(base, BWD_LARGE_PACK_ROWS=large_from,
+                                      BWD_LARGE_GUESS_PACK_ROWS=min(large_from, base.BWD_LARGE_GUESS_PACK_ROWS)))
     launch.sm_count = sm_count if sms is None else (lambda index, sms=sms: sms)
     print("backward large-pack variant from", large_from, "rows; schedules for", sms or "all", "SMs")
     for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:128:3:2", 2, bf16),

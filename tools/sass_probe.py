@@ -1,6 +1,6 @@
 """Developer probe (runs on a CPU machine): compile one kernel and count its SASS
 instructions, whole kernel and by opcode, optionally with kernel-shaping constants
-overridden. The counts in kernels/config.py and docs/lab/perf-notes.md come from here.
+overridden. The counts in docs/lab/tuning-log.md and docs/lab/perf-notes.md come from here.
 
     CUTE_DSL_ARCH=sm_90a python tools/sass_probe.py fwd bfloat16 4 2 512 [K=V ...] [--dump DIR]
 
@@ -27,10 +27,10 @@ os.environ["CUTE_DSL_DUMP_DIR"] = dump
 import torch  # noqa: E402
 
 from csa_compressor.kernels import compile as cc  # noqa: E402
-from csa_compressor.kernels import config  # noqa: E402
+from csa_compressor.kernels import tuning  # noqa: E402
 
-config.override(",".join(args[5:]))
-cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+cc._build(direction, getattr(torch, dtype), ratio, coff, d,
+          tuning.replace(tuning.current(), **tuning.parse_overrides(",".join(args[5:]))))
 sass = [f for f in os.listdir(dump) if f.endswith(".sass")]
 if not sass:
     sys.exit("no .sass written: is nvdisasm on PATH?")

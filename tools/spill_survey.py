@@ -1,6 +1,6 @@
 """Compile a grid of kernel specialisations for sm_90a and sm_100a on this (CPU) machine and
 list every one that spills, takes a stack frame or uses local memory, or whose grid is
-sized for more CTAs an SM than its registers hold (config.ctas_fitting_registers). CI
+sized for more CTAs an SM than its registers hold (hardware.ctas_fitting_registers). CI
 checks the production configurations and the fixes this found (tests/test_compile_cpu.py);
 this covers what users may ask for.
 
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROBE = os.path.join(ROOT, "tests", "compile_probe.py")
-sys.path.insert(0, os.path.join(ROOT, "src"))  # the package, for config and the kernel shapes
+sys.path.insert(0, os.path.join(ROOT, "src"))  # the package, for the tuning and the kernel shapes
 
 
 def _ints(text):
@@ -50,10 +50,10 @@ def has_large_variant(dtype, ratio, coff, d, arch):
     object's construction only; nothing is compiled)."""
     import cutlass
 
-    from csa_compressor.kernels import config
+    from csa_compressor.kernels import tuning
     from csa_compressor.kernels.pool_bwd import PoolBackward
 
-    if config.long_window(coff * ratio):
+    if tuning.current().long_window(coff * ratio):
         return False
     cdt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}[dtype]
     return PoolBackward(cdt, ratio, coff, d, int(arch[3:-1]) // 10).has_large_variant
@@ -70,7 +70,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--config", default="", help="CSA_CONFIG overrides for every compile")
     a = ap.parse_args()
-    from csa_compressor.kernels import config
+    from csa_compressor.kernels import hardware
+
     jobs = []
     for arch in a.archs.split(","):
         for dtype in a.dtypes.split(","):
@@ -89,7 +90,7 @@ def main():
             print(json.dumps({"arch": arch, "cfg": cfg, **keep}), flush=True)
             if info.get("error") or any(info["spills"]) or any(info["stack"]) or info["local"]:
                 bad.append((arch, cfg, keep))
-            elif info.get("grid_ctas") and info["grid_ctas"] > config.ctas_fitting_registers(
+            elif info.get("grid_ctas") and info["grid_ctas"] > hardware.ctas_fitting_registers(
                     max(info["regs"]), info["threads"]):
                 bad.append((arch, cfg, {**keep, "grid": "more CTAs than the registers hold"}))
     print(f"\n{len(bad)} of {len(jobs)} specialisations spill, use a stack or local memory, "

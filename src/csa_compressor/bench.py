@@ -187,14 +187,6 @@ def environment() -> dict:
     return env
 
 
-def _whatif() -> str:
-    """The measurement knobs that break the numerics on purpose, as "K=V" ("" when off)."""
-    from .kernels import config
-
-    return ",".join(f"{k}={getattr(config, k)}" for k in ("WHATIF_MATH", "WHATIF_BWD_APE")
-                    if getattr(config, k))
-
-
 def input_sets(set_bytes: int, l2_bytes: int) -> int:
     """Copies of a shape's inputs the 20 calls of a graph rotate over: enough that together
     they exceed twice the L2, so no call reads another call's data out of it."""
@@ -207,7 +199,6 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
     bw = copy_bandwidth(device)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     impls = _implementations(impl_names)
-    whatif = _whatif()
     elem = torch.tensor([], dtype=dtype).element_size()
     rows = []
     total = len(shapes) * len(impls)
@@ -230,12 +221,8 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
             progress(f"[{done}/{total}] {shape.name} {name} ...")
             if name == "fused" and gate_fail:
                 row["error"] = "correctness gate failed: " + "; ".join(gate_fail)
-                if not whatif:
-                    rows.append(row)
-                    continue
-                # A measurement knob that breaks the numerics on purpose: timed, and the
-                # row keeps its gate failure.
-                row["error"] = f"{whatif}, " + row["error"][:60]
+                rows.append(row)
+                continue
             leaves = [[t.detach().clone().requires_grad_(True) for t in s[:3]] for s in sets]
 
             def fwd(i, fn=fn):

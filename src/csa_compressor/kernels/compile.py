@@ -1,7 +1,8 @@
 """Compile cache of the pooling kernels, keyed by what specialises the code.
 
-A kernel is specialised on (device, dtype, ratio, coff, head_dim); token count, row count,
-batch size and the workspace size stay symbolic, so packs change without recompiling.
+A kernel is specialised on (device, dtype, ratio, coff, head_dim) and the Tuning it was
+built with (tuning.current()); token count, row count, batch size and the workspace size
+stay symbolic, so packs change without recompiling.
 Directions: "fwd", "bwd", "bwd_large" (the backward's variant for large packs, where it
 differs: compiled with "bwd", chosen by launch.backward_kernel), and "dape" (the
 backward's partial-sum reduction, fp32, one per (ratio, coff, head_dim) whatever the
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import struct
 import tempfile
 import threading
 import warnings
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
-from . import config
+from . import hardware
+from .hardware import sm_count  # noqa: F401  (launch's, and the tools')
+from .tuning import Tuning, current
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -56,16 +60,6 @@ def _fake(dtype, shape, align):
 
     order = tuple(range(len(shape)))[::-1]  # row-major
     return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
-
-def _target_major() -> int:
-    """Compute-capability major the DSL compiles for: its CUTE_DSL_ARCH override (sm_90a,
-    sm_100a: the compile-only checks), else the current device's."""
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    digits = re.search(r"sm_(\d+)", arch)
-    if digits:
-        return int(digits.group(1)) // 10
-    return torch.cuda.get_device_capability()[0]
 
 
 EIATTR_REGCOUNT = 0x2F  # an .nv.info attribute: (function symbol, registers a thread)
@@ -116,20 +110,36 @@ def _regcount(cubin: bytes) -> int | None:
 
 def _compile(kernel, *args):
     """cute.compile through TVM-FFI, keeping the cubin for its register count
-    (WindowSlots.fit_registers). It is written to the DSL's dump directory where one is set
+    (WindowSlots.grid_ctas_per_sm). It is written to the DSL's dump directory where one is set
     (the probes keep the PTX there), else to a temporary one."""
     import cutlass.cute as cute
 
     dump = os.environ.get("CUTE_DSL_DUMP_DIR")
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        # The long kernels unroll their serial sums over the window on purpose (registers
-        # indexed by the slot: pool_long._LongShape.serial_sum); the DSL warns of that.
+        # The long kernels unroll their window sums on purpose (pool_long.ordered_sum); the
+        # DSL warns of that.
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args,
                             options=f"--enable-tvm-ffi --keep-cubin --dump-dir={dump or tmp}")
 
 
-def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int):
+@dataclass(frozen=True)
+class Compiled:
+    """One compiled kernel: the kernel object (its design), the launchable function, ptxas'
+    registers a thread, the CTAs an SM its one-wave grid is sized for (the design's,
+    capped by those registers), and for a backward its dape sums (default and wide)."""
+
+    kernel: object
+    fn: object
+    registers: int | None
+    ctas_per_sm: int | None
+    dape: object = None
+    dape_wide: object = None
+    owner: object = None  # the DSL's compiled object: owns the module ``fn`` calls into
+
+
+def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+           tuning: Tuning | None = None) -> Compiled:
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -139,6 +149,7 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     from .pool_fwd import PoolForward
     from .pool_long import LongPoolBackward, LongPoolForward
 
+    t = tuning or current()
     cdt = _cutlass_dtype(dtype)
     W = coff * head_dim
     T, N, B1, P = (cute.sym_int32() for _ in range(4))
@@ -146,39 +157,35 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    long = config.long_window(coff * ratio)
+    long = t.long_window(coff * ratio)
     if direction in ("dape", "dape_wide"):
-        kernel = DapeReduce(ratio * W, wide=direction == "dape_wide")
+        kernel = DapeReduce(ratio * W, wide=direction == "dape_wide", tuning=t)
         fn = _compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
                       _fake(cutlass.Float32, (1, ratio * W), 16), stream)
     elif direction == "fwd":
-        kernel = (LongPoolForward(cdt, ratio, coff, head_dim) if long
-                  else PoolForward(cdt, ratio, coff, head_dim, _target_major()))
+        kernel = (LongPoolForward(cdt, ratio, coff, head_dim, tuning=t) if long
+                  else PoolForward(cdt, ratio, coff, head_dim, hardware.target_major(), tuning=t))
         out = _fake(cdt, (N, head_dim), 16)
         fn = _compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream)
     else:
-        kernel = (LongPoolBackward(cdt, ratio, coff, head_dim) if long
-                  else PoolBackward(cdt, ratio, coff, head_dim, _target_major(),
-                                    large=direction == "bwd_large"))
+        kernel = (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=t) if long
+                  else PoolBackward(cdt, ratio, coff, head_dim, hardware.target_major(),
+                                    large=direction == "bwd_large", tuning=t))
         grad = _fake(cdt, (N, head_dim), 16)
         dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
         work = _fake(cutlass.Float32, (P, W), 16)
         fn = _compile(kernel, kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1),
                       Int32(1), Int32(1), stream)
-    # The DSL object owns the loaded module and its execution engine: keep it alive as long
-    # as the direct function that calls into it.
-    kernel.compiled = fn
     artifacts = getattr(fn, "artifacts", None)
-    kernel.registers = cubin_registers(getattr(artifacts, "CUBIN", None))
-    if hasattr(kernel, "fit_registers"):
-        kernel.fit_registers(kernel.registers)
-    return kernel, _direct(fn)
+    regs = cubin_registers(getattr(artifacts, "CUBIN", None))
+    ctas = kernel.grid_ctas_per_sm(regs) if hasattr(kernel, "grid_ctas_per_sm") else None
+    return Compiled(kernel, _direct(fn), regs, ctas, owner=fn)
 
 
 def _direct(fn):
     """The compiled function's ``tvm_ffi.Function`` (the TVM-FFI conversion protocol,
     ``__tvm_ffi_object__``), called without the DSL's keyword-argument wrapper: 5.5 against
-    8.1 us a launch on the H200 host (tools/perf_probe.py host at 5d264c3). Our launches
+    8.1 us a launch on the H200 host (tools/perf_probe.py host). Our launches
     pass positional tensors and ints only, which is all the wrapper would forward. Falls
     back to ``fn`` where there is no such function (e.g. compiled without a GPU)."""
     conv = getattr(fn, "__tvm_ffi_object__", None)
@@ -187,15 +194,17 @@ def _direct(fn):
 
 
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
-               head_dim: int):
-    """The compiled kernel for this specialisation, compiling it on first use.
+               head_dim: int) -> Compiled:
+    """The compiled kernel for this specialisation under the current tuning, compiling it
+    on first use.
 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record
     and can invalidate the capture, so a miss during capture raises instead.
     """
     if direction in ("dape", "dape_wide"):
         dtype = torch.float32  # the partials are fp32 whatever the inputs are
-    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim)
+    t = current().codegen()
+    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim, t)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -209,25 +218,25 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     if err:
         raise RuntimeError(f"csa_compressor: {err}")
     # A backward always runs with its dape sum: compiled first, it rides on the backward's
-    # entry (kernel.dape_fn, and kernel.dape_wide_fn where the partials have enough columns
-    # for the wide layout), so a launch makes one cache lookup, not two.
+    # record (and the wide layout where the partials have enough columns for it), so a
+    # launch makes one cache lookup, not two.
     dape = dape_wide = None
     if direction in ("bwd", "bwd_large"):
-        dape = get_kernel("dape", device, dtype, ratio, coff, head_dim)[1]
-        if config.dape_has_wide(ratio * coff * head_dim):
-            dape_wide = get_kernel("dape_wide", device, dtype, ratio, coff, head_dim)[1]
+        dape = get_kernel("dape", device, dtype, ratio, coff, head_dim).fn
+        if t.dape_has_wide(ratio * coff * head_dim):
+            dape_wide = get_kernel("dape_wide", device, dtype, ratio, coff, head_dim).fn
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    hit = _build(direction, dtype, ratio, coff, head_dim)
+                    hit = _build(direction, dtype, ratio, coff, head_dim, t)
             else:
-                hit = _build(direction, dtype, ratio, coff, head_dim)
+                hit = _build(direction, dtype, ratio, coff, head_dim, t)
             if dape is not None:
-                hit[0].dape_fn, hit[0].dape_wide_fn = dape, dape_wide
+                hit = dataclasses.replace(hit, dape=dape, dape_wide=dape_wide)
             _CACHE[key] = hit
-    if direction == "bwd" and hit[0].has_large_variant:
+    if direction == "bwd" and hit.kernel.has_large_variant:
         # Compiled with the backward, so a warm-up or precompile before CUDA-graph capture
         # covers every pack size.
         get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
@@ -246,8 +255,3 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
         raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
     for direction in directions:
         get_kernel(direction, device, dtype, ratio, coff, head_dim)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

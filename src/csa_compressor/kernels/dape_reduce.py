@@ -2,11 +2,11 @@
 
 ``torch.sum`` over dim 0 of the partials ran one thread per column, each walking all P
 rows one dependent load after another: 8 CTAs and 15.0 us at 1x8192/128, 32 CTAs and 12.5
-us at 3x8192/512 (ncu, H200, 69f7321), longer than the backward kernel itself at the
+us at 3x8192/512 (ncu, H200), longer than the backward kernel itself at the
 small shape. Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
 lane y sums rows y, y + row_lanes, ... (independent loads, unrolled, so many are in
 flight), then row lane 0 adds the lanes' sums in lane order from shared memory. The order
-depends only on P, C and the constants in config.py, so the result is bitwise
+depends only on P, C and the tuning, so the result is bitwise
 reproducible (tests/test_dape_reduce_gpu.py replays it with torch on the CPU).
 """
 
@@ -14,28 +14,29 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import config
+from .tuning import Tuning, current
 
 
 class DapeReduce:
     """``wide``: few partial rows of many columns (ratio 128 at d=512: 16 x 65,536), where
-    most of the default layout's 64 row lanes would have nothing to add; see
-    config.REDUCE_WIDE_* for when launch.py picks it and what it measured."""
+    most of the default layout's 64 row lanes would have nothing to add; launch.dape_sum
+    picks it (REDUCE_WIDE_*)."""
 
-    def __init__(self, cols: int, wide: bool = False):
+    def __init__(self, cols: int, wide: bool = False, tuning: Tuning | None = None):
+        self.t = t = tuning or current()
         self.cols = cols
-        self.vec = config.dape_vector(cols)
+        self.vec = t.dape_vector(cols)
         self.cpr = cols // self.vec
-        col_lanes, self.row_lanes = config.REDUCE_COL_LANES, config.REDUCE_ROW_LANES
+        col_lanes, self.row_lanes = t.REDUCE_COL_LANES, t.REDUCE_ROW_LANES
         if wide:
-            col_lanes, self.row_lanes = config.REDUCE_WIDE_COL_LANES, config.REDUCE_WIDE_ROW_LANES
+            col_lanes, self.row_lanes = t.REDUCE_WIDE_COL_LANES, t.REDUCE_WIDE_ROW_LANES
         self.col_lanes = min(col_lanes, self.cpr)
         self.smem_bytes = self.row_lanes * self.col_lanes * self.vec * 4
         # Programmatic dependent launch: the backward lets this grid be scheduled early
         # (griddepcontrol.launch_dependents), and this kernel waits for the backward's end
         # and memory flush (griddepcontrol.wait) before it reads the partials, so its launch
         # latency overlaps the backward's tail. Measured -0.5 to -0.7 us a backward at
-        # d=128 (H200 sweep at 0fe2952: 1x8192/128 fwd+bwd 20.3 -> 19.6, ragged 15.8 -> 15.1).
+        # d=128 (H200: 1x8192/128 fwd+bwd 20.3 -> 19.6, ragged 15.8 -> 15.1).
         # Launched on its own (the tests) it simply waits for nothing.
 
     @cute.jit
@@ -47,7 +48,7 @@ class DapeReduce:
                                            block=[self.col_lanes, self.row_lanes, 1],
                                            smem=self.smem_bytes, stream=stream,
                                            use_pdl=True,
-                                           preferred_smem_carveout=config.smem_carveout())
+                                           preferred_smem_carveout=None)
 
     @cute.kernel
     def kernel(self, gW: cute.Tensor, gO: cute.Tensor, rows: Int32):
@@ -63,7 +64,7 @@ class DapeReduce:
             acc[e] = Float32(0.0)
         cute.arch.griddepcontrol_wait()  # the partials are the backward's output
         if chunk < self.cpr:
-            for r in cutlass.range(ty, rows, self.row_lanes, unroll=config.REDUCE_UNROLL):
+            for r in cutlass.range(ty, rows, self.row_lanes, unroll=self.t.REDUCE_UNROLL):
                 v = gW[(None, (r, chunk))].load()
                 for e in cutlass.range_constexpr(vec):
                     acc[e] = acc[e] + v[e]

@@ -9,8 +9,9 @@ import math
 import torch
 
 from ..validation import check_cuda_device, check_int, check_out, check_specialisation, validate
-from . import config
-from .compile import get_kernel, sm_count
+from .compile import get_kernel
+from .hardware import sm_count
+from .tuning import current
 
 
 def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
@@ -50,10 +51,10 @@ def launch_forward(p, out):
     if p.total_comp == 0:
         return out
     dev = p.kv.device
-    kernel, fn = get_kernel("fwd", dev, p.kv.dtype, p.ratio, p.coff, p.head_dim)
-    rows = kernel.rows_per_thread(p.total_comp, sm_count(dev.index))
+    c = get_kernel("fwd", dev, p.kv.dtype, p.ratio, p.coff, p.head_dim)
+    rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
     with _on_device(dev):
-        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
+        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
 
 
@@ -69,42 +70,45 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
     return launch_forward(p, out)
 
 
-def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device):
-    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch."""
-    target = max(1, sm_count(device.index) * kernel.target_ctas_per_sm // kernel.col_groups)
+def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device,
+                      ctas_per_sm: int | None = None):
+    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch, its row CTAs
+    one wave of ``ctas_per_sm`` an SM (the compiled kernel's; the design's without one)."""
+    ctas = ctas_per_sm or kernel.target_ctas_per_sm
+    target = max(1, sm_count(device.index) * ctas // kernel.col_groups)
     rows_per_cta = max(kernel.min_rows_per_cta, math.ceil(total_comp / target))
-    tokens_per_cta = kernel.row_lanes * config.ZERO_TOKENS_PER_THREAD
+    tokens_per_cta = kernel.row_lanes * kernel.t.ZERO_TOKENS_PER_THREAD
     return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
     """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant where
-    the kernel has one (pool_bwd ``large``), from config.BWD_LARGE_PACK_ROWS rows, or from
-    BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess. Both
-    read at launch (tests force the variant with BWD_LARGE_PACK_ROWS = 0)."""
-    kernel, fn = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
-    rows = config.BWD_LARGE_PACK_ROWS
-    if kernel.large_guesses:
-        rows = min(rows, config.BWD_LARGE_GUESS_PACK_ROWS)
-    if kernel.has_large_variant and total_comp >= rows:
-        kernel, fn = get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
-    return kernel, fn
+    the kernel has one (pool_bwd ``large``), from BWD_LARGE_PACK_ROWS rows, or from
+    BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess."""
+    c = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
+    t = current()  # launch-only values
+    rows = t.BWD_LARGE_PACK_ROWS
+    if c.kernel.large_guesses:
+        rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
+    if c.kernel.has_large_variant and total_comp >= rows:
+        c = get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
+    return c
 
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens):
-    """(kernel, compiled function, backward_schedule, shape of its fp32 dape partials) of
-    one backward launch."""
-    kernel, fn = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
-    schedule = backward_schedule(total_comp, num_tokens, kernel, device)
-    return kernel, fn, schedule, (schedule[1] * ratio, coff * head_dim)
+    """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
+    backward launch."""
+    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
+    schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
+    return c, schedule, (schedule[1] * ratio, coff * head_dim)
 
 
-def dape_sum(kernel, rows: int):
+def dape_sum(c, rows: int):
     """The backward's compiled dape sum for ``rows`` partial rows: the wide layout for few
-    rows where the partials have the columns for it (kernel.dape_wide_fn, else None;
-    config.REDUCE_WIDE_*)."""
-    wide = kernel.dape_wide_fn
-    return wide if wide is not None and rows <= config.REDUCE_WIDE_MAX_ROWS else kernel.dape_fn
+    rows where the partials have the columns for it (REDUCE_WIDE_*)."""
+    if c.dape_wide is not None and rows <= current().REDUCE_WIDE_MAX_ROWS:
+        return c.dape_wide
+    return c.dape
 
 
 def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
@@ -113,7 +117,7 @@ def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtyp
     check_int("total_comp", total_comp, 0)
     check_int("num_tokens", num_tokens, 0)
     return backward_plan(check_cuda_device(device), dtype, ratio, coff, head_dim, total_comp,
-                         num_tokens)[3]
+                         num_tokens)[2]
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
@@ -145,17 +149,16 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         grad_score.zero_()
         grad_ape.zero_()
         return grad_kv, grad_score, grad_ape
-    kernel, fn, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(
-        dev, dt, ratio, coff, d, N, T)
+    c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T)
     if workspace is None:
         workspace = torch.empty(shape, dtype=torch.float32, device=dev)
     elif tuple(workspace.shape) != shape:
         raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
     with _on_device(dev):
-        fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv, grad_score,
-           workspace, rows_per_cta, row_ctas, zero_ctas)
+        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
+             grad_score, workspace, rows_per_cta, row_ctas, zero_ctas)
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
-        # the layout for this many partial rows (config.REDUCE_WIDE_*).
+        # the layout for this many partial rows.
         C = ratio * coff * d
-        dape_sum(kernel, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
+        dape_sum(c, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape

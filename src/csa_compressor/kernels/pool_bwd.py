@@ -23,9 +23,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import config
-from .common import (WindowSlots, advance_segment, mul_rn, smem_footprint, softmax_row,
-                     start_walk, sub_mul_rn, walk_rows, walk_window)
+from .tuning import Tuning, current
+from .ptx import mul_rn, sub_mul_rn
+from .segments import advance_segment, start_walk, walk_rows, walk_window
+from .softmax import softmax_row
+from .staging import WindowSlots, smem_footprint
 
 
 class PoolBackward(WindowSlots):
@@ -34,26 +36,27 @@ class PoolBackward(WindowSlots):
     large_guesses = False  # see __init__ (pool_long.LongPoolBackward keeps both False)
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
-    # previous kernel's tail (-0.3 to -0.6 us a step at d=128, docs/lab/perf-notes.md v15).
+    # previous kernel's tail (-0.3 to -0.6 us a step at d=128).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 large: bool = False):
+                 large: bool = False, tuning: Tuning | None = None):
+        self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
-        self.vec = config.vector_elems(head_dim, dtype.width // 8, config.BWD_VEC_BYTES)
+        self.vec = t.vector_elems(head_dim, dtype.width // 8, self.t.BWD_VEC_BYTES)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
-        assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolBackward"
+        assert self.slots <= self.t.MAX_REG_SLOTS, "long windows use pool_long.LongPoolBackward"
         self.chunk_slots = self.slots  # the whole window lives in registers, read once
-        self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
+        self.lanes = min(self.cpr, self.t.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
         # Row lanes need every thread active (one column group) for the CTA barrier.
         stack = self.col_groups == 1
-        self.row_lanes = max(1, config.BWD_CTA_THREADS // self.lanes) if stack else 1
+        self.row_lanes = max(1, self.t.BWD_CTA_THREADS // self.lanes) if stack else 1
         self.min_rows_per_cta = self.row_lanes
-        self.target_ctas_per_sm = config.BWD_TARGET_CTAS_PER_SM
+        self.target_ctas_per_sm = self.t.BWD_TARGET_CTAS_PER_SM
         # ``large``: the variant for packs of BWD_LARGE_PACK_ROWS rows or more
         # (launch.backward_kernel), where stacked row lanes take the cooperative copies too,
         # at one CTA an SM fewer than the default (below).
@@ -64,7 +67,7 @@ class PoolBackward(WindowSlots):
         self.staged = self.stageable()
         self.specialise()
         self.interleave = self.col_groups > 1  # see grid()
-        self.stages = config.BWD_STAGES
+        self.stages = self.t.BWD_STAGES
         # In kernel()'s order: the window stages (score, kv), the grad_out stages, the row
         # lanes' dape sums.
         grad_bytes = self.stages * self.threads * self.vec * dtype.width // 8
@@ -72,36 +75,33 @@ class PoolBackward(WindowSlots):
                    if self.staged else 0)
         self.smem_bytes = staging + smem_footprint(self.red_bytes)
         # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
-        # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us, sweep at eada763).
+        # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us).
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         default_ctas = self.target_ctas_per_sm
         large_ctas = self.large_pack_ctas(default_ctas)
         if stacked_coop:
             assert large_ctas, "this configuration has no large-pack variant (has_large_variant)"
             self.target_ctas_per_sm = large_ctas
-        # Warp-cooperative 16-byte staging copies of the window (common.stage_window_warp;
-        # measured in config.py, "Adopted at v17"). With stacked row lanes (d=128: 256
+        # Warp-cooperative 16-byte staging copies of the window (staging.stage_window_warp;
+        # measured in tuning log, "Adopted at v17"). With stacked row lanes (d=128: 256
         # threads) only in the large-pack variant, held to fewer CTAs an SM than the
         # default: at d=128 ratio 4 coff 2's 3, ptxas spilled 108 B under their 80
-        # registers, and small packs ran faster without (config.BWD_LARGE_PACK_ROWS). Not
+        # registers, and small packs ran faster without (BWD_LARGE_PACK_ROWS). Not
         # on sm_100, where the d=512 bound spilled 8 B (sm_90a: none).
         coop_ok = self.coop_stageable() and arch_major == 9
         self.coop = coop_ok and (self.row_lanes == 1 or stacked_coop)
         self.guess_first = self.coop and self.guesses_at(self.target_ctas_per_sm)
         self.has_large_variant = coop_ok and self.row_lanes > 1 and not large and large_ctas > 0
         # Whether that variant guesses, which may make it pay from fewer rows
-        # (config.BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
+        # (BWD_LARGE_GUESS_PACK_ROWS; launch.backward_kernel).
         self.large_guesses = self.has_large_variant and self.guesses_at(large_ctas)
-        # A register bound: the sweep knob BWD_BOUND_CTAS_PER_SM (config.py, measured
-        # slower; fewer CTAs where shared memory holds fewer), else for the cooperative
-        # copies, whose lane offsets cost ptxas 6-11 registers (86 at d=512): held to the
-        # CTAs the grid is sized for, or the one-wave grid runs 1.2 waves; at most as many
-        # as config.BWD_COOP_MAX_CTAS allows a window of its size (more spilled).
-        if config.BWD_BOUND_CTAS_PER_SM:
-            self.hold_to(max(1, min(config.BWD_BOUND_CTAS_PER_SM, self.ctas_fitting_smem())))
-        elif self.coop:
+        # A register bound for the cooperative copies, whose lane offsets cost ptxas 6-11
+        # registers (86 at d=512): held to the CTAs the grid is sized for, or the one-wave
+        # grid runs 1.2 waves; at most as many as BWD_COOP_MAX_CTAS allows a window of its
+        # size (more spilled).
+        if self.coop:
             ctas = self.target_ctas_per_sm
-            for elems, most in config.BWD_COOP_MAX_CTAS[coff]:
+            for elems, most in t.coop_max_ctas(coff):
                 if self.slots * self.vec > elems:
                     ctas = min(ctas, most)
             self.hold_to(ctas)
@@ -110,7 +110,7 @@ class PoolBackward(WindowSlots):
 
     def guesses_at(self, ctas: int) -> bool:
         """A cooperative backward held to ``ctas`` CTAs an SM copies its first row's window
-        at a guess before the row walk (stage_guess; config.py, "Adopted at v24"): with one
+        at a guess before the row walk (stage_guess; tuning log, "Adopted at v24"): with one
         row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128 default backward
         took 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B
         held to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1)."""
@@ -119,15 +119,15 @@ class PoolBackward(WindowSlots):
     def large_pack_ctas(self, default_ctas: int) -> int:
         """CTAs an SM of the large-pack variant, 0 where there is none. The variant trades
         CTAs for wide copies. It paid at every one-CTA step measured (3 -> 2, 4 -> 3, 5 ->
-        4, 6 -> 5: config.BWD_LARGE_PACK_ROWS) and at 6 -> 4 where 6 -> 5 spills (windows of
-        4 slots: ratio 2 coff 2, ratio 4 coff 1; config.BWD_LARGE_MAX_SLOTS), and lost at
+        4, 6 -> 5: BWD_LARGE_PACK_ROWS) and at 6 -> 4 where 6 -> 5 spills (windows of
+        4 slots: ratio 2 coff 2, ratio 4 coff 1; BWD_LARGE_MAX_SLOTS), and lost at
         4-6 -> 2. Shared memory holding a kernel to 2 or fewer (ratio 8 coff 2 at d=128: 1)
         leaves nothing to trade."""
-        if not 3 <= default_ctas <= config.BWD_LARGE_MAX_DEFAULT_CTAS:
+        if not 3 <= default_ctas <= self.t.BWD_LARGE_MAX_DEFAULT_CTAS:
             return 0
         fewest = max(2, default_ctas - 2)
         for ctas in range(default_ctas - 1, fewest - 1, -1):
-            if self.slots <= config.BWD_LARGE_MAX_SLOTS[ctas]:
+            if self.slots <= self.t.large_max_slots(ctas):
                 return ctas
         return 0
 
@@ -154,7 +154,7 @@ class PoolBackward(WindowSlots):
         of every group is dispatched before any zero CTA. With the groups on grid.y, group
         1's row CTAs queued behind group 0's zero CTAs. With BWD_TARGET_CTAS_PER_SM = 6
         (all row CTAs resident at once), 3x8192/512 fwd+bwd went 121.8-123.5 -> 109.4 µs
-        (H200, sweep at 39ce8aa)."""
+        (H200)."""
         if self.interleave:
             return [ctas * self.col_groups, 1, 1]
         return [ctas, self.col_groups, 1]
@@ -266,16 +266,13 @@ class PoolBackward(WindowSlots):
                 apef = None  # unstaged: APE loaded by load_slots
                 if cutlass.const_expr(self.staged):
                     apef = cute.make_rmem_tensor((CH, vec), Float32)
-                    if cutlass.const_expr(config.WHATIF_BWD_APE):
-                        apef.fill(0.0)  # measurement only: no APE loads (config.py)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
                         # The row's APE loads go out before the stage's wait, so their
-                        # latency hides behind it (config.py, "Adopted at v24"); held for
-                        # the whole walk instead they spill at d=512.
-                        if cutlass.const_expr(not config.WHATIF_BWD_APE):
-                            self.load_ape(gApe, apef, chunk)
+                        # latency hides behind it; held for the whole walk instead they
+                        # spill at d=512.
+                        self.load_ape(gApe, apef, chunk)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
@@ -321,7 +318,7 @@ class PoolBackward(WindowSlots):
                         _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
                         gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
             else:
-                t = ((bx - num_row_ctas) * self.row_lanes + ty) * config.ZERO_TOKENS_PER_THREAD
+                t = ((bx - num_row_ctas) * self.row_lanes + ty) * self.t.ZERO_TOKENS_PER_THREAD
                 self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
 
     @cute.jit
@@ -348,11 +345,11 @@ class PoolBackward(WindowSlots):
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
         start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
-        # The walk starts at the segment's first unread block (config.py, "Zero-fill walks
+        # The walk starts at the segment's first unread block (tuning log, "Zero-fill walks
         # from the first unread block"); a thread whose tokens are all read (almost every
         # zero CTA in a pack of full sequences) walks none (-1.1 us fwd+bwd at 1x8192/128
-        # and 3x8192/128 when that shortcut came in, v15).
-        j0 = self.first_unread(t0, config.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
+        # and 3x8192/128 when that shortcut came in).
+        j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
                                num_rows)
         self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
                          own_col, s, start, end, nb, rowb, j0)
@@ -383,7 +380,7 @@ class PoolBackward(WindowSlots):
                     own_col, s, start, end, nb, rowb, j0):
         """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s span."""
         ratio = self.ratio
-        for j in cutlass.range(j0, config.ZERO_TOKENS_PER_THREAD):
+        for j in cutlass.range(j0, self.t.ZERO_TOKENS_PER_THREAD):
             t = t0 + j
             if t < num_tokens:
                 if t >= end:

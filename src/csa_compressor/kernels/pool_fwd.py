@@ -11,12 +11,12 @@ rows ahead of the row being computed, so a thread keeps ~``stages`` windows in f
 without holding them in registers (the register-resident design kept one window in
 flight and spent most of its time either waiting or computing). Every thread reads back
 only its own vectors; the warp copies them together in 16-byte pieces where each warp
-holds one row (common.WindowSlots.stage_window_warp, two warp syncs a row), else each
+holds one row (staging.WindowSlots.stage_window_warp, two warp syncs a row), else each
 thread copies its own. Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and
 load directly.
 
 Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
-division (one shared reciprocal + an exact correction, see common.softmax_row), products
+division (one shared reciprocal + an exact correction, see softmax.softmax_row), products
 rounded on their own (``mul.rn``) before a serial sum.
 """
 
@@ -26,53 +26,58 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import config
-from .common import (WindowSlots, softmax_row, start_walk, walk_rows, walk_window, mul_rn)
+from .tuning import Tuning, current
+from .ptx import mul_rn
+from .segments import start_walk, walk_rows, walk_window
+from .softmax import softmax_row
+from .staging import WindowSlots
 
 
 class PoolForward(WindowSlots):
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
+                 tuning: Tuning | None = None):
+        self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
         elem_bytes = dtype.width // 8
-        self.vec = config.forward_vector_elems(head_dim, elem_bytes, coff * ratio)
+        self.vec = t.forward_vector_elems(head_dim, elem_bytes, coff * ratio)
         self.cpr = head_dim // self.vec  # column chunks per output row
         self.slots = coff * ratio
-        assert self.slots <= config.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
+        assert self.slots <= t.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
         self.chunk_slots = self.slots  # the whole window lives in registers, read once
-        self.lanes = min(self.cpr, config.MAX_CTA_THREADS)
+        self.lanes = min(self.cpr, t.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
-        self.row_lanes = max(1, config.FWD_CTA_THREADS // self.lanes)
+        self.row_lanes = max(1, t.FWD_CTA_THREADS // self.lanes)
         self.threads = self.lanes * self.row_lanes
         self.staged = self.stageable()
         narrow = self.vec * elem_bytes <= 4  # 4-byte vectors or less (d=128 bf16)
-        self.stages = max(2, min(config.FWD_STAGES,
-                                 config.FWD_SMEM_PER_CTA // self.staging_bytes(1)))
+        self.stages = max(2, min(t.FWD_STAGES,
+                                 t.FWD_SMEM_PER_CTA // self.staging_bytes(1)))
         self.smem_bytes = self.staging_bytes(self.stages) if self.staged else 0
         # FWD_TARGET_CTAS_PER_SM, or fewer where the staging buffers do not fit that many.
         fit = self.ctas_fitting_smem()
-        self.target_ctas_per_sm = max(1, min(config.FWD_TARGET_CTAS_PER_SM, fit))
+        self.target_ctas_per_sm = max(1, min(t.FWD_TARGET_CTAS_PER_SM, fit))
         # Narrow-vector forwards are compiled for FWD_BOUND_CTAS_PER_SM[arch] resident CTAs
-        # (a register bound) and their grid sized for that many. See
-        # config.FWD_BOUND_CTAS_PER_SM for what it measured.
-        bound = config.FWD_BOUND_CTAS_PER_SM.get(arch_major, 0)
-        bounded = (bound and narrow and self.slots * self.vec <= config.FWD_BOUND_MAX_ELEMS
-                   and (ratio, coff, self.vec) not in config.FWD_BOUND_SPILLS.get(arch_major, ()))
+        # (a register bound) and their grid sized for that many.
+        bound = t.fwd_bound_ctas(arch_major)
+        bounded = (bound and narrow and self.slots * self.vec <= t.FWD_BOUND_MAX_ELEMS
+                   and (ratio, coff, self.vec) not in t.fwd_bound_spills(arch_major))
         self.hold_to(max(1, min(bound, fit)) if bounded else 0)
         self.specialise()
         # Warp-cooperative 16-byte staging copies where every warp holds one row
-        # (common.stage_window_warp; measured in config.py, "Adopted at v17").
+        # (staging.stage_window_warp; measured in tuning log, "Adopted at v17").
         self.coop = self.coop_stageable()
 
-    def rows_per_thread(self, num_rows: int, sms: int) -> int:
-        """Rows each thread walks: enough that the grid fits in one wave of
-        FWD_TARGET_CTAS_PER_SM CTAs per SM (a partial second wave ran at a fraction of the
-        occupancy), at most FWD_MAX_ROWS_PER_THREAD."""
-        ctas = max(1, sms * self.target_ctas_per_sm // self.col_groups)
+    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None) -> int:
+        """Rows each thread walks: enough that the grid fits in one wave of ``ctas_per_sm``
+        CTAs an SM (the compiled kernel's grid_ctas_per_sm; the design's without one): a
+        partial second wave ran at a fraction of the occupancy. At most
+        FWD_MAX_ROWS_PER_THREAD."""
+        ctas = max(1, sms * (ctas_per_sm or self.target_ctas_per_sm) // self.col_groups)
         per = -(-num_rows // (ctas * self.row_lanes))
-        return max(1, min(config.FWD_MAX_ROWS_PER_THREAD, per))
+        return max(1, min(current().FWD_MAX_ROWS_PER_THREAD, per))  # launch-only
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -134,7 +139,7 @@ class PoolForward(WindowSlots):
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
                rows_per_thread: Int32):
-        # Launched as a programmatic dependent (measured in config.py, "Adopted at v15"), so
+        # Launched as a programmatic dependent (measured in tuning log, "Adopted at v15"), so
         # the launch and CTA start-up overlap the previous kernel's tail; nothing is read or
         # written before that kernel has completed and flushed (any predecessor may produce
         # our inputs or still read the memory of our output).

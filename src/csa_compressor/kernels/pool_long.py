@@ -16,9 +16,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..softmax_order import torch_softmax_lanes
-from . import config
-from .common import (WindowSlots, advance_segment, divide_column, max_nan, mul_rn, row_window,
-                     smem_footprint, sub_mul_rn)
+from .tuning import Tuning, current
+from .ptx import max_nan, mul_rn, sub_mul_rn
+from .segments import advance_segment, row_window
+from .softmax import divide_column
+from .staging import WindowSlots, smem_footprint
 from .pool_bwd import PoolBackward
 
 
@@ -31,22 +33,20 @@ def bank_stride(cols: int, step: int, lanes: int) -> int:
     return next((s for s in range(cols, cols + 32) if step * s % 32 == lanes), cols)
 
 
-def ordered_sum(load, n: int, lanes: int):
+def ordered_sum(load, n: int, lanes: int, ahead: int):
     """The sum of ``load(0) .. load(n - 1)`` unrolled at trace time. ``lanes == 1``: in
     order. ``lanes > 1``: torch's split-window order, lane j summing j, j + lanes, ... in
     order and the lanes then meeting in a halving tree (lane j + lane j + half, half =
     lanes/2, lanes/4, ...). The tree is evaluated depth first, a lane's sum just before
     its add, so a thread holds log2(lanes) partial sums rather than ``lanes``.
-    Each load is issued config.LONG_SUM_AHEAD terms before its add: a loop of 8 loads
-    then 8 adds made every 8 adds wait a shared-memory latency (config.py,
-    "LONG_SUM_AHEAD")."""
+    Each load is issued ``ahead`` terms before its add (LONG_SUM_AHEAD): a loop of 8 loads
+    then 8 adds made every 8 adds wait a shared-memory latency."""
     levels = lanes.bit_length() - 1
 
     def lanes_under(t, j):  # the lanes of tree node (level t, lane j), in evaluation order
         return [j] if t == 0 else lanes_under(t - 1, j) + lanes_under(t - 1, j + (lanes >> t))
 
     order = [k for j in lanes_under(levels, 0) for k in range(j, n, lanes)]
-    ahead = config.LONG_SUM_AHEAD
     ring = [load(order[i]) for i in range(min(ahead, n))]
     taken = [0]
 
@@ -73,10 +73,10 @@ class _LongShape:
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
                pad: bool):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
-        self.vec = config.vector_elems(head_dim, dtype.width // 8, vec_bytes)
+        self.vec = self.t.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
-        self.chunk_slots = config.long_slots_per_thread(self.slots, slots_per_thread)
+        self.chunk_slots = self.t.long_slots_per_thread(self.slots, slots_per_thread)
         self.groups = self.slots // self.chunk_slots
         # The softmax's sums in torch's order for this window and row width.
         self.softmax_lanes = torch_softmax_lanes(self.slots, head_dim)
@@ -88,7 +88,7 @@ class _LongShape:
         # banks) and, with ``pad``, slot and group strides padded so the slot groups that
         # share a warp land in other banks (bank_stride). The forward takes neither where
         # two slot groups share a warp (coff 2: 16 lanes): there both took it from 80
-        # registers to 86, 2 CTAs an SM instead of 3 (config.py, "Adopted at v22").
+        # registers to 86, 2 CTAs an SM instead of 3 (tuning log, "Adopted at v22").
         self.split = pad or self.lanes >= 32
         self.slot_stride = self.group_stride = self.cols
         if pad:
@@ -146,7 +146,7 @@ class _LongShape:
         barrier."""
         if g < self.vec:
             col = self.col(tid, g)
-            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, 1)
+            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, 1, self.t.LONG_SUM_AHEAD)
         cute.arch.barrier()
 
     @cute.jit
@@ -154,19 +154,21 @@ class _LongShape:
         """serial_sum in the order torch's softmax sums this window (softmax_lanes)."""
         if g < self.vec:
             col = self.col(tid, g)
-            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, self.softmax_lanes)
+            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, self.softmax_lanes,
+                                           self.t.LONG_SUM_AHEAD)
         cute.arch.barrier()
 
 
 class LongPoolForward(_LongShape, WindowSlots):
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
-        most = config.LONG_SLOTS_PER_THREAD
-        if coff * ratio < config.LONG_WIDE_MIN_SLOTS:
-            most = config.LONG_NARROW_SLOTS_PER_THREAD  # config.py, "LONG_WIDE_MIN_SLOTS"
-        self._setup(dtype, ratio, coff, head_dim, config.LONG_CTA_THREADS, config.LONG_VEC_BYTES,
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
+        self.t = tuning or current()
+        most = self.t.LONG_SLOTS_PER_THREAD
+        if coff * ratio < self.t.LONG_WIDE_MIN_SLOTS:
+            most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # tuning log, "LONG_WIDE_MIN_SLOTS"
+        self._setup(dtype, ratio, coff, head_dim, self.t.LONG_CTA_THREADS, self.t.LONG_VEC_BYTES,
                     most, pad=False)
-        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (config.LONG_*). Its values
-        # in shared memory took it to 64 and ran slower (config.py, "LONG_FWD_SHARED_VALUES").
+        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (self.t.LONG_*). Its values
+        # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
 
     def rows_per_thread(self, num_rows: int, sms: int) -> int:
@@ -186,7 +188,7 @@ class LongPoolForward(_LongShape, WindowSlots):
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
-        # A programmatic dependent as pool_fwd (config.py, "The long kernels as programmatic
+        # A programmatic dependent as pool_fwd (tuning log, "The long kernels as programmatic
         # dependents"): nothing is read or written before the previous kernel completed.
         cute.arch.griddepcontrol_wait()
         tid, g, _ = cute.arch.thread_idx()
@@ -228,29 +230,29 @@ class LongPoolBackward(PoolBackward):
     them as the CTA's partial (every partial entry has exactly one owner thread). Zero
     CTAs are the short-window backward's."""
 
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
+        self.t = tuning or current()
         # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
-        # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count (config.py,
-        # "LONG_WIDE_MIN_SLOTS").
-        for most in (config.LONG_BWD_SLOTS_PER_THREAD, config.LONG_NARROW_SLOTS_PER_THREAD):
-            _LongShape._setup(self, dtype, ratio, coff, head_dim, config.LONG_BWD_CTA_THREADS,
-                              config.LONG_BWD_VEC_BYTES, most, pad=True)
-            if (self.slots >= config.LONG_WIDE_MIN_SLOTS
-                    and self.col_groups >= config.LONG_BWD_MIN_COL_GROUPS):
+        # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count.
+        for most in (self.t.LONG_BWD_SLOTS_PER_THREAD, self.t.LONG_NARROW_SLOTS_PER_THREAD):
+            _LongShape._setup(self, dtype, ratio, coff, head_dim, self.t.LONG_BWD_CTA_THREADS,
+                              self.t.LONG_BWD_VEC_BYTES, most, pad=True)
+            if (self.slots >= self.t.LONG_WIDE_MIN_SLOTS
+                    and self.col_groups >= self.t.LONG_BWD_MIN_COL_GROUPS):
                 break
         self.row_lanes = self.groups  # zero-fill CTAs: a token range per slot-group lane
         self.min_rows_per_cta = 1
         # The window's values go to shared memory by cp.async and p*dp lives only in the
         # serial sum's buffer (gradients_shared_values): with the narrow slot count that
-        # frees the registers of a third CTA an SM (config.LONG_BWD_NARROW_CTAS_PER_SM);
+        # frees the registers of a third CTA an SM (self.t.LONG_BWD_NARROW_CTAS_PER_SM);
         # the wide count takes two (LONG_BWD_CTAS_PER_SM), as do vectors cp.async cannot
         # copy (odd head_dim), whose values stay in registers. PoolBackward.__call__
         # launches it with a register bound of that many CTAs and a grid sized for them.
         self.shared_values = self.stageable()
         if self.shared_values:
             self.smem_bytes += self.values_bytes()
-        narrow = self.shared_values and self.chunk_slots <= config.LONG_NARROW_SLOTS_PER_THREAD
-        self.hold_to(config.LONG_BWD_NARROW_CTAS_PER_SM if narrow else config.LONG_BWD_CTAS_PER_SM)
+        narrow = self.shared_values and self.chunk_slots <= self.t.LONG_NARROW_SLOTS_PER_THREAD
+        self.hold_to(self.t.LONG_BWD_NARROW_CTAS_PER_SM if narrow else self.t.LONG_BWD_CTAS_PER_SM)
 
     shared = _LongShape.shared
     alloc_shared = _LongShape.alloc_shared
@@ -281,7 +283,7 @@ class LongPoolBackward(PoolBackward):
     @cute.jit
     def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
                                 has_prev, chunk, active):
-        """A row's gradients with its window's values in shared memory (config.py, "The
+        """A row's gradients with its window's values in shared memory (tuning log, "The
         long backward's values in shared memory"): each slot's values read at its
         products, p*dp kept only in ``buf`` (where the serial sum reads it), dscore and dkv
         computed and stored a slot at a time. gradients_register_values' operations in its
@@ -413,5 +415,5 @@ class LongPoolBackward(PoolBackward):
             if active:
                 # Same token split as the short-window zero CTAs (backward_schedule counts
                 # row_lanes = groups lanes of ZERO_TOKENS_PER_THREAD tokens each).
-                t = ((bx - num_row_ctas) * self.groups + g) * config.ZERO_TOKENS_PER_THREAD
+                t = ((bx - num_row_ctas) * self.groups + g) * self.t.ZERO_TOKENS_PER_THREAD
                 self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)

@@ -1,334 +1,14 @@
-"""Device helpers shared by the pooling kernels: pinned rounding and the row geometry."""
+"""Window slots: their geometry, loads into registers and cp.async staging through shared
+memory, shared by the pooling kernels."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import config
-
-
-def _asm_f32(text, constraints, *args, volatile=False, operand=Float32, loc=None,
-             ip=None) -> Float32:
-    """One fp32 result from inline PTX on ``operand``-typed inputs. ``volatile`` keeps the
-    compiler from speculating or moving it (e.g. out of a rarely taken branch)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [operand(a).ir_value(loc=loc, ip=ip) for a in args],
-            text,
-            constraints,
-            has_side_effects=volatile,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """fp32 product rounded on its own: inline PTX, so it can never be contracted into an
-    FMA with the add that follows (the reference rounds the product before adding)."""
-    return _asm_f32("mul.rn.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def sub_mul_rn(x, p, s, *, loc=None, ip=None) -> Float32:
-    """``x - p*s`` with one rounding (a fused multiply-add, pinned): torch's CUDA softmax
-    backward computes ``dscore = grad*out - out*sum`` as exactly this FMA."""
-    return _asm_f32("{\n.reg .f32 n;\nneg.f32 n, $2;\nfma.rn.f32 $0, n, $3, $1;\n}",
-                    "=f,f,f,f", x, p, s, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def max_nan(a, b, *, loc=None, ip=None) -> Float32:
-    """NaN-propagating max in one instruction (``torch.amax`` semantics; the generic max
-    lowers to two compares and a select)."""
-    return _asm_f32("max.NaN.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def min_nan(a, b, *, loc=None, ip=None) -> Float32:
-    return _asm_f32("min.NaN.f32 $0, $1, $2;", "=f,f,f", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def bf16_lo(w, *, loc=None, ip=None) -> Float32:
-    """The bf16 in the low half of a 32-bit word, as fp32 (exact: its bits, shifted up)."""
-    return _asm_f32("shl.b32 $0, $1, 16;", "=f,r", w, operand=Int32, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def bf16_hi(w, *, loc=None, ip=None) -> Float32:
-    """The bf16 in the high half of a 32-bit word, as fp32 (exact: the low half cleared)."""
-    return _asm_f32("and.b32 $0, $1, 0xFFFF0000;", "=f,r", w, operand=Int32, loc=loc, ip=ip)
-
-
-@cute.jit
-def widen_bf16(src: cute.Tensor, vec: cutlass.Constexpr[int]):
-    """A bf16 vector (even length) as a list of fp32 values, one instruction an element.
-    The generic conversion extracts the high half first (PRMT, then a shift): three
-    instructions a pair instead of two."""
-    words = cute.recast_tensor(src, Int32).load()
-    vals = []
-    for i in cutlass.range_constexpr(vec // 2):
-        vals.append(bf16_lo(words[i]))
-        vals.append(bf16_hi(words[i]))
-    return vals
-
-
-@dsl_user_op
-def rcp_rn(b, *, loc=None, ip=None) -> Float32:
-    """IEEE reciprocal, correctly rounded (the compiler's full-range expansion)."""
-    return _asm_f32("rcp.rn.f32 $0, $1;", "=f,f", b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def div_by_rcp(a, nb, y, *, loc=None, ip=None) -> Float32:
-    """``a / b`` correctly rounded, given ``nb = -b`` and ``y = rcp_rn(b)``: ``q = a*y``
-    (within 1.5 ulp of a/b), then one residual correction ``q += (a - b*q)*y`` with the
-    residual exact under FMA. That is the fast path of the compiler's own ``div.rn.f32``
-    (the same refined reciprocal, which is what ``rcp.rn.f32`` expands to, then the
-    product and one FMA correction; its FCHK sends only exponent extremes to a slow path).
-    Valid while nothing underflows: callers check ``a >= config.DIV_FAST_MIN``.
-    tests/test_division_cpu.py replays it in exact arithmetic, also on quotients next to
-    a rounding midpoint over the least accurate reciprocals (where ``a*y`` is not
-    faithful). A second correction (Markstein's theorem needs a faithful ``q``) was the
-    code until v16 and cost 16 instructions a column of 8 slots (perf-notes v16)."""
-    return _asm_f32(
-        "{\n.reg .f32 q, r;\nmul.rn.f32 q, $1, $3;\nfma.rn.f32 r, $2, q, $1;\n"
-        "fma.rn.f32 $0, r, $3, q;\n}",
-        "=f,f,f,f", a, nb, y, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def div_exact(a, b, *, loc=None, ip=None) -> Float32:
-    """IEEE division as an opaque (volatile) instruction: as a plain ``/`` the compiler
-    speculates the whole division out of the rarely taken branch that needs it."""
-    return _asm_f32("div.rn.f32 $0, $1, $2;", "=f,f,f", a, b, volatile=True, loc=loc, ip=ip)
-
-
-@cute.jit
-def column_min(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
-               mn=None):
-    """The NaN-propagating minimum of column ``e``'s slots, continuing the running ``mn``
-    of earlier columns when given (divide_columns' check)."""
-    for k in cutlass.range_constexpr(slots):
-        mn = sf[k, e] if mn is None else min_nan(mn, sf[k, e])
-    return mn
-
-
-@cute.jit
-def divide_columns(sf: cute.Tensor, cols, slots: cutlass.Constexpr[int], dns, mn):
-    """``sf[k, e] <- sf[k, e] / dns[i]`` for every slot of each column ``e = cols[i]``,
-    bitwise the IEEE quotients, given ``mn``, the column_min over all their numerators:
-    one shared reciprocal a column and 3 instructions a slot when every numerator is at
-    least DIV_FAST_MIN, true divisions otherwise (tiny, zero or NaN numerators)."""
-    if mn >= Float32(config.DIV_FAST_MIN):
-        for i, e in enumerate(cols):
-            y = rcp_rn(dns[i])
-            nd = -dns[i]
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = div_by_rcp(sf[k, e], nd, y)
-    else:
-        for i, e in enumerate(cols):
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = div_exact(sf[k, e], dns[i])
-
-
-@cute.jit
-def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
-    """divide_columns of one column (one check a column)."""
-    divide_columns(sf, [e], slots, [dn], column_min(sf, e, slots))
-
-
-@cute.jit
-def column_exp_sum(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
-                   fastmath: cutlass.Constexpr[bool] = False):
-    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max)`` (serial
-    NaN-propagating max), returning their serial sum."""
-    mx = sf[0, e]
-    for k in cutlass.range_constexpr(1, slots):
-        mx = max_nan(mx, sf[k, e])
-    for k in cutlass.range_constexpr(slots):
-        sf[k, e] = cute.math.exp(sf[k, e] - mx, fastmath=fastmath)
-    dn = sf[0, e]
-    for k in cutlass.range_constexpr(1, slots):
-        dn = dn + sf[k, e]
-    return dn
-
-
-@cute.jit
-def whatif_softmax(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
-    """Measurement only (config.WHATIF_MATH; breaks SPEC §5, never a default): 1, the
-    softmax with the approximate exponential and a multiply by an approximate reciprocal;
-    2, none at all (the weights are the raw scores). What the numerics cost a kernel."""
-    if cutlass.const_expr(config.WHATIF_MATH == 1):
-        for e in cutlass.range_constexpr(vec):
-            r = cute.arch.rcp_approx(column_exp_sum(sf, e, slots, fastmath=True))
-            for k in cutlass.range_constexpr(slots):
-                sf[k, e] = sf[k, e] * r
-
-
-@cute.jit
-def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
-    """Every column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max) / sum``,
-    in the fp32 reference's order (serial max, serial sum, true division). The division
-    is divide_columns over the whole row: every column's exponentials and sum first, then
-    one branch to the shared-reciprocal path (exact when every numerator of
-    the row is at least DIV_FAST_MIN) or to true divisions. Both paths give the IEEE
-    quotients, so the result is bitwise what a check a column gives; without a branch
-    between columns their chains interleave (one check a column measured 3x8192/128
-    forward 12.0-12.1 against 11.4 us, perf-notes v17)."""
-    if cutlass.const_expr(config.WHATIF_MATH):
-        whatif_softmax(sf, vec, slots)
-        return
-    dns = []
-    mn = None
-    for e in cutlass.range_constexpr(vec):
-        dns.append(column_exp_sum(sf, e, slots))
-        mn = column_min(sf, e, slots, mn)
-    divide_columns(sf, list(range(vec)), slots, dns, mn)
-
-
-@cute.jit
-def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
-    """Largest s in [0, B] with cu[s] <= x (upper bound - 1) over the non-decreasing offsets;
-    returns B when x is at or beyond cu[B]. log2(B) cached loads."""
-    lo = Int32(0)
-    n = num_seqs
-    while n > 0:
-        half = n // 2
-        if cu[lo + half + 1] <= x:
-            lo = lo + half + 1
-            n = n - half - 1
-        else:
-            n = half
-    return lo
-
-
-@cute.jit
-def find_segment_warp(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
-    """find_segment with the 32 lanes of a warp probing together: every lane must be active
-    and search the same ``x``. Each round the lanes probe 32 evenly spaced offsets of the
-    interval left and one ballot narrows it to one gap: ceil(log32(B)) + 1 dependent loads
-    at most instead of log2(B) (B = 6: 1 instead of 3; B = 2048: 3 instead of 11). The
-    upper bound for non-decreasing offsets; in [0, B] and terminating for any offsets
-    (tests/test_segment_search_cpu.py replays it)."""
-    lo = Int32(0)
-    hi = num_seqs
-    lane = cute.arch.lane_idx()
-    while hi > lo:
-        step = (hi - lo + 31) // 32
-        p = lo + 1 + lane * step
-        hit = (p <= hi) & (cu[cutlass.min(p, hi)] <= x)  # the clamped load is in [1, B]
-        k = cute.arch.popc(cute.arch.vote_ballot_sync(hit))
-        # Probes 0..k-1 hit, probe k (if in range) missed: the answer lies in
-        # [lo + 1 + (k-1)*step, lo + k*step] (or [lo, lo] when k = 0).
-        new_lo = lo
-        if k > 0:
-            new_lo = lo + 1 + (k - 1) * step
-        hi = cutlass.min(hi, lo + k * step)
-        lo = new_lo
-    return lo
-
-
-@cute.jit
-def in_bounds(t0: Int32, has_prev, num_tokens: Int32, ratio: cutlass.Constexpr[int],
-              coff: cutlass.Constexpr[int]):
-    """The window of first token ``t0`` lies in [0, T). Written so that nothing overflows:
-    offsets are not read on the host, so t0 can be anything an int32 holds, and
-    ``t0 + ratio <= T`` wrapped to a negative for t0 near 2^31 and let such a window
-    through (out-of-bounds reads and writes)."""
-    ok = (t0 >= 0) & (t0 <= num_tokens - ratio)
-    if cutlass.const_expr(coff == 2):
-        ok = ok & ((~has_prev) | (t0 >= ratio))
-    return ok
-
-
-@cute.jit
-def row_window(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, row: Int32, num_seqs: Int32,
-               num_tokens: Int32, ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
-    """Geometry of output row ``row`` of segment ``s`` (``s == B``: past the true rows):
-    (first token t0, has previous block, real row, in bounds).
-
-    Padding rows (at or beyond cu_seqlens_comp[B]) are a first block at token 0. ``ok`` is
-    False where the window would leave [0, T) (offsets inconsistent with each other, or
-    T < ratio for a padding row): such a row is written as zeros and reads nothing.
-    """
-    real = s < num_seqs
-    t0 = Int32(0)
-    i = Int32(0)
-    if real:
-        i = row - cuc[s]
-        t0 = cu[s] + i * ratio
-    has_prev = i > 0
-    ok = in_bounds(t0, has_prev, num_tokens, ratio, coff)
-    return t0, has_prev, real, ok
-
-
-@cute.jit
-def advance_segment(cu: cute.Tensor, s: Int32, x: Int32, num_seqs: Int32) -> Int32:
-    """Walk ``s`` forward to the segment holding ``x`` (x non-decreasing between calls):
-    consecutive rows or tokens of one CTA pay one binary search, then O(1) steps."""
-    while (s < num_seqs) & (cu[cutlass.min(s + 1, num_seqs)] <= x):
-        s = s + 1
-    return s
-
-
-@cute.jit
-def segment_rows(cu: cute.Tensor, cuc: cute.Tensor, s: Int32, num_seqs: Int32):
-    """(first row, end row, first token) of segment ``s``; past the last segment an endless
-    span (padding rows)."""
-    r0, r1, tok = Int32(0), Int32(2**31 - 1), Int32(0)
-    if s < num_seqs:
-        r0 = cuc[s]
-        r1 = cuc[s + 1]
-        tok = cu[s]
-    return r0, r1, tok
-
-
-@cute.jit
-def walk_rows(cu: cute.Tensor, cuc: cute.Tensor, walk, row: Int32, num_seqs: Int32):
-    """Advance a cached row walk ``(s, first row, end row, first token)`` to ``row``
-    (non-decreasing between calls). Offsets load only when ``row`` leaves the cached
-    segment, so consecutive rows pay no dependent L1 loads (ncu: these and the APE loads
-    made the forward's top stall, long scoreboard)."""
-    s, r0, r1, tok = walk
-    if row >= r1:
-        s = advance_segment(cuc, s, row, num_seqs)
-        r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
-    return s, r0, r1, tok
-
-
-@cute.jit
-def start_walk(cu: cute.Tensor, cuc: cute.Tensor, row: Int32, num_seqs: Int32,
-               warp: cutlass.Constexpr[bool] = False):
-    """A cached row walk at ``row``; ``warp``: the whole warp starts at the same row (see
-    find_segment_warp)."""
-    if cutlass.const_expr(warp):
-        s = find_segment_warp(cuc, row, num_seqs)
-    else:
-        s = find_segment(cuc, row, num_seqs)
-    r0, r1, tok = segment_rows(cu, cuc, s, num_seqs)
-    return s, r0, r1, tok
-
-
-@cute.jit
-def walk_window(walk, row: Int32, num_seqs: Int32, num_tokens: Int32,
-                ratio: cutlass.Constexpr[int], coff: cutlass.Constexpr[int]):
-    """row_window from a cached walk: (first token, has previous block, in bounds)."""
-    s, r0, _, tok = walk
-    t0 = Int32(0)
-    i = Int32(0)
-    if s < num_seqs:
-        i = row - r0
-        t0 = tok + i * ratio
-    has_prev = i > 0
-    ok = in_bounds(t0, has_prev, num_tokens, ratio, coff)
-    return t0, has_prev, ok
+from . import hardware
+from .ptx import widen_bf16
+from .segments import find_segment, find_segment_warp, in_bounds
 
 
 def smem_footprint(*sizes: int) -> int:
@@ -361,11 +41,11 @@ class WindowSlots:
         dtype, vec, cpr and lanes are set)."""
         # A search whose key depends only on the row lane (or the CTA) runs as a 32-ary warp
         # search where every warp is 32 active column lanes of one row lane: 2048x64
-        # forward 59.4 -> 57.2 us (H200, sweep at eada763).
+        # forward 59.4 -> 57.2 us (H200).
         self.warp_search = self.lanes % 32 == 0 and self.cpr % self.lanes == 0
         # bf16 -> fp32 as a shift or a mask of the 32-bit word: one instruction an element
         # instead of three a pair (with the static slot offsets of window_base, 3x8192/512
-        # forward 40.0 -> 37.0 us, sweep at eada763).
+        # forward 40.0 -> 37.0 us).
         self.bf16_bits = self.dtype is cutlass.BFloat16 and self.vec % 2 == 0
 
     @cute.jit
@@ -392,30 +72,28 @@ class WindowSlots:
 
     def hold_to(self, ctas: int):
         """Compile for ``ctas`` resident CTAs an SM (a register bound, min_blocks_per_mp)
-        and size the grid for them; 0: no bound and the grid as it is. The carveout is
-        config's, or with a bound and none set one that holds the bound's shared memory
-        (the DSL needs a carveout to compile a bound without a GPU)."""
+        and size the grid for them; 0: no bound, the grid as it is and the carveout left
+        to the driver. With a bound, the carveout that holds the bound's shared memory
+        (the DSL needs one to compile a bound without a GPU)."""
         self.min_ctas = ctas
-        self.carveout = config.smem_carveout()
+        self.carveout = None
         if ctas:
             self.target_ctas_per_sm = ctas
-            if self.carveout is None:
-                need = ctas * (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
-                self.carveout = min(100, -(-need * 100 // config.SMEM_PER_SM))
+            self.carveout = hardware.carveout_for(ctas, self.smem_bytes)
 
-    def fit_registers(self, regs):
-        """After compiling: ``regs`` registers a thread (ptxas', from the cubin; None where
-        unknown). Where they leave fewer CTAs resident than the one-wave grid is sized for
-        (by shared memory or config), size it for those (config.GRID_FITS_REGISTERS). The
-        designed figure stays as ``design_ctas_per_sm``."""
+    def grid_ctas_per_sm(self, regs):
+        """CTAs an SM the one-wave grid is sized for, given ``regs`` registers a thread
+        (ptxas', from the cubin; None where unknown): the design's ``target_ctas_per_sm``
+        (shared memory, tuning), or fewer where the registers hold fewer (a grid sized
+        past them ran 1.2-2 waves)."""
         target = getattr(self, "target_ctas_per_sm", None)
-        self.design_ctas_per_sm = target
-        if target is not None and regs and config.GRID_FITS_REGISTERS:
-            self.target_ctas_per_sm = max(1, min(target, config.ctas_fitting_registers(regs, self.threads)))
+        if target is None or not regs:
+            return target
+        return max(1, min(target, hardware.ctas_fitting_registers(regs, self.threads)))
 
     def ctas_fitting_smem(self) -> int:
         """CTAs of this kernel whose shared memory (``smem_bytes``) one SM holds."""
-        return config.SMEM_PER_SM // (self.smem_bytes + config.SMEM_RESERVED_PER_CTA)
+        return hardware.ctas_fitting_smem(self.smem_bytes)
 
     def stageable(self) -> bool:
         return self.vec * self.dtype.width // 8 in (4, 8, 16)  # the cp.async sizes

@@ -1,0 +1,81 @@
+"""The window softmax of the register-resident kernels: serial max, exponentials, serial
+sum and IEEE division, in torch's order."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .ptx import div_by_rcp, div_exact, max_nan, min_nan, rcp_rn
+
+# The smallest softmax numerator that takes the shared-reciprocal division: with
+# denominators in [1, 2^40] every intermediate of the fast path stays a normal number from
+# there up, so it is exact (tests/test_division_cpu.py); smaller ones take a true division.
+DIV_FAST_MIN = 2.0 ** -64
+
+
+@cute.jit
+def column_min(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
+               mn=None):
+    """The NaN-propagating minimum of column ``e``'s slots, continuing the running ``mn``
+    of earlier columns when given (divide_columns' check)."""
+    for k in cutlass.range_constexpr(slots):
+        mn = sf[k, e] if mn is None else min_nan(mn, sf[k, e])
+    return mn
+
+
+@cute.jit
+def divide_columns(sf: cute.Tensor, cols, slots: cutlass.Constexpr[int], dns, mn):
+    """``sf[k, e] <- sf[k, e] / dns[i]`` for every slot of each column ``e = cols[i]``,
+    bitwise the IEEE quotients, given ``mn``, the column_min over all their numerators:
+    one shared reciprocal a column and 3 instructions a slot when every numerator is at
+    least DIV_FAST_MIN, true divisions otherwise (tiny, zero or NaN numerators)."""
+    if mn >= Float32(DIV_FAST_MIN):
+        for i, e in enumerate(cols):
+            y = rcp_rn(dns[i])
+            nd = -dns[i]
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = div_by_rcp(sf[k, e], nd, y)
+    else:
+        for i, e in enumerate(cols):
+            for k in cutlass.range_constexpr(slots):
+                sf[k, e] = div_exact(sf[k, e], dns[i])
+
+
+@cute.jit
+def divide_column(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int], dn):
+    """divide_columns of one column (one check a column)."""
+    divide_columns(sf, [e], slots, [dn], column_min(sf, e, slots))
+
+
+@cute.jit
+def column_exp_sum(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
+                   fastmath: cutlass.Constexpr[bool] = False):
+    """Column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max)`` (serial
+    NaN-propagating max), returning their serial sum."""
+    mx = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        mx = max_nan(mx, sf[k, e])
+    for k in cutlass.range_constexpr(slots):
+        sf[k, e] = cute.math.exp(sf[k, e] - mx, fastmath=fastmath)
+    dn = sf[0, e]
+    for k in cutlass.range_constexpr(1, slots):
+        dn = dn + sf[k, e]
+    return dn
+
+
+@cute.jit
+def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Constexpr[int]):
+    """Every column ``e`` of a register window: ``sf[k, e] <- exp(sf[k, e] - max) / sum``,
+    in the fp32 reference's order (serial max, serial sum, true division). The division
+    is divide_columns over the whole row: every column's exponentials and sum first, then
+    one branch to the shared-reciprocal path (exact when every numerator of
+    the row is at least DIV_FAST_MIN) or to true divisions. Both paths give the IEEE
+    quotients, so the result is bitwise what a check a column gives; without a branch
+    between columns their chains interleave (one check a column measured 3x8192/128
+    forward 12.0-12.1 against 11.4 us)."""
+    dns = []
+    mn = None
+    for e in cutlass.range_constexpr(vec):
+        dns.append(column_exp_sum(sf, e, slots))
+        mn = column_min(sf, e, slots, mn)
+    divide_columns(sf, list(range(vec)), slots, dns, mn)
