@@ -242,3 +242,30 @@ def test_large_pack_backward_compiles_for_one_wave(dtype, d, ratio, coff):
     assert info["coop"] and all(s == 0 for s in info["spills"]) and info["local"] == 0, info
     assert info["min_ctas"] == [info["target_ctas"]], info
     assert regs_for_one_wave(info) <= 65536, info
+
+
+def test_compile_cache_keys_on_the_tuning():
+    """get_kernel, compiling here for sm_90a: a backward brings its dape sum and its
+    large-pack variant; a variant tuning compiles its own kernels, a launch-only change
+    reuses them."""
+    code = """
+import torch
+from csa_compressor.kernels import compile as cc, tuning
+dev = torch.device("cpu")
+b = cc.get_kernel("bwd", dev, torch.bfloat16, 4, 2, 128)
+assert b.dape is not None and b.registers and b.ctas_per_sm <= b.kernel.target_ctas_per_sm
+assert b.kernel.has_large_variant and len(cc._CACHE) == 3, sorted(k[0] for k in cc._CACHE)
+f = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+assert cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128) is f
+with tuning.use(BWD_LARGE_PACK_ROWS=0, FWD_MAX_ROWS_PER_THREAD=2):
+    assert cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128) is f
+with tuning.use(FWD_STAGES=3):
+    g = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+    assert g is not f and g.kernel.t.FWD_STAGES == 3
+print("ok")
+"""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -243,7 +243,7 @@ def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, token
     ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (tuning log, v22)
 ])
 def test_long_kernels_shared_stores_and_sums_avoid_bank_conflicts(cls, ratio, coff, d, free):
-    """The long kernels' shared buffer (pool_long._LongShape): a warp's stores of one slot
+    """The long kernels' shared buffer (pool_long.LongWindow): a warp's stores of one slot
     (each thread its own column and slot group) and the serial sums' loads (threads g <
     vec of each chunk lane, one column each) touch 32 different banks where designed."""
     k = (LongPoolForward if cls == "fwd" else LongPoolBackward)(cutlass.BFloat16, ratio, coff, d)

@@ -1,4 +1,4 @@
-"""The backward's zero-fill walk (pool_bwd.PoolBackward.zero_tokens) and where it starts
+"""The backward's zero-fill walk (backward_grid.BackwardGrid.zero_tokens) and where it starts
 (first_unread: the tokens before the segment's first unread block are skipped, all of
 them where every token is read) replayed in Python: the tokens it skips are ones the walk
 would have stored nothing for, for valid packs (short, empty and tail segments, tokens
@@ -15,7 +15,7 @@ INT32_MAX = 2**31 - 1
 
 
 def span(cu, cuc, s, ratio):
-    """PoolBackward.segment_span."""
+    """BackwardGrid.segment_span."""
     B = len(cu) - 1
     if s < B:
         return cu[s], cu[s + 1], (cu[s + 1] - cu[s]) // ratio, cuc[s]
@@ -31,7 +31,7 @@ def advance(cu, s, x):
 
 
 def first_unread(cu, cuc, t0, Z, ratio, coff, num_rows, T):
-    """PoolBackward.first_unread after zero_unread's one search."""
+    """BackwardGrid.first_unread after zero_unread's one search."""
     s = find_segment(cu, min(t0, T))
     start, end, nb, rowb = span(cu, cuc, s, ratio)
     k = min(nb, num_rows - rowb) - (1 if coff == 2 else 0)

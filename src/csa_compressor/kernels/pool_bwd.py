@@ -24,16 +24,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
-from .ptx import mul_rn, sub_mul_rn
-from .segments import advance_segment, start_walk, walk_rows, walk_window
-from .softmax import softmax_row
+from .segments import start_walk, walk_rows, walk_window
+from .softmax import p_times_dp, softmax_grads, softmax_row
+from .backward_grid import BackwardGrid
 from .staging import WindowSlots, smem_footprint
 
 
-class PoolBackward(WindowSlots):
-    interleave = False  # see grid(); pool_long.LongPoolBackward keeps the 2-D grid
-    has_large_variant = False  # see __init__
-    large_guesses = False  # see __init__ (pool_long.LongPoolBackward keeps both False)
+class PoolBackward(BackwardGrid, WindowSlots):
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
     # previous kernel's tail (-0.3 to -0.6 us a step at d=128).
@@ -130,43 +127,6 @@ class PoolBackward(WindowSlots):
             if self.slots <= self.t.large_max_slots(ctas):
                 return ctas
         return 0
-
-    @cute.jit
-    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
-                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32, num_zero_ctas: Int32,
-                 stream):
-        tiler = (1, self.vec)
-        self.kernel(
-            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
-            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
-            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
-            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
-            num_row_ctas,
-        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
-                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=True, preferred_smem_carveout=self.carveout,
-                 min_blocks_per_mp=self.min_ctas)
-
-    def grid(self, ctas):
-        """``ctas`` row and zero CTAs for each column group. Where there are several groups
-        (d=512 bf16: 2), they are the fastest-varying index of a 1-D grid, so every row CTA
-        of every group is dispatched before any zero CTA. With the groups on grid.y, group
-        1's row CTAs queued behind group 0's zero CTAs. With BWD_TARGET_CTAS_PER_SM = 6
-        (all row CTAs resident at once), 3x8192/512 fwd+bwd went 121.8-123.5 -> 109.4 µs
-        (H200)."""
-        if self.interleave:
-            return [ctas * self.col_groups, 1, 1]
-        return [ctas, self.col_groups, 1]
-
-    @cute.jit
-    def cta_coords(self):
-        """(row or zero CTA index, column group) of this CTA; see grid()."""
-        bx, by, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.interleave):
-            by = bx % self.col_groups
-            bx = bx // self.col_groups
-        return bx, by
 
     @cute.jit
     def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, walk, row, stage, thr, chunk,
@@ -291,16 +251,14 @@ class PoolBackward(WindowSlots):
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
                                 p = sf[k, e]
-                                pdp = mul_rn(p, mul_rn(g, vf[k, e]))
+                                pdp = p_times_dp(p, g, vf[k, e])
                                 sf[k, e] = p
                                 vf[k, e] = pdp  # p*dp until S is known
                             acc = vf[0, e]
                             for k in cutlass.range_constexpr(1, CH):
                                 acc = acc + vf[k, e]
                             for k in cutlass.range_constexpr(CH):
-                                p = sf[k, e]
-                                sf[k, e] = sub_mul_rn(vf[k, e], p, acc)  # dscore
-                                vf[k, e] = mul_rn(g, p)  # dkv
+                                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], acc, g)
                         self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
@@ -320,80 +278,3 @@ class PoolBackward(WindowSlots):
             else:
                 t = ((bx - num_row_ctas) * self.row_lanes + ty) * self.t.ZERO_TOKENS_PER_THREAD
                 self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
-
-    @cute.jit
-    def segment_span(self, mCu, mCuc, s, num_seqs):
-        """(first token, end token, blocks, first row) of segment ``s``; past the last
-        segment an endless span with no blocks (nothing there is read)."""
-        start, end, nb, rowb = Int32(0), Int32(2**31 - 1), Int32(0), Int32(0)
-        if s < num_seqs:
-            start = mCu[s]
-            end = mCu[s + 1]
-            nb = (end - start) // self.ratio
-            rowb = mCuc[s]
-        return start, end, nb, rowb
-
-    @cute.jit
-    def zero_unread(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs):
-        """Zeros for the elements of tokens t0 .. t0 + ZERO_TOKENS_PER_THREAD - 1 that no
-        computed row reads. One segment search, then the segment's span stays in registers
-        until a token crosses its end (a search per token made this pass a chain of
-        dependent loads and ~40% of the backward at 3x8192/512)."""
-        cpr = self.cpr
-        zero = cute.make_rmem_tensor((self.vec,), self.dtype)
-        zero.fill(0.0)
-        own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
-        s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
-        start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
-        # The walk starts at the segment's first unread block (tuning log, "Zero-fill walks
-        # from the first unread block"); a thread whose tokens are all read (almost every
-        # zero CTA in a pack of full sequences) walks none (-1.1 us fwd+bwd at 1x8192/128
-        # and 3x8192/128 when that shortcut came in).
-        j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
-                               num_rows)
-        self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
-                         own_col, s, start, end, nb, rowb, j0)
-
-    @cute.jit
-    def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
-        """How many of tokens t0 .. t0 + Z - 1 zero_tokens may skip:
-        those of segment [start, end) before its first block that is not read with its
-        successor (coff 2) or not read (coff 1), where it would store nothing
-        (tests/test_zero_fill_cpu.py). Only for spans whose arithmetic cannot overflow
-        int32 (0 <= start <= end, so end - start and start + k * ratio <= end stay in range);
-        0 otherwise, and the walk covers every token as before."""
-        k = cutlass.min(nb, num_rows - rowb) - int(self.coff == 2)
-        j0 = Int32(0)
-        if (start >= 0) & (end >= start) & (t0 >= start) & (k > 0):
-            j0 = cutlass.min(cutlass.max(start + k * self.ratio - t0, Int32(0)), Int32(Z))
-        return j0
-
-    @cute.jit
-    def block_read(self, blk, row, nb, num_rows):
-        """Block ``blk`` of a segment of ``nb`` blocks is a computed row's (``row``) current
-        block. A token's own columns are read iff its block is; with coff 2 its first d
-        columns iff the next block is (as that row's previous block)."""
-        return (blk < nb) & (row < num_rows)
-
-    @cute.jit
-    def zero_tokens(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
-                    own_col, s, start, end, nb, rowb, j0):
-        """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s span."""
-        ratio = self.ratio
-        for j in cutlass.range(j0, self.t.ZERO_TOKENS_PER_THREAD):
-            t = t0 + j
-            if t < num_tokens:
-                if t >= end:
-                    s = advance_segment(mCu, s, t, num_seqs)
-                    start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
-                blk = (t - start) // ratio
-                row = rowb + blk
-                own_read = self.block_read(blk, row, nb, num_rows)
-                if ~own_read:
-                    gDKV[(None, (t, own_col))].store(zero.load())
-                    gDSc[(None, (t, own_col))].store(zero.load())
-                if cutlass.const_expr(self.coff == 2):
-                    prev_read = self.block_read(blk + 1, row + 1, nb, num_rows)
-                    if ~prev_read:
-                        gDKV[(None, (t, chunk))].store(zero.load())
-                        gDSc[(None, (t, chunk))].store(zero.load())

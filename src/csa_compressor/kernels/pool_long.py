@@ -17,11 +17,11 @@ from cutlass import Float32, Int32
 
 from ..softmax_order import torch_softmax_lanes
 from .tuning import Tuning, current
-from .ptx import max_nan, mul_rn, sub_mul_rn
+from .ptx import max_nan, mul_rn
 from .segments import advance_segment, row_window
-from .softmax import divide_column
+from .softmax import divide_column, p_times_dp, softmax_grads
 from .staging import WindowSlots, smem_footprint
-from .pool_bwd import PoolBackward
+from .backward_grid import BackwardGrid
 
 
 def bank_stride(cols: int, step: int, lanes: int) -> int:
@@ -69,7 +69,9 @@ def ordered_sum(load, n: int, lanes: int, ahead: int):
     return node(levels, 0)
 
 
-class _LongShape:
+class LongWindow:
+    """The slot-parallel geometry and the window sums shared by the long forward and backward."""
+
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
                pad: bool):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
@@ -159,7 +161,7 @@ class _LongShape:
         cute.arch.barrier()
 
 
-class LongPoolForward(_LongShape, WindowSlots):
+class LongPoolForward(LongWindow, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
         self.t = tuning or current()
         most = self.t.LONG_SLOTS_PER_THREAD
@@ -171,7 +173,7 @@ class LongPoolForward(_LongShape, WindowSlots):
         # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
 
-    def rows_per_thread(self, num_rows: int, sms: int) -> int:
+    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None) -> int:
         return 1
 
     @cute.jit
@@ -224,18 +226,18 @@ class LongPoolForward(_LongShape, WindowSlots):
                 mOut[row, chunk * vec + g] = Float32(0.0).to(self.dtype)
 
 
-class LongPoolBackward(PoolBackward):
+class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
     """Row CTAs walk ``rows_per_cta`` rows one at a time; each thread keeps the dape
     contributions of its own slots and columns in registers over those rows and stores
-    them as the CTA's partial (every partial entry has exactly one owner thread). Zero
-    CTAs are the short-window backward's."""
+    them as the CTA's partial (every partial entry has exactly one owner thread). The grid
+    and its zero-fill CTAs are BackwardGrid's, as in the short-window backward."""
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
         self.t = tuning or current()
         # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
         # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count.
         for most in (self.t.LONG_BWD_SLOTS_PER_THREAD, self.t.LONG_NARROW_SLOTS_PER_THREAD):
-            _LongShape._setup(self, dtype, ratio, coff, head_dim, self.t.LONG_BWD_CTA_THREADS,
+            self._setup(dtype, ratio, coff, head_dim, self.t.LONG_BWD_CTA_THREADS,
                               self.t.LONG_BWD_VEC_BYTES, most, pad=True)
             if (self.slots >= self.t.LONG_WIDE_MIN_SLOTS
                     and self.col_groups >= self.t.LONG_BWD_MIN_COL_GROUPS):
@@ -246,7 +248,7 @@ class LongPoolBackward(PoolBackward):
         # serial sum's buffer (gradients_shared_values): with the narrow slot count that
         # frees the registers of a third CTA an SM (self.t.LONG_BWD_NARROW_CTAS_PER_SM);
         # the wide count takes two (LONG_BWD_CTAS_PER_SM), as do vectors cp.async cannot
-        # copy (odd head_dim), whose values stay in registers. PoolBackward.__call__
+        # copy (odd head_dim), whose values stay in registers. BackwardGrid.__call__
         # launches it with a register bound of that many CTAs and a grid sized for them.
         self.shared_values = self.stageable()
         if self.shared_values:
@@ -254,12 +256,7 @@ class LongPoolBackward(PoolBackward):
         narrow = self.shared_values and self.chunk_slots <= self.t.LONG_NARROW_SLOTS_PER_THREAD
         self.hold_to(self.t.LONG_BWD_NARROW_CTAS_PER_SM if narrow else self.t.LONG_BWD_CTAS_PER_SM)
 
-    shared = _LongShape.shared
-    alloc_shared = _LongShape.alloc_shared
-    col = _LongShape.col
-    softmax_den = _LongShape.softmax_den
-    softmax_sum = _LongShape.softmax_sum
-    # __call__ is PoolBackward's: its block is (lanes, row_lanes) = (lanes, groups) here.
+    # __call__ is BackwardGrid's: its block is (lanes, row_lanes) = (lanes, groups) here.
 
     def values_bytes(self) -> int:
         return smem_footprint(self.chunk_slots * self.threads * self.vec * self.dtype.width // 8)
@@ -302,7 +299,7 @@ class LongPoolBackward(PoolBackward):
                 for e in cutlass.range_constexpr(vec):
                     vv[e] = v32[e]
             for e in cutlass.range_constexpr(vec):
-                buf[self.col(tid, e), g * CH + k] = mul_rn(sf[k, e], mul_rn(gv[e], vv[e]))
+                buf[self.col(tid, e), g * CH + k] = p_times_dp(sf[k, e], gv[e], vv[e])
         cute.arch.barrier()
         self.softmax_sum(buf, stat, tid, g, 1)
         S = [stat[self.col(tid, e), 1] for e in range(vec)]
@@ -313,9 +310,8 @@ class LongPoolBackward(PoolBackward):
                 tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
                 if valid:
                     for e in cutlass.range_constexpr(vec):
-                        p = sf[kk, e]
-                        dsc[e] = sub_mul_rn(buf[self.col(tid, e), g * CH + kk], p, S[e])
-                        dkv[e] = mul_rn(gv[e], p)
+                        dsc[e], dkv[e] = softmax_grads(sf[kk, e], buf[self.col(tid, e), g * CH + kk],
+                                                       S[e], gv[e])
                         dacc[kk, e] = dacc[kk, e] + dsc[e]
                     gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
@@ -330,7 +326,7 @@ class LongPoolBackward(PoolBackward):
             divide_column(sf, e, CH, stat[self.col(tid, e), 0])
             for k in cutlass.range_constexpr(CH):
                 p = sf[k, e]
-                pdp = mul_rn(p, mul_rn(gv[e], vf[k, e]))
+                pdp = p_times_dp(p, gv[e], vf[k, e])
                 sf[k, e] = p
                 vf[k, e] = pdp
                 buf[self.col(tid, e), g * CH + k] = pdp
@@ -339,9 +335,7 @@ class LongPoolBackward(PoolBackward):
         for e in cutlass.range_constexpr(vec):
             S = stat[self.col(tid, e), 1]
             for k in cutlass.range_constexpr(CH):
-                p = sf[k, e]
-                sf[k, e] = sub_mul_rn(vf[k, e], p, S)  # dscore
-                vf[k, e] = mul_rn(gv[e], p)  # dkv
+                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], S, gv[e])
         if active:
             for kk in cutlass.range_constexpr(CH):
                 tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)

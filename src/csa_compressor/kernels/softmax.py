@@ -5,7 +5,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .ptx import div_by_rcp, div_exact, max_nan, min_nan, rcp_rn
+from .ptx import div_by_rcp, div_exact, max_nan, min_nan, mul_rn, rcp_rn, sub_mul_rn
 
 # The smallest softmax numerator that takes the shared-reciprocal division: with
 # denominators in [1, 2^40] every intermediate of the fast path stays a normal number from
@@ -79,3 +79,19 @@ def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Con
         dns.append(column_exp_sum(sf, e, slots))
         mn = column_min(sf, e, slots, mn)
     divide_columns(sf, list(range(vec)), slots, dns, mn)
+
+
+# The softmax backward of one slot, as torch's CUDA kernels compute it (every backward
+# kernel calls these two, so the algebra is written once): with dp = g * v,
+# pdp = round(p * dp) (torch's grad_output * output), S the window sum of pdp, then
+# dscore = fma(-p, S, pdp) and dkv = round(g * p).
+
+def p_times_dp(p, g, v):
+    """``round(p * round(g * v))``, each product rounded on its own."""
+    return mul_rn(p, mul_rn(g, v))
+
+
+def softmax_grads(p, pdp, S, g):
+    """``(dscore, dkv)`` of a slot: ``fma(-p, S, pdp)`` and ``round(g * p)``, in that order."""
+    return sub_mul_rn(pdp, p, S), mul_rn(g, p)
+

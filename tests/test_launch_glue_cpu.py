@@ -1,0 +1,78 @@
+"""The host side of every launch, on the CPU: launch_forward / launch_backward with the
+compile step replaced by a recorder, for each kernel family (short windows, the
+large-pack backward, long windows), so the arguments the compiled functions receive are
+checked without a GPU."""
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from csa_compressor.kernels import compile as cc  # noqa: E402
+from csa_compressor.kernels import launch  # noqa: E402
+from csa_compressor.kernels.compile import Compiled  # noqa: E402
+from csa_compressor.kernels.pool_bwd import PoolBackward  # noqa: E402
+from csa_compressor.kernels.pool_fwd import PoolForward  # noqa: E402
+from csa_compressor.kernels.pool_long import LongPoolBackward, LongPoolForward  # noqa: E402
+from csa_compressor.validation import validate  # noqa: E402
+from packs import make_pack  # noqa: E402
+
+CDT = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    calls = {}
+
+    def get_kernel(direction, device, dtype, ratio, coff, head_dim):
+        long = ratio * coff > 16
+        cdt = CDT[dtype] if direction not in ("dape", "dape_wide") else cutlass.Float32
+        if direction == "fwd":
+            k = LongPoolForward(cdt, ratio, coff, head_dim) if long else PoolForward(cdt, ratio, coff, head_dim)
+        else:
+            k = (LongPoolBackward(cdt, ratio, coff, head_dim) if long
+                 else PoolBackward(cdt, ratio, coff, head_dim, large=direction == "bwd_large"))
+        rec = calls.setdefault(direction, Recorder())
+        dape = calls.setdefault("dape", Recorder())
+        return Compiled(k, rec, 80, k.grid_ctas_per_sm(80), dape=dape)
+
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "_one_gpu", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("lens,d,ratio,coff,dtype", [
+    ([37, 0, 3, 64, 129], 128, 4, 2, torch.bfloat16),
+    ([8192, 8192], 128, 4, 2, torch.bfloat16),  # large enough for the large-pack backward
+    ([300, 0, 257], 512, 128, 1, torch.bfloat16),
+    ([70, 33], 64, 16, 2, torch.float32),
+])
+def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens, d, ratio, coff,
+                                                               dtype):
+    kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=dtype, extra_rows=2)
+    p = validate(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff)
+    out = torch.empty(N, d, dtype=dtype)
+    launch.launch_forward(p, out)
+    (fwd_args,) = fake_compile["fwd"].calls
+    assert fwd_args[5] is out and isinstance(fwd_args[6], int) and fwd_args[6] >= 1
+    g = torch.randn(N, d).to(dtype)
+    dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    launch.launch_backward(p, g, dkv, dsc, dape)
+    which = "bwd_large" if "bwd_large" in fake_compile else "bwd"
+    (bwd_args,) = fake_compile[which].calls
+    rows_per_cta, row_ctas, zero_ctas = bwd_args[9:12]
+    assert rows_per_cta * row_ctas >= N and zero_ctas >= 1
+    work = bwd_args[8]
+    assert work.shape == (row_ctas * ratio, coff * d) and work.dtype == torch.float32
+    (dape_args,) = fake_compile["dape"].calls
+    assert dape_args[1].shape == (1, ratio * coff * d)
+    assert (which == "bwd_large") == (N >= 4096)
