@@ -32,7 +32,9 @@ from csa_compressor import bench, testing, pool_forward
 from csa_compressor.kernels.ptx import mul_rn
 from csa_compressor.kernels.segments import start_walk, walk_rows, walk_window
 from csa_compressor.kernels.softmax import softmax_row
-from csa_compressor.kernels.compile import _cutlass_dtype, _direct, _fake
+from csa_compressor.kernels.compile import _direct
+from csa_compressor.kernels.plan import _fake
+from csa_compressor.kernels.plan import cutlass_dtype as _cutlass_dtype
 
 
 class BlockForward:

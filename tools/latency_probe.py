@@ -27,6 +27,7 @@ from cutlass import Int32
 
 from csa_compressor import bench, testing, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
+from csa_compressor.kernels import plan
 from csa_compressor.kernels.ptx import mul_rn
 
 
@@ -61,7 +62,7 @@ class Chain:
 def compile_chain(rounds: int, smem_bytes: int = 0, straight: int = 0, chains: int = 1):
     n = cute.sym_int32()
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = cute.compile(Chain(rounds, smem_bytes, straight, chains), cc._fake(cutlass.Int32, (n,), 4), cc._fake(cutlass.Int32, (n,), 4),
+    fn = cute.compile(Chain(rounds, smem_bytes, straight, chains), plan._fake(cutlass.Int32, (n,), 4), plan._fake(cutlass.Int32, (n,), 4),
                       stream, options="--enable-tvm-ffi")
     return cc._direct(fn), fn
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hardware
+from . import hardware, plan
 from .hardware import sm_count  # noqa: F401  (launch's, and the tools')
 from .tuning import Tuning, current
 
@@ -46,20 +46,6 @@ def _dsl_import_error():
     except Exception as exc:  # pragma: no cover - depends on the environment
         return f"CuTe DSL unavailable ({type(exc).__name__}: {exc})"
     return None
-
-
-def _cutlass_dtype(dtype: torch.dtype):
-    import cutlass
-
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-            torch.float32: cutlass.Float32}[dtype]
-
-
-def _fake(dtype, shape, align):
-    import cutlass.cute as cute
-
-    order = tuple(range(len(shape)))[::-1]  # row-major
-    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
 
 EIATTR_REGCOUNT = 0x2F  # an .nv.info attribute: (function symbol, registers a thread)
@@ -140,42 +126,12 @@ class Compiled:
 
 def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
            tuning: Tuning | None = None) -> Compiled:
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Int32
-
-    from .dape_reduce import DapeReduce
-    from .pool_bwd import PoolBackward
-    from .pool_fwd import PoolForward
-    from .pool_long import LongPoolBackward, LongPoolForward
-
+    """Compile the kernel of one specialisation (plan.kernel_for) for its symbolic
+    arguments (plan.compile_args)."""
     t = tuning or current()
-    cdt = _cutlass_dtype(dtype)
-    W = coff * head_dim
-    T, N, B1, P = (cute.sym_int32() for _ in range(4))
-    kv, score = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
-    ape = _fake(cutlass.Float32, (ratio, W), 16)
-    cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
-    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    long = t.long_window(coff * ratio)
-    if direction in ("dape", "dape_wide"):
-        kernel = DapeReduce(ratio * W, wide=direction == "dape_wide", tuning=t)
-        fn = _compile(kernel, _fake(cutlass.Float32, (P, ratio * W), 16),
-                      _fake(cutlass.Float32, (1, ratio * W), 16), stream)
-    elif direction == "fwd":
-        kernel = (LongPoolForward(cdt, ratio, coff, head_dim, tuning=t) if long
-                  else PoolForward(cdt, ratio, coff, head_dim, hardware.target_major(), tuning=t))
-        out = _fake(cdt, (N, head_dim), 16)
-        fn = _compile(kernel, kv, score, ape, cu, cuc, out, Int32(1), stream)
-    else:
-        kernel = (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=t) if long
-                  else PoolBackward(cdt, ratio, coff, head_dim, hardware.target_major(),
-                                    large=direction == "bwd_large", tuning=t))
-        grad = _fake(cdt, (N, head_dim), 16)
-        dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
-        work = _fake(cutlass.Float32, (P, W), 16)
-        fn = _compile(kernel, kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1),
-                      Int32(1), Int32(1), stream)
+    kernel = plan.kernel_for(direction, dtype, ratio, coff, head_dim, hardware.target_major()
+                             if direction not in ("dape", "dape_wide") else 0, t)
+    fn = _compile(kernel, *plan.compile_args(direction, dtype, ratio, coff, head_dim))
     artifacts = getattr(fn, "artifacts", None)
     regs = cubin_registers(getattr(artifacts, "CUBIN", None))
     ctas = kernel.grid_ctas_per_sm(regs) if hasattr(kernel, "grid_ctas_per_sm") else None
