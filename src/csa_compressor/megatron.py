@@ -1,0 +1,123 @@
+"""Megatron-LM's CSA/HCA ``Compressor`` on the fused kernels.
+
+    from csa_compressor import megatron
+    megatron.install()          # or: with megatron.installed(): ...
+
+Megatron's ``Compressor._forward_thd`` calls the module-global
+``csa.maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
+ratio=, head_dim=, coff=, enabled=)`` and runs its eager region when that returns None.
+``install()`` replaces that name with this package's adapter, which returns the fused
+pooling for every ratio / coff / dtype / head_dim the kernels take (Hopper and
+Blackwell), under deterministic mode and ``torch.compile`` too, and None otherwise, with
+the reason logged once and kept (``fallback_reasons()``).
+
+Megatron's own ``enabled`` argument (``use_fused_dsa_kernels(config)``, False unless a
+DSA kernel backend is configured) is ignored by default: ``install()`` is the opt-in.
+``install(respect_enabled=True)`` honours it instead.
+
+Megatron is imported only by ``install()``, never by ``import csa_compressor``. What is
+not routed yet: the context-parallel pre-grouped path and SBHD inputs, which Megatron
+runs without the hook (they stay eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+
+import torch
+
+CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
+HOOK = "maybe_compress_thd_fused"
+_log = logging.getLogger("csa_compressor.megatron")
+_state = {"module": None, "original": None, "respect_enabled": False}
+_reasons: dict = {}
+
+
+def _csa_module():
+    try:
+        mod = importlib.import_module(CSA_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            f"csa_compressor.megatron: cannot import {CSA_MODULE} ({exc}); it needs a Megatron-LM "
+            "tree with the CSA/HCA Compressor (branch dev) on sys.path") from exc
+    missing = [n for n in (HOOK, "Compressor") if not hasattr(mod, n)]
+    if missing:
+        raise ImportError(
+            f"csa_compressor.megatron: {CSA_MODULE} has no {', '.join(missing)}; this Megatron-LM "
+            "is not one whose Compressor calls the fused-pooling hook")
+    return mod
+
+
+def _fallback(reason: str):
+    if reason not in _reasons:
+        _log.warning("csa_compressor: Megatron's Compressor keeps its eager pooling: %s", reason)
+        _reasons[reason] = 0
+    _reasons[reason] += 1
+    return None
+
+
+def fallback_reasons() -> dict:
+    """Each reason a call kept Megatron's eager pooling, with how many calls it was."""
+    return dict(_reasons)
+
+
+def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+                             head_dim, coff, enabled=True):
+    """Megatron's hook: the pooled ``(total_comp, 1, head_dim)`` rows, or None (the caller
+    runs its eager region). Never raises on what Megatron passes."""
+    from .dispatch import fused_unavailable_reason
+    from .ops import compress_thd_fused
+
+    if _state["respect_enabled"] and not enabled:
+        return _fallback("disabled by Megatron (use_fused_dsa_kernels is False)")
+    if not (isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1] == 1):
+        return _fallback(f"kv: expected (T, 1, coff*d), got {tuple(getattr(kv, 'shape', ()))}")
+    if not isinstance(head_dim, int) or kv.shape[2] != coff * head_dim:
+        return _fallback(f"kv: last dimension {kv.shape[2]} is not coff*head_dim = {coff}*{head_dim}")
+    try:
+        reason = fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
+                                          ratio=ratio, coff=coff)
+    except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
+        reason = str(exc)
+    if reason is not None:
+        return _fallback(reason)
+    return compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
+                              ratio=ratio, coff=coff).unsqueeze(1)
+
+
+def install(respect_enabled: bool = False) -> None:
+    """Route Megatron's Compressor through the fused kernels (idempotent)."""
+    if not isinstance(respect_enabled, bool):
+        raise TypeError(f"respect_enabled: expected True or False, got {respect_enabled!r}")
+    mod = _csa_module()
+    if _state["module"] is None:
+        _state["module"], _state["original"] = mod, getattr(mod, HOOK)
+    _state["respect_enabled"] = respect_enabled
+    setattr(mod, HOOK, maybe_compress_thd_fused)
+
+
+def uninstall() -> None:
+    """Restore Megatron's own hook (a no-op when not installed)."""
+    if _state["module"] is not None:
+        setattr(_state["module"], HOOK, _state["original"])
+        _state["module"] = _state["original"] = None
+
+
+def is_installed() -> bool:
+    return _state["module"] is not None
+
+
+@contextlib.contextmanager
+def installed(respect_enabled: bool = False):
+    """``install()`` for the block, then Megatron's hook back as it was."""
+    was, before = is_installed(), _state["respect_enabled"]
+    install(respect_enabled)
+    try:
+        yield
+    finally:
+        if was:
+            _state["respect_enabled"] = before
+        else:
+            uninstall()

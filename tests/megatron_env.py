@@ -1,0 +1,78 @@
+"""Megatron-LM's own Compressor for tests: the tree from MEGATRON_LM_PATH, else the
+snapshot tarball beside the project (../shared/megatron/*.tar.xz, unpacked once into a
+temporary folder); None where neither is there or Megatron cannot import (it needs numpy,
+packaging and triton)."""
+
+import glob
+import os
+import sys
+import tarfile
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_tree = {}
+
+
+def megatron_tree():
+    if "path" in _tree:
+        return _tree["path"]
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        tars = sorted(glob.glob(os.path.join(ROOT, "..", "shared", "megatron", "*.tar.xz")))
+        if tars:
+            path = tempfile.mkdtemp(prefix="megatron-lm-")
+            with tarfile.open(tars[-1]) as tar:
+                tar.extractall(path, filter="data")
+    _tree["path"] = path if path and os.path.isdir(os.path.join(path, "megatron")) else None
+    return _tree["path"]
+
+
+def import_csa():
+    """Megatron's csa module, or None."""
+    path = megatron_tree()
+    if path is None:
+        return None
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    try:
+        import megatron.core.transformer.experimental_attention_variant.csa as csa
+    except Exception:  # an incomplete environment: the tests that need it skip
+        return None
+    return csa
+
+
+def init_one_process(tmp_dir):
+    """A one-process gloo group and model parallel sizes 1 (what the Compressor asks of)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def build_compressor(csa, hidden, head_dim, ratio, rope_dim, rotate=False, seed=0,
+                     dtype=torch.float32):
+    """Megatron's Compressor (fp32 unless ``dtype``): ColumnParallelLinear projections (tensor parallel 1)
+    and WrappedTorchNorm, as the Transformer-Engine-free spec would give. On a CPU the
+    caller points torch.cuda.current_device at the CPU (Megatron allocates there)."""
+    from megatron.core.models.common.embeddings import RotaryEmbedding
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    class Linear(ColumnParallelLinear):  # TE's keyword arguments, which it does not take
+        def __init__(self, *args, parallel_mode=None, name=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    torch.manual_seed(seed)
+    cfg = MLATransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
+                               qk_pos_emb_head_dim=rope_dim, use_cpu_initialization=True,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    sub = csa.CompressorSubmodules(linear_wkv=Linear, linear_wgate=Linear, norm=WrappedTorchNorm)
+    rope = RotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0)
+    return csa.Compressor(cfg, sub, compress_ratio=ratio, head_dim=head_dim, rotate=rotate,
+                          rotary_pos_emb=rope)

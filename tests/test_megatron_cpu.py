@@ -1,0 +1,180 @@
+"""csa_compressor.megatron: the install, the hook's fallbacks and its wiring into
+Megatron-LM's own Compressor (CPU). Megatron's module runs from its snapshot where one is
+found (tests/megatron_env.py); those tests skip without it. On the GPU the fused kernels
+answer the hook (tests/test_megatron_gpu.py)."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from csa_compressor import megatron, reference
+from megatron_env import build_compressor, import_csa, init_one_process
+
+
+@pytest.fixture
+def stub_csa(monkeypatch):
+    """A stand-in for Megatron's csa module: just the names the adapter needs."""
+    mod = types.ModuleType(megatron.CSA_MODULE)
+    original = lambda *a, **k: None  # noqa: E731
+    mod.maybe_compress_thd_fused, mod.Compressor = original, object
+    monkeypatch.setitem(sys.modules, megatron.CSA_MODULE, mod)
+    yield mod, original
+    megatron.uninstall()
+
+
+def test_install_and_uninstall_swap_the_hook(stub_csa):
+    mod, original = stub_csa
+    assert not megatron.is_installed()
+    megatron.install()
+    megatron.install()  # idempotent
+    assert mod.maybe_compress_thd_fused is megatron.maybe_compress_thd_fused
+    megatron.uninstall()
+    assert mod.maybe_compress_thd_fused is original and not megatron.is_installed()
+    with megatron.installed():
+        assert mod.maybe_compress_thd_fused is megatron.maybe_compress_thd_fused
+    assert mod.maybe_compress_thd_fused is original
+    with pytest.raises(TypeError, match="respect_enabled"):
+        megatron.install(respect_enabled="yes")
+
+
+def test_a_megatron_without_the_hook_is_named(monkeypatch):
+    mod = types.ModuleType(megatron.CSA_MODULE)
+    monkeypatch.setitem(sys.modules, megatron.CSA_MODULE, mod)
+    with pytest.raises(ImportError, match="maybe_compress_thd_fused, Compressor"):
+        megatron.install()
+
+
+def test_importing_the_package_never_imports_megatron():
+    import subprocess
+
+    code = ("import csa_compressor, sys; csa_compressor.Compressor; csa_compressor.reference;"
+            "assert not any(m.startswith('megatron') for m in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _thd(T=104, d=32, coff=2, ratio=4, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(T, 1, coff * d, generator=gen).to(dtype)
+    score = torch.randn(T, 1, coff * d, generator=gen).to(dtype)
+    ape = torch.randn(ratio, coff * d, generator=gen)
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)
+    cuc = torch.tensor([0, 9, 9, 24], dtype=torch.int32)
+    return kv, score, ape, cu, cuc
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda a: {**a, "kv": a["kv"][:, 0]}, "kv: expected (T, 1, coff*d)"),
+    (lambda a: {**a, "head_dim": 16}, "not coff*head_dim"),
+    (lambda a: {**a, "score": a["score"][:50]}, "score"),
+    (lambda a: {**a, "ape": a["ape"].double()}, "ape"),
+    (lambda a: {**a, "kv": "not a tensor"}, "kv"),
+    (lambda a: {**a, "total_comp": -1}, "total_comp"),
+])
+def test_the_hook_falls_back_with_a_reason_and_never_raises(monkeypatch, mutate, words):
+    """What Megatron could hand the hook that the kernels cannot take: None and the reason
+    (the device check passed over, so the input checks answer on the CPU)."""
+    monkeypatch.setattr("csa_compressor.dispatch._device_reason", lambda device: None)
+    kv, score, ape, cu, cuc = _thd()
+    args = dict(kv=kv, score=score, ape=ape, cu_seqlens=cu, cu_seqlens_comp=cuc, total_comp=26,
+                ratio=4, head_dim=32, coff=2, enabled=True)
+    assert megatron.maybe_compress_thd_fused(**mutate(args)) is None
+    assert any(words in r for r in megatron.fallback_reasons()), megatron.fallback_reasons()
+
+
+def test_on_the_cpu_the_hook_says_so():
+    kv, score, ape, cu, cuc = _thd()
+    assert megatron.maybe_compress_thd_fused(kv, score, ape, cu, cuc, 26, 4, 32, 2) is None
+    assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
+
+
+def test_megatrons_enabled_flag_is_ignored_unless_asked(stub_csa, monkeypatch):
+    kv, score, ape, cu, cuc = _thd()
+    monkeypatch.setattr("csa_compressor.dispatch.fused_unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr("csa_compressor.ops.compress_thd_fused",
+                        lambda *a, **k: reference.compress_thd(*a, **k))
+    with megatron.installed():
+        out = megatron.maybe_compress_thd_fused(kv, score, ape, cu, cuc, 26, ratio=4, head_dim=32,
+                                                coff=2, enabled=False)
+        assert out is not None and out.shape == (26, 1, 32)
+    with megatron.installed(respect_enabled=True):
+        assert megatron.maybe_compress_thd_fused(kv, score, ape, cu, cuc, 26, ratio=4, head_dim=32,
+                                                 coff=2, enabled=False) is None
+
+
+@pytest.fixture(scope="module")
+def csa(tmp_path_factory):
+    mod = import_csa()
+    if mod is None:
+        pytest.skip("no importable Megatron-LM tree (MEGATRON_LM_PATH, or ../shared/megatron)")
+    init_one_process(tmp_path_factory.mktemp("gloo"))
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            # Megatron puts ape and its rotary tables on torch.cuda.current_device().
+            mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        yield mod
+
+
+def _step(comp, x, cu, max_seqlen):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    out, cuc = comp(x, psp)
+    # Rows past the true count are capacity padding: downstream gives them no gradient
+    # (Megatron's eager region would pass one to token 0; the fused op ignores it).
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    g[int(cuc[-1]):] = 0
+    out.backward(g)
+    grads = {n: p.grad.clone() for n, p in comp.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("ratio,head_dim,dtype", [(4, 32, torch.float32), (4, 128, torch.float32),
+                                                  (4, 32, torch.bfloat16), (128, 32, torch.float32)])
+def test_megatrons_compressor_through_the_hook(csa, monkeypatch, ratio, head_dim, dtype):
+    """Megatron's own Compressor, its THD path with static capacity (padding rows), ragged
+    packs with empty and short segments: installed, with the fused op standing in as the
+    fp32 reference (the kernels' contract; no GPU here), its output and every gradient
+    (input, both projection weights, ape, norm weight) against its eager region."""
+    # In bf16 the eager region rounds its weights and products to bf16; the fp32 pooling
+    # differs from it by that rounding. (rotate=True needs fast_hadamard_transform, a GPU
+    # package: not here.)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    comp = build_compressor(csa, hidden=64, head_dim=head_dim, ratio=ratio, rope_dim=16,
+                            dtype=dtype)
+    lens = [37, 0, 3, 63, 9] if ratio == 4 else [300, 0, 127, 520]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]) + 4, 1, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = _step(comp, x, cu, max(lens))
+    monkeypatch.setattr("csa_compressor.dispatch.fused_unavailable_reason", lambda *a, **k: None)
+    calls = []
+
+    def fused(*a, **k):
+        calls.append(a[5])
+        return reference.compress_thd(*a, **k)
+
+    monkeypatch.setattr("csa_compressor.ops.compress_thd_fused", fused)
+    with megatron.installed():
+        got = _step(comp, x, cu, max(lens))
+    assert calls, "the hook was not called"
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    assert set(got[2]) == set(want[2]) and "ape" in got[2]
+    for name in want[2]:
+        scale = want[2][name].abs().max()
+        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, **tol, msg=name)
+
+
+def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(csa):
+    comp = build_compressor(csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
+    cu = torch.tensor([0, 37, 100], dtype=torch.int32)
+    x = torch.randn(100, 1, 64)
+    want = _step(comp, x, cu, 63)
+    with megatron.installed():
+        got = _step(comp, x, cu, 63)
+    assert torch.equal(got[0], want[0])
+    assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
