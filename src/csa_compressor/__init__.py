@@ -2,11 +2,13 @@
 
 Public surface:
 - ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs).
+- ``compress_grouped``: the same on rows already packed in groups (context parallel).
 - ``pool_forward`` / ``pool_backward`` / ``backward_workspace_shape``: kernel-level API
   with caller-provided buffers.
 - ``precompile``: compile ahead of time (before CUDA-graph capture).
 - ``maybe_compress_thd_fused`` / ``fused_unavailable_reason``: dispatch with fallback.
 - ``Compressor``: the whole Compressor block as an ``nn.Module``.
+- ``megatron`` (import it): route Megatron-LM's Compressor through the fused kernels.
 - ``reference``: the plain-PyTorch references (``compress_thd``, ``compress_sbhd``).
 - ``compressed_cu_seqlens`` / ``compressed_capacity``: THD layout helpers.
 
@@ -21,7 +23,7 @@ _WHERE = {
     "Compressor": "module",
     "backward_workspace_shape": "kernels", "pool_backward": "kernels",
     "pool_forward": "kernels", "precompile": "kernels",
-    "compress_thd_fused": "ops",
+    "compress_thd_fused": "ops", "compress_grouped": "grouped",
     "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
     "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
 }

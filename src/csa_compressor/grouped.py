@@ -1,0 +1,84 @@
+"""The grouped (context-parallel) layout: rows already packed as consecutive groups of
+``ratio`` tokens, as Megatron-LM's context-parallel Compressor hands them over.
+
+``kv``, ``score``: ``(G*ratio, coff*d)`` (or ``(G*ratio, 1, coff*d)``), group ``g`` being
+tokens ``[g*ratio, (g+1)*ratio)``; ``group_ids (G,)`` integers: the group's block index in
+its sequence. ``0``: a sequence's first block (its previous-block slots are empty);
+``> 0``: it continues from group ``g-1`` (whose tokens are its previous block); ``< 0``:
+padding, computed like a continuation and given no gradient. Output ``(G, d)``.
+
+Row 0 always has empty previous slots: where ``group_ids[0] != 0`` its previous block is a
+halo on another rank, which Megatron's eager code stands in for with the buffer's last
+group (``torch.roll``) and then discards; here that row is computed as a first block.
+
+The groups map onto a THD pack with a segment starting at every ``group_ids == 0`` (and at
+row 0), built on the device with no host sync, so the fused op, its autograd, torch.compile
+and CUDA graphs all work as for THD.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import compressed_cu_seqlens
+from .validation import check_ratio_coff
+
+
+def grouped_offsets(group_ids: torch.Tensor, ratio: int):
+    """``(cu_seqlens, cu_seqlens_comp)`` int32 ``(G+1,)`` of the THD pack whose rows are the
+    groups in order: segment boundaries at the groups that start a sequence, empty
+    segments after the last."""
+    G = group_ids.numel()
+    dev = group_ids.device
+    starts = group_ids.reshape(-1) == 0
+    starts[0:1] = True
+    seg = torch.cumsum(starts.to(torch.int64), 0) - 1
+    g = torch.arange(G, device=dev, dtype=torch.int64)
+    # Every group writes a distinct slot: the starts into their segment's, the rest past
+    # the end (a scatter with repeated indices would not be deterministic).
+    buf = torch.full((2 * G + 1,), G * ratio, dtype=torch.int64, device=dev)
+    buf.scatter_(0, torch.where(starts, seg, G + 1 + g), g * ratio)
+    cu = buf[:G + 1].to(torch.int32)
+    return cu, compressed_cu_seqlens(cu, ratio)
+
+
+def _check(kv, score, group_ids, ratio, coff):
+    check_ratio_coff(ratio, coff)
+    if not isinstance(group_ids, torch.Tensor) or group_ids.dim() != 1 or group_ids.numel() < 1:
+        raise ValueError(f"group_ids: expected a 1-D tensor of G >= 1 group ids, got "
+                         f"{type(group_ids).__name__} {tuple(getattr(group_ids, 'shape', ()))}")
+    if group_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"group_ids: expected int32 or int64, got {group_ids.dtype}")
+    if not isinstance(kv, torch.Tensor) or kv.dim() not in (2, 3):
+        raise ValueError(f"kv: expected (G*ratio, coff*d), got {tuple(getattr(kv, 'shape', ()))}")
+    if kv.shape[0] != group_ids.numel() * ratio:
+        raise ValueError(f"kv: expected G*ratio = {group_ids.numel()}*{ratio} = "
+                         f"{group_ids.numel() * ratio} rows for {group_ids.numel()} groups, got {kv.shape[0]}")
+    if group_ids.device != kv.device:
+        raise ValueError(f"group_ids: expected the device of kv ({kv.device}), got {group_ids.device}")
+
+
+def _grouped(pool, kv, score, ape, group_ids, ratio, coff, **kwargs):
+    _check(kv, score, group_ids, ratio, coff)
+    G = group_ids.numel()
+    cu, cuc = grouped_offsets(group_ids, ratio)
+    out = pool(kv, score, ape, cu, cuc, G, ratio=ratio, coff=coff, **kwargs)
+    keep = (group_ids >= 0)[:, None]
+    return torch.where(keep, out, out.detach())  # padding groups take no gradient
+
+
+def compress_grouped(kv, score, ape, group_ids, *, ratio: int, coff: int):
+    """Fused gated pooling of grouped rows: ``(G, d)``; forward and backward under the THD
+    contract (dkv / dscore bitwise to torch's eager fp32 region)."""
+    from .ops import compress_thd_fused
+
+    return _grouped(compress_thd_fused, kv, score, ape, group_ids, ratio, coff)
+
+
+def compress_grouped_reference(kv, score, ape, group_ids, *, ratio: int, coff: int,
+                               mode: str = "fp32"):
+    """``compress_grouped`` with the plain-PyTorch reference (``reference.compress_thd``'s
+    modes), on any device."""
+    from . import reference
+
+    return _grouped(reference.compress_thd, kv, score, ape, group_ids, ratio, coff, mode=mode)
