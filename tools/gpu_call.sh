@@ -15,6 +15,8 @@
 #                        tests_fused_k a -k "$TESTS_K" subset
 #   check                python -m csa_compressor check (the numerics gate)
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py
+#   fuzz                 tests/test_fuzz_gpu.py (hypothesis, 200 cases a property) under
+#                        compute-sanitizer memcheck: the reliability figure
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -57,11 +59,12 @@ cmd_of() {
         tests_bounds) echo "python3 -m pytest -q -m gpu tests/test_bounds_gpu.py -rs --durations=10" ;;
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
-        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py -rs --durations=10" ;;
+        tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py -rs --durations=10" ;;
         check) echo "python3 -m csa_compressor check" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
+        fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
