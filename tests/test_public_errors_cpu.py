@@ -66,3 +66,9 @@ def test_compressor_defaults_fit_a_small_head_dim():
     out, cuc = m(x, torch.tensor([0, 17, 40], dtype=torch.int32))
     assert out.shape == (4 + 5, 32) and torch.isfinite(out).all()
     assert Compressor(64, 7, 3, dtype=torch.float32).rope_dim == 6
+
+
+def test_compressor_sbhd_shorter_than_ratio_returns_none():
+    m = Compressor(64, 32, 4, dtype=torch.float32)
+    assert m(torch.randn(3, 2, 64)) is None
+    assert m(torch.randn(8, 2, 64)).shape == (2, 2, 32)

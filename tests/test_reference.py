@@ -202,3 +202,9 @@ def test_fma_f32_rounds_once():
                                        (128, 33, 16), (128, 32, 32), (256, 1, 256), (128, 512, 1)])
 def test_torch_softmax_lanes(K, d, lanes):
     assert reference.torch_softmax_lanes(K, d) == lanes
+
+
+def test_sbhd_shorter_than_ratio_gives_no_rows():
+    kv = torch.randn(3, 2, 8)
+    out = reference.compress_sbhd(kv, torch.randn(3, 2, 8), torch.randn(4, 8), ratio=4, coff=2)
+    assert out.shape == (0, 2, 4)

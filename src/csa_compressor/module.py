@@ -112,11 +112,14 @@ class Compressor(nn.Module):
         """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->
         ``(compressed (N, head_dim), cu_seqlens_comp)``. ``total_comp`` defaults to the static
         capacity from ``max_seqlen`` (no sync) or else the true count (syncs).
-        SBHD: ``x`` (S, B, hidden) -> (S // ratio, B, head_dim)."""
+        SBHD: ``x`` (S, B, hidden) -> (S // ratio, B, head_dim), or None where S < ratio
+        (no block to compress, as Megatron-LM's Compressor returns)."""
         if cu_seqlens is None:
             if x.dim() != 3:
                 raise ValueError(f"x: expected (S, B, hidden) without cu_seqlens, got {tuple(x.shape)}")
             S, B, _ = x.shape
+            if S < self.ratio:
+                return None
             kv = self.wkv(x).transpose(0, 1).reshape(B * S, -1)
             score = self.wgate(x).transpose(0, 1).reshape(B * S, -1)
             cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * S

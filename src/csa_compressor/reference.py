@@ -171,7 +171,8 @@ def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, rat
 def compress_sbhd(kv, score, ape, *, ratio, coff, mode="fp32"):
     """Reference for ``(S, B, coff*d)`` inputs: every batch column is one segment of length S.
 
-    Returns ``(S // ratio, B, d)``.
+    Returns ``(S // ratio, B, d)``; ``S < ratio`` gives no rows: ``(0, B, d)`` (Megatron's
+    Compressor returns None there; ``Compressor`` does too).
     """
     check_ratio_coff(ratio, coff)
     for name, t in (("kv", kv), ("score", score)):
@@ -180,6 +181,10 @@ def compress_sbhd(kv, score, ape, *, ratio, coff, mode="fp32"):
     S, B, W = kv.shape
     if score.shape != kv.shape:
         raise ValueError(f"score: expected the shape of kv {tuple(kv.shape)}, got {tuple(score.shape)}")
+    if W % coff:
+        raise ValueError(f"kv: last dimension must be a multiple of coff={coff}, got {W}")
+    if S < ratio:
+        return kv.new_zeros((0, B, W // coff), dtype=torch.float64 if mode == "fp64" else kv.dtype)
     kv_t = kv.transpose(0, 1).reshape(B * S, W)
     score_t = score.transpose(0, 1).reshape(B * S, W)
     cu = torch.arange(B + 1, device=kv.device, dtype=torch.int32) * S
