@@ -76,3 +76,23 @@ def build_compressor(csa, hidden, head_dim, ratio, rope_dim, rotate=False, seed=
     rope = RotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0)
     return csa.Compressor(cfg, sub, compress_ratio=ratio, head_dim=head_dim, rotate=rotate,
                           rotary_pos_emb=rope)
+
+
+def thd_step(comp, x, cu, max_seqlen):
+    """One THD forward + backward of Megatron's Compressor: (output, input gradient,
+    parameter gradients). The incoming gradient is random on the true rows and zero on the
+    capacity padding rows, which get none downstream (Megatron's eager region would pass
+    one to token 0; the fused op ignores it)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    out, cuc = comp(x, psp)
+    gen = torch.Generator(out.device.type).manual_seed(1)
+    g = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+    g[int(cuc[-1]):] = 0
+    out.backward(g)
+    return (out.detach().float(), x.grad.float(),
+            {n: p.grad.float() for n, p in comp.named_parameters()})

@@ -8,7 +8,6 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
-from csa_compressor.kernels import compile as cc  # noqa: E402
 from csa_compressor.kernels import launch  # noqa: E402
 from csa_compressor.kernels.compile import Compiled  # noqa: E402
 from csa_compressor.kernels.pool_bwd import PoolBackward  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from csa_compressor import megatron, reference
-from megatron_env import build_compressor, import_csa, init_one_process
+from megatron_env import build_compressor, thd_step
 
 
 @pytest.fixture
@@ -103,39 +103,9 @@ def test_megatrons_enabled_flag_is_ignored_unless_asked(stub_csa, monkeypatch):
                                                  coff=2, enabled=False) is None
 
 
-@pytest.fixture(scope="module")
-def csa(tmp_path_factory):
-    mod = import_csa()
-    if mod is None:
-        pytest.skip("no importable Megatron-LM tree (MEGATRON_LM_PATH, or ../shared/megatron)")
-    init_one_process(tmp_path_factory.mktemp("gloo"))
-    with pytest.MonkeyPatch.context() as mp:
-        if not torch.cuda.is_available():
-            # Megatron puts ape and its rotary tables on torch.cuda.current_device().
-            mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        yield mod
-
-
-def _step(comp, x, cu, max_seqlen):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    comp.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-    out, cuc = comp(x, psp)
-    # Rows past the true count are capacity padding: downstream gives them no gradient
-    # (Megatron's eager region would pass one to token 0; the fused op ignores it).
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    g[int(cuc[-1]):] = 0
-    out.backward(g)
-    grads = {n: p.grad.clone() for n, p in comp.named_parameters()}
-    return out.detach(), x.grad, grads
-
-
 @pytest.mark.parametrize("ratio,head_dim,dtype", [(4, 32, torch.float32), (4, 128, torch.float32),
                                                   (4, 32, torch.bfloat16), (128, 32, torch.float32)])
-def test_megatrons_compressor_through_the_hook(csa, monkeypatch, ratio, head_dim, dtype):
+def test_megatrons_compressor_through_the_hook(megatron_csa, monkeypatch, ratio, head_dim, dtype):
     """Megatron's own Compressor, its THD path with static capacity (padding rows), ragged
     packs with empty and short segments: installed, with the fused op standing in as the
     fp32 reference (the kernels' contract; no GPU here), its output and every gradient
@@ -144,12 +114,12 @@ def test_megatrons_compressor_through_the_hook(csa, monkeypatch, ratio, head_dim
     # differs from it by that rounding. (rotate=True needs fast_hadamard_transform, a GPU
     # package: not here.)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    comp = build_compressor(csa, hidden=64, head_dim=head_dim, ratio=ratio, rope_dim=16,
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=head_dim, ratio=ratio, rope_dim=16,
                             dtype=dtype)
     lens = [37, 0, 3, 63, 9] if ratio == 4 else [300, 0, 127, 520]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     x = torch.randn(int(cu[-1]) + 4, 1, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
-    want = _step(comp, x, cu, max(lens))
+    want = thd_step(comp, x, cu, max(lens))
     monkeypatch.setattr("csa_compressor.dispatch.fused_unavailable_reason", lambda *a, **k: None)
     calls = []
 
@@ -159,7 +129,7 @@ def test_megatrons_compressor_through_the_hook(csa, monkeypatch, ratio, head_dim
 
     monkeypatch.setattr("csa_compressor.ops.compress_thd_fused", fused)
     with megatron.installed():
-        got = _step(comp, x, cu, max(lens))
+        got = thd_step(comp, x, cu, max(lens))
     assert calls, "the hook was not called"
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], **tol)
@@ -169,12 +139,12 @@ def test_megatrons_compressor_through_the_hook(csa, monkeypatch, ratio, head_dim
         torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, **tol, msg=name)
 
 
-def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(csa):
-    comp = build_compressor(csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
+def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa):
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
     cu = torch.tensor([0, 37, 100], dtype=torch.int32)
     x = torch.randn(100, 1, 64)
-    want = _step(comp, x, cu, 63)
+    want = thd_step(comp, x, cu, 63)
     with megatron.installed():
-        got = _step(comp, x, cu, 63)
+        got = thd_step(comp, x, cu, 63)
     assert torch.equal(got[0], want[0])
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
