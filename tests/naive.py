@@ -1,6 +1,6 @@
-"""An independent oracle: per-row, per-channel, per-slot loops in float64 (SPEC §3-§4).
+"""An independent oracle: per-row, per-channel, per-slot loops in float64 (docs/contract.md).
 
-Written from the spec alone, sharing no code with the package, so a mistake in the
+Written from the contract alone, sharing no code with the package, so a mistake in the
 package's vectorised gather cannot hide behind the same mistake here.
 """
 

@@ -1,4 +1,4 @@
-"""Fused kernels against the references on the GPU (SPEC §3-§6)."""
+"""Fused kernels against the references on the GPU (docs/contract.md)."""
 
 import pytest
 import torch

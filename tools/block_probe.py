@@ -141,7 +141,7 @@ class BlockForward:
     @cute.jit
     def read_window(self, sSd, sVd, apef, sf, vf, li0, has_prev, tid):
         """Row's window from the staged block (``li0``: its first own token's index there),
-        indices clamped into the block; empty previous slots -inf / 0 as SPEC §3 says."""
+        indices clamped into the block; empty previous slots -inf / 0 as the contract says."""
         r, vec = self.ratio, self.vec
         for k in cutlass.range_constexpr(self.slots):
             li = li0 + (k - r)

@@ -50,7 +50,7 @@ def _fwd(kv, score, ape, t0s, prev, out, N, D: tl.constexpr, R: tl.constexpr,
 
 
 def row_table(cu, cuc, N, ratio):
-    """Each row's first token and whether it has a previous block (SPEC §3), with torch."""
+    """Each row's first token and whether it has a previous block (docs/contract.md), with torch."""
     rows = torch.arange(N, device=cu.device, dtype=torch.int64)
     seg = torch.searchsorted(cuc.long(), rows, right=True) - 1
     i = rows - cuc.long()[seg]

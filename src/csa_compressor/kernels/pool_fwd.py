@@ -15,7 +15,7 @@ holds one row (staging.WindowSlots.stage_window_warp, two warp syncs a row), els
 thread copies its own. Vectors under 4 bytes (odd head_dim) cannot use ``cp.async`` and
 load directly.
 
-Op order is the fp32 reference's (SPEC §5): serial max, ``exp(s - m)``, serial sum, true
+Op order is torch's fp32 region's (docs/contract.md): serial max, ``exp(s - m)``, serial sum, true
 division (one shared reciprocal + an exact correction, see softmax.softmax_row), products
 rounded on their own (``mul.rn``) before a serial sum.
 """
