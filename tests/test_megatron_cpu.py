@@ -148,3 +148,47 @@ def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa):
         got = thd_step(comp, x, cu, 63)
     assert torch.equal(got[0], want[0])
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_the_module_reproduces_megatrons_compressor(megatron_csa, ratio):
+    """Compressor(megatron_layout=True) with Megatron's parameters (load_megatron_state_dict)
+    and its settings (RMSNorm eps 1e-5, RoPE base 10000 on the last rope_dim channels in
+    interleaved pairs at block_index * ratio, padding rows continuing the last segment): the
+    same output, padding rows included, and gradients as Megatron's own Compressor on its
+    THD path (fp32, plain RoPE; YaRN not covered)."""
+    from csa_compressor import Compressor
+
+    mg = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=ratio, rope_dim=16)
+    ours = Compressor(64, 32, ratio, rope_dim=16, rope_theta=10000.0, rope_interleaved=True,
+                      norm_eps=1e-5, dtype=torch.float32, pooling="reference", megatron_layout=True)
+    ours.load_megatron_state_dict(mg.state_dict())
+    lens = [37, 0, 3, 63, 9] if ratio == 4 else [300, 0, 127, 520]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]) + 4, 1, 64, generator=torch.Generator().manual_seed(3))
+    want = thd_step(mg, x, cu, max(lens))
+    xs = x.clone().requires_grad_(True)
+    out, cuc = ours(xs, cu, max_seqlen=max(lens))
+    n = int(cuc[-1])
+    assert out.shape == want[0].shape and out.shape[0] > n  # capacity padding rows too
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-4, atol=1e-4)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    g[n:] = 0
+    out.backward(g)
+    torch.testing.assert_close(xs.grad, want[1], rtol=1e-4, atol=1e-4)
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        got = dict(ours.named_parameters())[ok].grad
+        scale = want[2][mk].abs().max()
+        torch.testing.assert_close(got / scale, want[2][mk] / scale, rtol=1e-4, atol=1e-4, msg=mk)
+
+
+def test_megatron_layout_returns_none_when_nothing_compresses():
+    from csa_compressor import Compressor
+
+    m = Compressor(64, 32, 4, dtype=torch.float32, megatron_layout=True)
+    out, cuc = m(torch.randn(6, 1, 64), torch.tensor([0, 3, 6], dtype=torch.int32))
+    assert out is None and cuc.tolist() == [0, 0, 0]
+    out, _ = m(torch.randn(8, 1, 64), torch.tensor([0, 8], dtype=torch.int32))
+    assert out.shape == (2, 1, 32)
+    with pytest.raises(KeyError, match="linear_q"):
+        m.load_megatron_state_dict({"linear_q.weight": torch.zeros(1)})

@@ -134,3 +134,15 @@ def test_module_rejects_bad_config():
     m = C.Compressor(8, 8, 4, pooling="fused", rope_dim=4, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="pooling='fused'"):
         m(torch.randn(8, 8), torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_rope_positions_continue_the_last_segment_on_padding_rows():
+    from csa_compressor.module import rope_positions
+
+    cuc = torch.tensor([0, 9, 9, 9, 24, 26], dtype=torch.int32)
+    pos = rope_positions(cuc, 29, 4, max_seqlen=63)
+    assert pos.tolist() == ([4 * i for i in range(9)] + [4 * i for i in range(15)]
+                            + [0, 4] + [8, 12, 16])
+    # Held to the last row of Megatron's max_seqlen // ratio table.
+    assert rope_positions(torch.tensor([0, 2, 2, 2, 6]), 7, 128, max_seqlen=520).tolist() == \
+        [0, 128, 0, 128, 256, 384, 384]

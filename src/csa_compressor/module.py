@@ -46,16 +46,53 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     return torch.cat((head, out), dim=-1)
 
 
+def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
+                   max_seqlen: int | None = None) -> torch.Tensor:
+    """RoPE position of each output row: ``block_index * ratio`` inside its segment. Rows
+    past the true count (capacity padding) continue the last segment, held to the last
+    entry of the ``max_seqlen // ratio``-row table where ``max_seqlen`` is given: where
+    Megatron-LM's THD rotary embedding puts them. No host sync."""
+    cuc = cu_seqlens_comp.to(torch.int64)
+    rows = torch.arange(total_comp, device=cuc.device, dtype=torch.int64)
+    seg = torch.searchsorted(cuc[:-1].contiguous(), rows, right=True) - 1
+    block = rows - cuc[seg.clamp_min(0)]
+    if max_seqlen is not None:
+        block = block.clamp_max(max(max_seqlen // ratio - 1, 0))
+    return block * ratio
+
+
 class Compressor(nn.Module):
     """Projections ``wkv`` / ``wgate`` (hidden -> coff*head_dim), the gated pooling (fused
     where it can run, else the fp32 reference), RMSNorm over head_dim, rotary embedding on
     the last ``rope_dim`` channels (default: 64, or all of a smaller head_dim) and an
-    optional Hadamard rotation. ``coff`` defaults to 2 at ratio 4, else 1."""
+    optional Hadamard rotation. ``coff`` defaults to 2 at ratio 4, else 1.
+    ``megatron_layout``: THD outputs shaped as Megatron-LM's Compressor returns them,
+    ``(N, 1, head_dim)``, and ``(None, cu_seqlens_comp)`` when no row compresses;
+    ``load_megatron_state_dict`` takes its parameters."""
+
+    MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
+                     "ape": "ape", "norm.weight": "norm_weight"}
+
+    def load_megatron_state_dict(self, state_dict, strict: bool = True):
+        """Load a Megatron-LM ``Compressor``'s ``state_dict`` (its keys mapped onto this
+        module's; Transformer Engine's ``_extra_state`` entries are skipped)."""
+        mapped = {}
+        for key, value in state_dict.items():
+            if key.endswith("_extra_state"):
+                continue
+            if key not in self.MEGATRON_KEYS:
+                if strict:
+                    raise KeyError(f"state_dict: unexpected key {key!r} for a Megatron Compressor "
+                                   f"(expected {sorted(self.MEGATRON_KEYS)})")
+                continue
+            mapped[self.MEGATRON_KEYS[key]] = value
+        return self.load_state_dict(mapped, strict=strict)
 
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, *, coff: int | None = None,
                  rope_dim: int | None = None, rope_theta: float = 160000.0,
                  rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
-                 dtype=torch.bfloat16, device=None, pooling: str = "auto"):
+                 dtype=torch.bfloat16, device=None, pooling: str = "auto",
+                 megatron_layout: bool = False):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("head_dim", head_dim, 1)
@@ -73,6 +110,7 @@ class Compressor(nn.Module):
                 raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         check_flag("rope_interleaved", rope_interleaved)
         check_flag("rotate", rotate)
+        check_flag("megatron_layout", megatron_layout)
         if rotate and head_dim & (head_dim - 1):
             raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
         if dtype not in SUPPORTED_DTYPES:
@@ -82,6 +120,7 @@ class Compressor(nn.Module):
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
+        self.megatron_layout = megatron_layout
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -140,7 +179,10 @@ class Compressor(nn.Module):
                 total_comp = compressed_capacity(x.shape[0], cu_seqlens.numel() - 1, int(max_seqlen), self.ratio)
             else:
                 total_comp = int(cuc[-1])
+        if total_comp == 0 and self.megatron_layout:
+            return None, cuc
         kv, score = self.wkv(x), self.wgate(x)
         pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
-        _, i, _ = reference.row_geometry(cu_seqlens, cuc, total_comp, self.ratio)
-        return self._finish(pooled, i * self.ratio), cuc
+        pos = rope_positions(cuc, total_comp, self.ratio, None if max_seqlen is None else int(max_seqlen))
+        out = self._finish(pooled, pos)
+        return (out.unsqueeze(1) if self.megatron_layout else out), cuc
