@@ -55,7 +55,7 @@ def init_one_process(tmp_dir):
 
 
 def build_compressor(csa, hidden, head_dim, ratio, rope_dim, rotate=False, seed=0,
-                     dtype=torch.float32):
+                     dtype=torch.float32, yarn=None):
     """Megatron's Compressor (fp32 unless ``dtype``): ColumnParallelLinear projections (tensor parallel 1)
     and WrappedTorchNorm, as the Transformer-Engine-free spec would give. On a CPU the
     caller points torch.cuda.current_device at the CPU (Megatron allocates there)."""
@@ -73,7 +73,14 @@ def build_compressor(csa, hidden, head_dim, ratio, rope_dim, rotate=False, seed=
                                qk_pos_emb_head_dim=rope_dim, use_cpu_initialization=True,
                                params_dtype=dtype, bf16=dtype == torch.bfloat16)
     sub = csa.CompressorSubmodules(linear_wkv=Linear, linear_wgate=Linear, norm=WrappedTorchNorm)
-    rope = RotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0)
+    if yarn is None:
+        rope = RotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0)
+    else:  # {scaling_factor, original_max_position_embeddings, beta_fast, beta_slow}
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            YarnRotaryEmbedding)
+
+        rope = YarnRotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0,
+                                   use_cpu_initialization=True, **yarn)
     return csa.Compressor(cfg, sub, compress_ratio=ratio, head_dim=head_dim, rotate=rotate,
                           rotary_pos_emb=rope)
 

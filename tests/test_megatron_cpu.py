@@ -150,8 +150,8 @@ def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa):
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
 
 
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_the_module_reproduces_megatrons_compressor(megatron_csa, ratio):
+@pytest.mark.parametrize("ratio,yarn", [(4, None), (128, None), (4, (4.0, 64)), (128, (16.0, 256))])
+def test_the_module_reproduces_megatrons_compressor(megatron_csa, ratio, yarn):
     """Compressor(megatron_layout=True) with Megatron's parameters (load_megatron_state_dict)
     and its settings (RMSNorm eps 1e-5, RoPE base 10000 on the last rope_dim channels in
     interleaved pairs at block_index * ratio, padding rows continuing the last segment): the

@@ -146,3 +146,14 @@ def test_rope_positions_continue_the_last_segment_on_padding_rows():
     # Held to the last row of Megatron's max_seqlen // ratio table.
     assert rope_positions(torch.tensor([0, 2, 2, 2, 6]), 7, 128, max_seqlen=520).tolist() == \
         [0, 128, 0, 128, 256, 384, 384]
+
+
+def test_yarn_keeps_the_fast_pairs_and_interpolates_the_slow_ones():
+    from csa_compressor.module import YaRN, rope_inv_freq
+
+    plain = rope_inv_freq(16, 10000.0)
+    yarn = rope_inv_freq(16, 10000.0, YaRN(factor=4.0, original_max_position_embeddings=64))
+    assert yarn[0] == plain[0] and torch.allclose(yarn[-1], plain[-1] / 4)
+    assert ((yarn <= plain) & (yarn >= plain / 4)).all() and not torch.equal(yarn, plain)
+    with pytest.raises(TypeError, match="rope_yarn"):
+        C.Compressor(64, 32, 4, dtype=torch.float32, rope_yarn={"factor": 4})

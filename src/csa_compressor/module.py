@@ -4,6 +4,7 @@ pooling, RMSNorm, rotary embedding, optional Hadamard rotation)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,12 +29,49 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y / math.sqrt(d)).view(x.shape)
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool):
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN frequency scaling of the rotary embedding (as Megatron-LM's
+    YarnRotaryEmbedding builds it; the rotation itself stays unit-magnitude, mscale 1):
+    frequencies below the correction range are interpolated by ``factor``, those above kept,
+    a linear ramp between."""
+
+    factor: float
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    round_to_int: bool = True
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None) -> torch.Tensor:
+    """The rotary frequencies of the ``rope_dim // 2`` channel pairs (float64)."""
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+    extra = theta ** (-exponent)
+    if yarn is None:
+        return extra
+
+    def correction_dim(rotations):
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
+    return extra / yarn.factor * (1 - keep) + extra * keep
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool,
+               yarn: YaRN | None = None):
     """Rotary embedding on the last ``rope_dim`` channels of ``x`` (rows x channels, fp32)
     at integer positions ``pos`` (one per row)."""
     if rope_dim == 0:
         return x
-    inv = theta ** (-torch.arange(0, rope_dim, 2, device=x.device, dtype=torch.float64) / rope_dim)
+    inv = rope_inv_freq(rope_dim, theta, yarn).to(x.device)
     ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
     cos, sin = torch.cos(ang), torch.sin(ang)
     head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
@@ -92,7 +130,7 @@ class Compressor(nn.Module):
                  rope_dim: int | None = None, rope_theta: float = 160000.0,
                  rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
                  dtype=torch.bfloat16, device=None, pooling: str = "auto",
-                 megatron_layout: bool = False):
+                 megatron_layout: bool = False, rope_yarn: YaRN | None = None):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("head_dim", head_dim, 1)
@@ -111,6 +149,8 @@ class Compressor(nn.Module):
         check_flag("rope_interleaved", rope_interleaved)
         check_flag("rotate", rotate)
         check_flag("megatron_layout", megatron_layout)
+        if rope_yarn is not None and not isinstance(rope_yarn, YaRN):
+            raise TypeError(f"rope_yarn: expected a csa_compressor.module.YaRN, got {rope_yarn!r}")
         if rotate and head_dim & (head_dim - 1):
             raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
         if dtype not in SUPPORTED_DTYPES:
@@ -120,7 +160,7 @@ class Compressor(nn.Module):
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
-        self.megatron_layout = megatron_layout
+        self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -142,7 +182,7 @@ class Compressor(nn.Module):
     def _finish(self, pooled, pos):
         x = pooled.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
-        x = apply_rope(x, pos, self.rope_dim, self.rope_theta, self.rope_interleaved)
+        x = apply_rope(x, pos, self.rope_dim, self.rope_theta, self.rope_interleaved, self.rope_yarn)
         if self.rotate:
             x = hadamard(x)
         return x.to(pooled.dtype)
