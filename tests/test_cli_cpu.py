@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from csa_compressor import __main__ as cli
-from csa_compressor import bench, shapes
+from csa_compressor import shapes
+from csa_compressor.cli import bench
+from csa_compressor.cli import main as cli
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
@@ -46,7 +47,7 @@ def test_help_answers_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys, csa_compressor.__main__ as m\n"
+    code = ("import sys, csa_compressor.cli.main as m\n"
             "try:\n    m.main(['bench', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -113,7 +114,7 @@ def test_source_commit_is_the_packages_checkout(tmp_path, monkeypatch):
                                       text=True, stderr=subprocess.DEVNULL).strip()
     except subprocess.CalledProcessError:
         pytest.skip("the package is not in a git checkout")
-    if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "bench.py"), bench.__file__):
+    if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "cli", "bench.py"), bench.__file__):
         pytest.skip("the package is installed, not run from its checkout")
     head = subprocess.check_output(["git", "-C", top, "rev-parse", "--short", "HEAD"],
                                    text=True).strip()

@@ -25,7 +25,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 
-from csa_compressor import bench, testing, pool_backward, pool_forward
+from csa_compressor.cli import bench
+from csa_compressor import testing, pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import plan
 from csa_compressor.kernels.ptx import mul_rn

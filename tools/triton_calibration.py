@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_compressor import bench, testing, pool_forward
+from csa_compressor.cli import bench
+from csa_compressor import testing, pool_forward
 
 
 @triton.jit

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from .shapes import parse_shape
-from .testing import make_inputs
-from .numerics import compare
+from .. import reference
+from ..shapes import parse_shape
+from ..testing import make_inputs
+from ..numerics import compare
 
 # Ragged packs: an empty segment, one shorter than ratio, tails, token padding via the
 # static capacity; one odd head_dim; each ratio family (short overlapping, long).
@@ -33,7 +33,7 @@ def _run(fn, kv, score, ape, cu, cuc, N, g, ratio, coff):
 
 
 def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
-    from .ops import compress_thd_fused
+    from ..ops import compress_thd_fused
 
     failures = 0
     out("| pack:d:ratio:coff | dtype | output | bitwise | differ | max ulp | L1 err fp32 ref | "

@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-from . import reference
-from .shapes import COMPILE_DEFAULT, Shape
-from .testing import make_inputs
+from .. import reference
+from ..shapes import COMPILE_DEFAULT, Shape
+from ..testing import make_inputs
 
 CALLS_PER_GRAPH = 20
 
@@ -103,7 +103,7 @@ def wall_clock(call, reps: int = 30) -> float:
 
 
 def _implementations(names):
-    from .ops import compress_thd_fused
+    from ..ops import compress_thd_fused
 
     def eager(kv, score, ape, cu, cuc, N, ratio, coff):
         return reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff, mode="upstream")
@@ -122,8 +122,8 @@ def _implementations(names):
 def gate(shape, sets, dtype) -> list[str]:
     """Fused vs torch's eager fp32 region (reference mode "fp32") on the first input set
     (forward and gradients)."""
-    from .numerics import compare
-    from .ops import compress_thd_fused
+    from ..numerics import compare
+    from ..ops import compress_thd_fused
 
     kv, score, ape, cu, cuc, N, g = sets[0]
     outs = {}
@@ -156,7 +156,7 @@ def source_commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         top = _git("rev-parse", "--show-toplevel", cwd=here)
-        if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "bench.py"),
+        if not os.path.samefile(os.path.join(top, "src", "csa_compressor", "cli", "bench.py"),
                                 os.path.abspath(__file__)):
             return "unknown"  # a git repository around an installed copy: not ours
         dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=top)
