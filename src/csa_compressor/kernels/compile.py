@@ -129,9 +129,9 @@ def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: 
     """Compile the kernel of one specialisation (plan.kernel_for) for its symbolic
     arguments (plan.compile_args)."""
     t = tuning or current()
-    kernel = plan.kernel_for(direction, dtype, ratio, coff, head_dim, hardware.target_major()
-                             if direction not in ("dape", "dape_wide") else 0, t)
-    fn = _compile(kernel, *plan.compile_args(direction, dtype, ratio, coff, head_dim))
+    arch = hardware.target_major() if direction not in ("dape", "dape_wide") else 0
+    kernel, args = plan.kernel_and_args(direction, dtype, ratio, coff, head_dim, arch, t)
+    fn = _compile(kernel, *args)
     artifacts = getattr(fn, "artifacts", None)
     regs = cubin_registers(getattr(artifacts, "CUBIN", None))
     ctas = kernel.grid_ctas_per_sm(regs) if hasattr(kernel, "grid_ctas_per_sm") else None
@@ -176,11 +176,9 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     # A backward always runs with its dape sum: compiled first, it rides on the backward's
     # record (and the wide layout where the partials have enough columns for it), so a
     # launch makes one cache lookup, not two.
-    dape = dape_wide = None
-    if direction in ("bwd", "bwd_large"):
-        dape = get_kernel("dape", device, dtype, ratio, coff, head_dim).fn
-        if t.dape_has_wide(ratio * coff * head_dim):
-            dape_wide = get_kernel("dape_wide", device, dtype, ratio, coff, head_dim).fn
+    sums = {d: get_kernel(d, device, dtype, ratio, coff, head_dim).fn
+            for d in plan.companions(direction, ratio, coff, head_dim, t)}
+    dape, dape_wide = sums.get("dape"), sums.get("dape_wide")
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:

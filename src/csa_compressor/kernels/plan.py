@@ -17,6 +17,14 @@ def cutlass_dtype(dtype: torch.dtype):
             torch.float32: cutlass.Float32}[dtype]
 
 
+def companions(direction: str, ratio: int, coff: int, head_dim: int, tuning) -> tuple:
+    """The kernels a direction launches with, compiled with it: a backward's dape sum, and
+    its wide layout where the partials have the columns for it."""
+    if direction not in ("bwd", "bwd_large"):
+        return ()
+    return ("dape", "dape_wide") if tuning.dape_has_wide(ratio * coff * head_dim) else ("dape",)
+
+
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                arch_major: int, tuning):
     """The kernel object of one specialisation: windows of more than MAX_REG_SLOTS slots
@@ -28,18 +36,24 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
     from .pool_fwd import PoolForward
     from .pool_long import LongPoolBackward, LongPoolForward
 
+    cdt = cutlass_dtype(dtype)
     if direction in ("dape", "dape_wide"):
         return DapeReduce(ratio * coff * head_dim, wide=direction == "dape_wide", tuning=tuning)
-    cdt = cutlass_dtype(dtype)
-    long = tuning.long_window(coff * ratio)
-    if direction == "fwd":
-        if long:
+    if tuning.long_window(coff * ratio):
+        if direction == "fwd":
             return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning)
-        return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
-    if long:
         return LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning)
+    if direction == "fwd":
+        return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
     return PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=direction == "bwd_large",
                         tuning=tuning)
+
+
+def kernel_and_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+                    arch_major: int, tuning) -> tuple:
+    """(kernel object, symbolic compile arguments) of one specialisation."""
+    return (kernel_for(direction, dtype, ratio, coff, head_dim, arch_major, tuning),
+            compile_args(direction, dtype, ratio, coff, head_dim))
 
 
 def _fake(dtype, shape, align):
