@@ -112,3 +112,23 @@ def test_enabled_and_check_offsets_take_bools(value):
         maybe_compress_thd_fused(kv, score, ape, cu, cuc, 9, ratio=RATIO, coff=COFF, enabled=value)
     with pytest.raises(TypeError, match="check_offsets"):
         reference.compress_thd(kv, score, ape, cu, cuc, 9, ratio=RATIO, coff=COFF, check_offsets=value)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=6), ratio=st.integers(1, 8),
+       extra=st.integers(0, 3), where=st.integers(0, 10), by=st.integers(1, 50),
+       seed=st.integers(0, 999))
+def test_valid_packs_pass_and_any_broken_offset_is_caught(lens, ratio, extra, where, by, seed):
+    kv, score, ape, cu, cuc, N = make_pack(lens, 3, ratio, 2, pad_tokens=2, extra_rows=extra,
+                                           seed=seed)
+    reference.compress_thd(kv, score, ape, cu, cuc, N, ratio=ratio, coff=2, check_offsets=True)
+    # Moving one interior offset below its predecessor, or the last past T, must be caught.
+    bad = cu.clone()
+    i = 1 + where % (bad.numel() - 1)
+    bad[i] = bad[i - 1] - by if i < bad.numel() - 1 or where % 2 else kv.shape[0] + by
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        reference.compress_thd(kv, score, ape, bad, compressed_cu_seqlens(bad.clamp_min(0), ratio),
+                               N, ratio=ratio, coff=2, check_offsets=True)
