@@ -1,8 +1,9 @@
-"""The README's CPU usage example runs as written."""
+"""The README's usage examples run as written (the GPU one where there is a GPU)."""
 
 import os
 import re
 
+import pytest
 import torch
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -15,3 +16,13 @@ def test_readme_cpu_example_runs(capsys):
     assert "torch.Size([26, 128])" in capsys.readouterr().out
     assert scope["kv"].grad is not None and torch.isfinite(scope["kv"].grad).all()
     assert scope["ape"].grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_readme_gpu_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+    scope = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(blocks[1], "README.md", "exec"), scope)  # noqa: S102
+    assert scope["out"].is_cuda and scope["out"].shape == (26, 128)
+    assert torch.isfinite(scope["kv"].grad).all() and scope["kv"].grad.is_cuda
