@@ -90,3 +90,17 @@ def test_bad_grouped_input_names_the_argument(kwargs, error, name):
     args.update(kwargs)
     with pytest.raises(error, match=name):
         grouped.compress_grouped_reference(**args)
+
+
+def test_kernel_level_grouped_entries_check_their_arguments():
+    from csa_compressor.grouped import pool_backward_grouped, pool_forward_grouped
+
+    kv, score, ape = torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="kv: expected G\\*ratio"):
+        pool_forward_grouped(kv, score, ape, torch.tensor([0, 1, 2]), torch.empty(3, 4), ratio=4, coff=2)
+    with pytest.raises(ValueError, match="grad_out"):
+        pool_backward_grouped(kv, score, ape, torch.tensor([0, 1]), torch.empty(3, 4),
+                              torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape),
+                              ratio=4, coff=2)
+    with pytest.raises(ValueError, match="CUDA"):  # the kernels need CUDA tensors
+        pool_forward_grouped(kv, score, ape, torch.tensor([0, 1]), torch.empty(2, 4), ratio=4, coff=2)

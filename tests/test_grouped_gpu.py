@@ -31,3 +31,25 @@ def test_grouped_fused_is_the_reference_bitwise(ratio, coff, d, dtype):
     assert_forward_contract(fused[0], ref[0])
     assert torch.equal(fused[1], ref[1]) and torch.equal(fused[2], ref[2])
     torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=1e-3)
+
+
+def test_kernel_level_grouped_is_the_op():
+    from csa_compressor.grouped import pool_backward_grouped, pool_forward_grouped
+
+    ids = torch.tensor(IDS, device="cuda")
+    G, ratio, coff, d = ids.numel(), 4, 2, 128
+    gen = torch.Generator("cuda").manual_seed(7)
+    kv = torch.randn(G * ratio, coff * d, device="cuda", generator=gen).to(torch.bfloat16)
+    score = torch.randn(G * ratio, coff * d, device="cuda", generator=gen).to(torch.bfloat16)
+    ape = torch.randn(ratio, coff * d, device="cuda", generator=gen)
+    g = torch.randn(G, d, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full((G, d), float("nan"), device="cuda").to(torch.bfloat16)
+    pool_forward_grouped(kv, score, ape, ids, out, ratio=ratio, coff=coff)
+    grads = [torch.full_like(kv, float("nan")), torch.full_like(score, float("nan")),
+             torch.full_like(ape, float("nan"))]
+    pool_backward_grouped(kv, score, ape, ids, g, *grads, ratio=ratio, coff=coff)
+    xs = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+    want = compress_grouped(*xs, ids, ratio=ratio, coff=coff)
+    assert torch.equal(out, want.detach())
+    for got, ref in zip(grads, torch.autograd.grad(want, xs, g)):
+        assert torch.equal(got, ref)

@@ -82,3 +82,32 @@ def compress_grouped_reference(kv, score, ape, group_ids, *, ratio: int, coff: i
     from . import reference
 
     return _grouped(reference.compress_thd, kv, score, ape, group_ids, ratio, coff, mode=mode)
+
+
+def pool_forward_grouped(kv, score, ape, group_ids, out, *, ratio: int, coff: int):
+    """Kernel-level grouped forward into ``out`` ``(G, d)``: the THD kernels on the groups'
+    device-built offsets (two small int32 tensors are allocated for them)."""
+    from .kernels import pool_forward
+
+    _check(kv, score, group_ids, ratio, coff)
+    cu, cuc = grouped_offsets(group_ids, ratio)
+    return pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+
+
+def pool_backward_grouped(kv, score, ape, group_ids, grad_out, grad_kv, grad_score, grad_ape, *,
+                          ratio: int, coff: int, workspace=None):
+    """Kernel-level grouped backward into caller buffers: gradients arriving on padding
+    groups (``group_ids < 0``) are ignored, as in compress_grouped (a masked copy of
+    ``grad_out`` is allocated)."""
+    from .kernels import pool_backward
+
+    _check(kv, score, group_ids, ratio, coff)
+    cu, cuc = grouped_offsets(group_ids, ratio)
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.dim() != 2 or grad_out.shape[0] != group_ids.numel():
+        raise ValueError(f"grad_out: expected ({group_ids.numel()}, d) rows, got {tuple(grad_out.shape)}")
+    keep = (group_ids >= 0)[:, None]
+    grad = torch.where(keep, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
+    return pool_backward(kv, score, ape, cu, cuc, grad, grad_kv, grad_score, grad_ape,
+                         ratio=ratio, coff=coff, workspace=workspace)
