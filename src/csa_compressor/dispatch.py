@@ -8,7 +8,8 @@ import os
 import torch
 
 from .kernels.compile import dsl_import_error
-from .validation import check_flag, env_flag, offsets_check_requested, validate
+from .validation import (check_flag, check_offset_contents, env_flag, offsets_check_requested,
+                         validate)
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -44,27 +45,52 @@ def _kill_switch_reason():
     return None
 
 
-def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                             enabled: bool = True):
-    """None when the fused kernels would run on these arguments, else a one-line reason.
-    Offsets' contents are not read here (maybe_compress_thd_fused's check_offsets)."""
+def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled):
+    """(reason or None, the validated problem where there is no reason)."""
     check_flag("enabled", enabled)
     reason = _kill_switch_reason()
     if reason:
-        return reason
+        return reason, None
     if not enabled:
-        return "disabled by the caller (enabled=False)"
+        return "disabled by the caller (enabled=False)", None
     device = getattr(kv, "device", None)
     if device is not None:
         reason = _device_reason(device)
         if reason:
-            return reason
+            return reason, None
     try:
-        validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
-                 for_kernel=True)
+        p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                     coff=coff, for_kernel=True, contents=False)
     except (TypeError, ValueError) as exc:
-        return f"unsupported input: {exc}"
-    return None
+        return f"unsupported input: {exc}", None
+    return None, p
+
+
+def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                             enabled: bool = True):
+    """None when the fused kernels would run on these arguments, else a one-line reason.
+    Offsets' contents are not read here (maybe_compress_thd_fused's check_offsets)."""
+    return _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                        enabled)[0]
+
+
+def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                    enabled: bool = True, check_offsets: bool = False):
+    """(the fused pooling, None) or (None, the reason): validation runs once. The offsets'
+    contents are checked when asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS) on either
+    path, raising on bad ones."""
+    reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+                             coff, enabled)
+    if reason is None:
+        from .ops import fused_from_problem
+
+        if offsets_check_requested(check_offsets):
+            check_offset_contents(p)
+        return fused_from_problem(p), None
+    if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
+        validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
+                 check_offsets=True)
+    return None, reason
 
 
 def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
@@ -73,16 +99,11 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
     passed over) so the caller runs its own eager region. ``check_offsets`` (or
     CSA_COMPRESSOR_CHECK_OFFSETS=1) checks the offsets' contents either way and raises on
     bad ones: a fallback would compute the same wrong rows."""
-    reason = fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                                      ratio=ratio, coff=coff, enabled=enabled)
+    out, reason = fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
+                                  ratio=ratio, coff=coff, enabled=enabled,
+                                  check_offsets=check_offsets)
     if reason is None:
-        from .ops import compress_thd_fused
-
-        return compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                                  ratio=ratio, coff=coff, check_offsets=check_offsets)
-    if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
-        validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
-                 check_offsets=True)
+        return out
     device = getattr(kv, "device", None)
     capable = device is not None and _device_reason(device) is None
     if capable and reason not in _logged:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .dispatch import fused_unavailable_reason
+from .dispatch import fused_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
@@ -170,11 +170,9 @@ class Compressor(nn.Module):
     def pool(self, kv, score, cu, cuc, total_comp):
         args = (kv, score, self.ape, cu, cuc, total_comp)
         if self.pooling != "reference":
-            reason = fused_unavailable_reason(*args, ratio=self.ratio, coff=self.coff)
+            out, reason = fused_or_reason(*args, ratio=self.ratio, coff=self.coff)
             if reason is None:
-                from .ops import compress_thd_fused
-
-                return compress_thd_fused(*args, ratio=self.ratio, coff=self.coff)
+                return out
             if self.pooling == "fused":
                 raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
         return reference.compress_thd(*args, ratio=self.ratio, coff=self.coff, mode="fp32")

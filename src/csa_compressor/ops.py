@@ -105,9 +105,15 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     """
     p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
                  for_kernel=True, check_offsets=check_offsets)
+    return fused_from_problem(p)
+
+
+def fused_from_problem(p: Problem):
+    """compress_thd_fused on arguments already validated for the kernels (the dispatch and
+    the module validate once and come here)."""
     if torch.compiler.is_compiling():
-        return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, total_comp,
-                           ratio, coff)
+        return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
+                           p.ratio, p.coff)
     if not (torch.is_grad_enabled() and (p.kv.requires_grad or p.score.requires_grad
                                          or p.ape.requires_grad)):
         # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on

@@ -188,18 +188,20 @@ def check_offset_contents(p: "Problem") -> None:
 
 
 def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-             for_kernel: bool = False, check_offsets: bool = False) -> Problem:
+             for_kernel: bool = False, check_offsets: bool = False,
+             contents: bool = True) -> Problem:
     """Check every argument of a THD call and return 2-D views and sizes.
 
     ``for_kernel`` adds what the fused kernels need beyond the math: a CUDA device,
     contiguous storage, 16-byte aligned data pointers and int32-addressable sizes.
     ``cu_seqlens_comp=None`` derives it from ``cu_seqlens`` on the device (no sync).
     ``check_offsets`` (or CSA_COMPRESSOR_CHECK_OFFSETS=1) also reads the offsets'
-    contents: check_offset_contents.
+    contents: check_offset_contents. ``contents=False`` never reads them (the dispatch's
+    capability check, which leaves them to the call it dispatches to).
     """
     check_ratio_coff(ratio, coff)
     check_int("total_comp", total_comp, 0)
-    check_contents = offsets_check_requested(check_offsets)
+    check_contents = offsets_check_requested(check_offsets) and contents
     if cu_seqlens_comp is None:
         from .layout import compressed_cu_seqlens
 
