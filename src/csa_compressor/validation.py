@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .layout import compressed_cu_seqlens
+
 CHECK_OFFSETS_ENV = "CSA_COMPRESSOR_CHECK_OFFSETS"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OFFSET_DTYPES = (torch.int32, torch.int64)
@@ -174,8 +176,7 @@ def check_offset_contents(p: "Problem") -> None:
     if c[-1] > p.num_tokens:
         raise ValueError(f"cu_seqlens: the last offset {int(c[-1])} is past the {p.num_tokens} "
                          "tokens of kv")
-    want = torch.zeros_like(c)
-    want[1:] = torch.cumsum(torch.div(step, p.ratio, rounding_mode="floor"), 0)
+    want = compressed_cu_seqlens(c, p.ratio).to(torch.int64)
     if not torch.equal(cc, want):
         s = int(torch.nonzero(cc != want)[0])
         raise ValueError(
@@ -203,8 +204,6 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     check_int("total_comp", total_comp, 0)
     check_contents = offsets_check_requested(check_offsets) and contents
     if cu_seqlens_comp is None:
-        from .layout import compressed_cu_seqlens
-
         cu_seqlens_comp = compressed_cu_seqlens(_check_offsets("cu_seqlens", cu_seqlens), ratio)
     kv = _as_2d("kv", _check_tensor("kv", kv))
     score = _as_2d("score", _check_tensor("score", score))
