@@ -58,12 +58,16 @@ def _check(kv, score, group_ids, ratio, coff):
         raise ValueError(f"group_ids: expected the device of kv ({kv.device}), got {group_ids.device}")
 
 
-def _grouped(pool, kv, score, ape, group_ids, ratio, coff, **kwargs):
+def _pack(kv, score, group_ids, ratio, coff):
+    """The checked arguments' THD offsets, and the rows that take gradient (not padding)."""
     _check(kv, score, group_ids, ratio, coff)
-    G = group_ids.numel()
     cu, cuc = grouped_offsets(group_ids, ratio)
-    out = pool(kv, score, ape, cu, cuc, G, ratio=ratio, coff=coff, **kwargs)
-    keep = (group_ids >= 0)[:, None]
+    return cu, cuc, (group_ids >= 0)[:, None]
+
+
+def _grouped(pool, kv, score, ape, group_ids, ratio, coff, **kwargs):
+    cu, cuc, keep = _pack(kv, score, group_ids, ratio, coff)
+    out = pool(kv, score, ape, cu, cuc, group_ids.numel(), ratio=ratio, coff=coff, **kwargs)
     return torch.where(keep, out, out.detach())  # padding groups take no gradient
 
 
@@ -89,8 +93,7 @@ def pool_forward_grouped(kv, score, ape, group_ids, out, *, ratio: int, coff: in
     device-built offsets (two small int32 tensors are allocated for them)."""
     from .kernels import pool_forward
 
-    _check(kv, score, group_ids, ratio, coff)
-    cu, cuc = grouped_offsets(group_ids, ratio)
+    cu, cuc, _ = _pack(kv, score, group_ids, ratio, coff)
     return pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
 
 
@@ -101,13 +104,11 @@ def pool_backward_grouped(kv, score, ape, group_ids, grad_out, grad_kv, grad_sco
     ``grad_out`` is allocated)."""
     from .kernels import pool_backward
 
-    _check(kv, score, group_ids, ratio, coff)
-    cu, cuc = grouped_offsets(group_ids, ratio)
+    cu, cuc, keep = _pack(kv, score, group_ids, ratio, coff)
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
     if grad_out.dim() != 2 or grad_out.shape[0] != group_ids.numel():
         raise ValueError(f"grad_out: expected ({group_ids.numel()}, d) rows, got {tuple(grad_out.shape)}")
-    keep = (group_ids >= 0)[:, None]
     grad = torch.where(keep, grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
     return pool_backward(kv, score, ape, cu, cuc, grad, grad_kv, grad_score, grad_ape,
                          ratio=ratio, coff=coff, workspace=workspace)
