@@ -33,3 +33,26 @@ def megatron_csa(tmp_path_factory):
         if not torch.cuda.is_available():
             mp.setattr(torch.cuda, "current_device", lambda: "cpu")
         yield mod
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused path on the CPU: the device checks passed over and the launch replaced by
+    the fp32 reference on the validated problem (the kernels' contract), so the dispatch
+    and its callers can be driven without a GPU. Yields the row counts launched."""
+    from csa_compressor import dispatch, ops, reference, validation
+
+    def validate_any_device(*a, for_kernel=False, **k):
+        return validation.validate(*a, **k)
+
+    launched = []
+
+    def launch(p):
+        launched.append(p.total_comp)
+        return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
+                                      p.total_comp, ratio=p.ratio, coff=p.coff)
+
+    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "validate", validate_any_device)
+    monkeypatch.setattr(ops, "fused_from_problem", launch)
+    yield launched

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from csa_compressor import megatron, reference
+from csa_compressor import megatron
 from megatron_env import build_compressor, thd_step
 
 
@@ -89,11 +89,8 @@ def test_on_the_cpu_the_hook_says_so():
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
 
 
-def test_megatrons_enabled_flag_is_ignored_unless_asked(stub_csa, monkeypatch):
+def test_megatrons_enabled_flag_is_ignored_unless_asked(stub_csa, fused_on_cpu):
     kv, score, ape, cu, cuc = _thd()
-    monkeypatch.setattr("csa_compressor.dispatch.fused_unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr("csa_compressor.ops.compress_thd_fused",
-                        lambda *a, **k: reference.compress_thd(*a, **k))
     with megatron.installed():
         out = megatron.maybe_compress_thd_fused(kv, score, ape, cu, cuc, 26, ratio=4, head_dim=32,
                                                 coff=2, enabled=False)
@@ -105,7 +102,7 @@ def test_megatrons_enabled_flag_is_ignored_unless_asked(stub_csa, monkeypatch):
 
 @pytest.mark.parametrize("ratio,head_dim,dtype", [(4, 32, torch.float32), (4, 128, torch.float32),
                                                   (4, 32, torch.bfloat16), (128, 32, torch.float32)])
-def test_megatrons_compressor_through_the_hook(megatron_csa, monkeypatch, ratio, head_dim, dtype):
+def test_megatrons_compressor_through_the_hook(megatron_csa, fused_on_cpu, ratio, head_dim, dtype):
     """Megatron's own Compressor, its THD path with static capacity (padding rows), ragged
     packs with empty and short segments: installed, with the fused op standing in as the
     fp32 reference (the kernels' contract; no GPU here), its output and every gradient
@@ -120,17 +117,9 @@ def test_megatrons_compressor_through_the_hook(megatron_csa, monkeypatch, ratio,
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     x = torch.randn(int(cu[-1]) + 4, 1, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     want = thd_step(comp, x, cu, max(lens))
-    monkeypatch.setattr("csa_compressor.dispatch.fused_unavailable_reason", lambda *a, **k: None)
-    calls = []
-
-    def fused(*a, **k):
-        calls.append(a[5])
-        return reference.compress_thd(*a, **k)
-
-    monkeypatch.setattr("csa_compressor.ops.compress_thd_fused", fused)
     with megatron.installed():
         got = thd_step(comp, x, cu, max(lens))
-    assert calls, "the hook was not called"
+    assert fused_on_cpu, "the hook was not called"
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], **tol)
     assert set(got[2]) == set(want[2]) and "ape" in got[2]

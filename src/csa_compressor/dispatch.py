@@ -74,6 +74,16 @@ def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                         enabled)[0]
 
 
+def fused_from_validated(p, check_offsets: bool = False):
+    """The fused pooling of a problem _unavailable validated (contents unread): the offsets
+    checked first where asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS)."""
+    from .ops import fused_from_problem
+
+    if offsets_check_requested(check_offsets):
+        check_offset_contents(p)
+    return fused_from_problem(p)
+
+
 def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                     enabled: bool = True, check_offsets: bool = False):
     """(the fused pooling, None) or (None, the reason): validation runs once. The offsets'
@@ -82,11 +92,7 @@ def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, 
     reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                              coff, enabled)
     if reason is None:
-        from .ops import fused_from_problem
-
-        if offsets_check_requested(check_offsets):
-            check_offset_contents(p)
-        return fused_from_problem(p), None
+        return fused_from_validated(p, check_offsets), None
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
         validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
                  check_offsets=True)

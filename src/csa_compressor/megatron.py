@@ -67,8 +67,7 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                              head_dim, coff, enabled=True):
     """Megatron's hook: the pooled ``(total_comp, 1, head_dim)`` rows, or None (the caller
     runs its eager region). Never raises on what Megatron passes."""
-    from .dispatch import fused_unavailable_reason
-    from .ops import compress_thd_fused
+    from .dispatch import _unavailable, fused_from_validated
 
     if _state["respect_enabled"] and not enabled:
         return _fallback("disabled by Megatron (use_fused_dsa_kernels is False)")
@@ -76,15 +75,14 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
         return _fallback(f"kv: expected (T, 1, coff*d), got {tuple(getattr(kv, 'shape', ()))}")
     if not isinstance(head_dim, int) or kv.shape[2] != coff * head_dim:
         return _fallback(f"kv: last dimension {kv.shape[2]} is not coff*head_dim = {coff}*{head_dim}")
-    try:
-        reason = fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                                          ratio=ratio, coff=coff)
+    try:  # validated once: the problem goes on to the launch
+        reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+                                 coff, True)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
         return _fallback(reason)
-    return compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                              ratio=ratio, coff=coff).unsqueeze(1)
+    return fused_from_validated(p).unsqueeze(1)
 
 
 def install(respect_enabled: bool = False) -> None:
