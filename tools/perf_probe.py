@@ -36,9 +36,10 @@ def _host_cases(spec):
     out = torch.empty(N, 128, dtype=torch.bfloat16, device="cuda")
     dev = kv.device
     pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2)  # compiles
-    kernel, fn = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+    c = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
+    fn = c.fn
     from csa_compressor.kernels.launch import sm_count
-    rows = kernel.rows_per_thread(N, sm_count(dev.index))  # launch_forward's schedule
+    rows = c.kernel.rows_per_thread(N, sm_count(dev.index), c.ctas_per_sm)  # launch_forward's
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
 
     def guard():
@@ -141,8 +142,9 @@ def parts():
         N, T = sets[0][5], sets[0][0].shape[0]
         outs = [torch.empty(N, d, dtype=torch.bfloat16, device=dev) for _ in sets]
         grads = [(torch.empty_like(s[0]), torch.empty_like(s[1]), torch.empty_like(s[2])) for s in sets]
-        kb, fb, (rpc, row_ctas, zero_ctas), ws = launch.backward_plan(
+        cb, (rpc, row_ctas, zero_ctas), ws = launch.backward_plan(
             dev, torch.bfloat16, r, c, d, N, T)
+        fb = cb.fn
         works = [torch.empty(ws, device=dev) for _ in sets]
 
         def fwd(i):
@@ -160,7 +162,7 @@ def parts():
 
         def dape_only(i):
             C = grads[i][2].numel()
-            launch.dape_sum(kb, row_ctas)(works[i].view(row_ctas, C), grads[i][2].view(1, C))
+            launch.dape_sum(cb, row_ctas)(works[i].view(row_ctas, C), grads[i][2].view(1, C))
 
         def bwd(i):
             kv, score, ape, cu, cuc, _, g = sets[i]
@@ -242,7 +244,8 @@ def reads():
     them) and our forward; then the same for a forward + backward step's bytes. The floor
     divides bytes by the memcpy bandwidth of 1 GiB outside graphs."""
 
-    from csa_compressor.kernels.compile import _compile, _direct, _fake
+    from csa_compressor.kernels.compile import _compile, _direct
+    from csa_compressor.kernels.plan import _fake
 
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else (
         "1x8192:128:4:2", "3x8192:128:4:2", "1x8192:512:4:2", "3x8192:512:4:2",

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from . import hardware, plan
-from .hardware import sm_count  # noqa: F401  (launch's, and the tools')
 from .tuning import Tuning, current
 
 _CACHE: dict = {}
