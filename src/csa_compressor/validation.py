@@ -202,7 +202,7 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     """
     check_ratio_coff(ratio, coff)
     check_int("total_comp", total_comp, 0)
-    check_contents = offsets_check_requested(check_offsets) and contents
+    check_contents = contents and offsets_check_requested(check_offsets)  # one env read a call
     if cu_seqlens_comp is None:
         cu_seqlens_comp = compressed_cu_seqlens(_check_offsets("cu_seqlens", cu_seqlens), ratio)
     kv = _as_2d("kv", _check_tensor("kv", kv))
