@@ -60,8 +60,8 @@ def test_gradients_are_torch_autograd_of_the_eager_region(d, ratio, coff, dtype)
     ref = _grads(lambda *a, **k: reference.compress_thd(*a, mode="fp32", **k), kv, score, ape,
                  cu, cuc, N, ratio, coff, g)
     explicit = _grads(_explicit, kv, score, ape, cu, cuc, N, ratio, coff, g)
-    for i in (1, 2):
-        assert torch.equal(ref[i], region[i]) and torch.equal(explicit[i], region[i])
+    for i in (0, 1, 2):
+        assert torch.equal(ref[i], region[i]) and torch.equal(explicit[i], region[i]), i
 
 
 @pytest.mark.parametrize("ratio,coff,d", [(4, 2, 512), (4, 2, 128), (128, 1, 512)])
@@ -77,3 +77,16 @@ def test_large_pack_gradients_are_torch_autograd(ratio, coff, d):
     assert_forward_contract(fused[0], region[0])
     assert torch.equal(fused[1], region[1]) and torch.equal(fused[2], region[2])
     torch.testing.assert_close(fused[3], region[3], rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("d", [8, 32, 33, 34, 64, 96, 128, 512, 576])
+@pytest.mark.parametrize("n", [4, 6, 8, 16, 32, 64, 128, 256])
+def test_torch_sums_windows_in_the_order_the_kernels_do(n, d):
+    """torch's CUDA ``x.sum(dim=1)`` of a contiguous fp32 ``(rows, n, d)`` tensor is the
+    explicit reference's _output_sum (softmax_order.torch_sum_lanes, which the forward
+    kernels follow) bit for bit, for row counts from one row up."""
+    gen = torch.Generator(device="cuda").manual_seed(n * 1000 + d)
+    for rows in (1, 2, 3, 5, 16, 31, 300):
+        x = (torch.randn(rows, n, d, device="cuda", generator=gen)
+             * torch.exp2(torch.randint(-20, 20, (rows, n, d), device="cuda", generator=gen).float()))
+        assert torch.equal(x.sum(dim=1), reference._output_sum(x)), (rows, n, d)

@@ -11,9 +11,9 @@ Four numerics modes:
   The fused kernels' contract is stated against this mode on the same GPU.
 - ``"fp32_explicit"``: that region's CUDA arithmetic spelled out operation by operation
   (max, the softmax sums in torch's CUDA order, true division, the backward's
-  ``fma(-p, S, p*dp)`` rounded exactly once), so it gives the same bits on any device,
-  the CPU included. Its ``dkv``/``dscore`` equal the fused kernels' everywhere; its
-  forward sums the window serially (torch's CUDA sum may group it otherwise).
+  ``fma(-p, S, p*dp)`` rounded exactly once, the output sum in torch's CUDA reduce
+  order), so it gives the same bits on any device, the CPU included, and equals the
+  fused kernels' everywhere.
 - ``"fp64"``: the oracle; everything in float64 and the output left in float64.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .softmax_order import torch_softmax_lanes
+from .softmax_order import SUM_ACCUMULATORS, torch_softmax_lanes, torch_sum_lanes
 from .validation import check_ratio_coff, validate
 
 MODES = ("upstream", "fp32", "fp32_explicit", "fp64")
@@ -80,6 +80,30 @@ def _window_sum(x):
     return part[0]
 
 
+def _output_sum(x):
+    """Sum over dim 1 of ``(N, K, d)`` in the order torch's CUDA reduce kernel sums it: L
+    lanes (torch_sum_lanes), lane j adding its m-th slot (j + m*L) into accumulator m % 4
+    and meeting the four in order, then the lanes in a halving tree."""
+    N, K, d = x.shape
+    lanes = torch_sum_lanes(N, K, d)
+    part = []
+    for j in range(lanes):
+        acc = []
+        for m, k in enumerate(range(j, K, lanes)):
+            if m < SUM_ACCUMULATORS:
+                acc.append(x[:, k])
+            else:
+                acc[m % SUM_ACCUMULATORS] = acc[m % SUM_ACCUMULATORS] + x[:, k]
+        total = acc[0]
+        for a in acc[1:]:
+            total = total + a
+        part.append(total)
+    while len(part) > 1:
+        half = len(part) // 2
+        part = [part[j] + part[j + half] for j in range(half)]
+    return part[0]
+
+
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``a*b + c`` on fp32 tensors with one rounding, on any device: the product exactly
     in fp64, the sum rounded to odd in fp64 (TwoSum's error term decides), then rounded
@@ -106,10 +130,7 @@ class _ExplicitSoftmaxPool(torch.autograd.Function):
         m = s.amax(dim=1)  # order-free
         e = torch.exp(s - m[:, None])
         p = e / _window_sum(e)[:, None]
-        pv = v * p
-        acc = pv[:, 0]
-        for k in range(1, pv.shape[1]):
-            acc = acc + pv[:, k]
+        acc = _output_sum(v * p)
         ctx.save_for_backward(p, v)
         return acc
 

@@ -16,3 +16,55 @@ def torch_softmax_lanes(num_slots: int, head_dim: int) -> int:
             lanes *= 2
         lanes //= 2
     return lanes
+
+
+# torch's CUDA reduce kernel (the eager region's ``(v * w).sum(dim=1)``): each thread adds
+# its j-th slot into accumulator j % 4 and meets the four in order.
+SUM_ACCUMULATORS = 4
+_REDUCE_THREADS = 512
+_WARP = 32
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def torch_sum_lanes(num_rows: int, num_slots: int, head_dim: int) -> int:
+    """How many strided lanes torch's CUDA sum over the window dimension of a contiguous
+    fp32 ``(num_rows, num_slots, head_dim)`` tensor splits each window into (its reduce
+    kernel's block height when it splits the input, else 1). Lane j adds slots j,
+    j + lanes, ... into SUM_ACCUMULATORS accumulators in turn and meets them in order;
+    the lanes then meet in a halving tree. Measured bit for bit on the H200 against
+    torch 2.11 over rows 1-8192, windows 2-512 and head_dim 64-576
+    (tools/torch_sum_order_probe.py)."""
+    out_vec = next(v for v in (4, 2, 1) if head_dim % v == 0)
+    threads = _REDUCE_THREADS // out_vec
+    dim0 = max(1, num_rows * head_dim // out_vec)
+    dim0_pow2 = _last_pow2(dim0) if dim0 < threads else threads
+    dim1_pow2 = _last_pow2(num_slots) if num_slots < threads else threads
+    width = min(dim0_pow2, _WARP)
+    height = min(dim1_pow2, threads // width)
+    if num_slots >= height * 16 or num_slots >= 256:
+        return height
+    return 1
+
+
+def torch_sum_lanes_by_rows(num_slots: int, head_dim: int) -> list:
+    """``[(most_rows, lanes), ...]``: torch_sum_lanes for every row count, as row ranges in
+    increasing order (the last ``most_rows`` None: no bound). Only packs of a few rows
+    (fewer than 32 vectors of outputs) differ from the many-row count."""
+    ranges = []
+    rows = 1
+    while True:
+        lanes = torch_sum_lanes(rows, num_slots, head_dim)
+        if rows * head_dim >= _WARP * 4:  # from here on the reduce block is a warp wide
+            ranges.append((None, lanes))
+            break
+        if ranges and ranges[-1][1] == lanes:
+            ranges[-1] = (rows, lanes)
+        else:
+            ranges.append((rows, lanes))
+        rows += 1
+    if len(ranges) > 1 and ranges[-2][1] == ranges[-1][1]:
+        ranges[-2:] = [(None, ranges[-1][1])]
+    return ranges

@@ -29,7 +29,8 @@ from cutlass import Float32, Int32
 from .tuning import Tuning, current
 from .ptx import mul_rn
 from .segments import start_walk, walk_rows, walk_window
-from .softmax import softmax_row
+from ..softmax_order import SUM_ACCUMULATORS, torch_sum_lanes_by_rows
+from .softmax import ordered_sum, softmax_row
 from .staging import WindowSlots
 
 
@@ -46,6 +47,7 @@ class PoolForward(WindowSlots):
         self.cpr = head_dim // self.vec  # column chunks per output row
         self.slots = coff * ratio
         assert self.slots <= t.MAX_REG_SLOTS, "long windows use pool_long.LongPoolForward"
+        assert torch_sum_lanes_by_rows(self.slots, head_dim) == [(None, 1)], "torch splits this window"
         self.chunk_slots = self.slots  # the whole window lives in registers, read once
         self.lanes = min(self.cpr, t.MAX_CTA_THREADS)
         self.col_groups = math.ceil(self.cpr / self.lanes)
@@ -130,10 +132,9 @@ class PoolForward(WindowSlots):
         CH = self.slots
         softmax_row(sf, self.vec, CH)
         for e in cutlass.range_constexpr(self.vec):
-            a = mul_rn(vf[0, e], sf[0, e])
-            for k in cutlass.range_constexpr(1, CH):
-                a = a + mul_rn(vf[k, e], sf[k, e])
-            acc[e] = a
+            # torch's sum of the products for windows this short: one lane, 4 accumulators
+            acc[e] = ordered_sum(lambda k: mul_rn(vf[k, e], sf[k, e]), CH, 1, CH,
+                                 SUM_ACCUMULATORS)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,

@@ -4,9 +4,9 @@ One row per CTA at a time. A CTA is ``lanes`` column chunks x ``groups`` slot gr
 thread (c, g) loads slots [g*spt, (g+1)*spt) of chunk c, so a row's whole window is read
 at once by the CTA instead of one thread walking 128 slots. The max is order-free; the
 sums (softmax denominator, the output, the backward's S) are written to shared memory per
-slot and summed by one thread per column: the softmax's two in the order torch's CUDA
-softmax sums the window (softmax_order.py), the output in slot order, so that dkv and
-dscore are torch's bit for bit.
+slot and summed by one thread per column, each in the order torch sums it
+(softmax_order.py): the softmax's two as its CUDA softmax does, so that dkv and dscore are
+torch's bit for bit, the output as its reduce kernel does, so that the forward is too.
 """
 
 import math
@@ -15,11 +15,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..softmax_order import torch_softmax_lanes
+from ..softmax_order import SUM_ACCUMULATORS, torch_softmax_lanes, torch_sum_lanes_by_rows
 from .tuning import Tuning, current
 from .ptx import max_nan, mul_rn
 from .segments import advance_segment, row_window
-from .softmax import divide_column, p_times_dp, softmax_grads
+from .softmax import divide_column, ordered_sum, p_times_dp, softmax_grads
 from .staging import WindowSlots, smem_footprint
 from .backward_grid import BackwardGrid
 
@@ -31,42 +31,6 @@ def bank_stride(cols: int, step: int, lanes: int) -> int:
     if lanes >= 32:
         return cols
     return next((s for s in range(cols, cols + 32) if step * s % 32 == lanes), cols)
-
-
-def ordered_sum(load, n: int, lanes: int, ahead: int):
-    """The sum of ``load(0) .. load(n - 1)`` unrolled at trace time. ``lanes == 1``: in
-    order. ``lanes > 1``: torch's split-window order, lane j summing j, j + lanes, ... in
-    order and the lanes then meeting in a halving tree (lane j + lane j + half, half =
-    lanes/2, lanes/4, ...). The tree is evaluated depth first, a lane's sum just before
-    its add, so a thread holds log2(lanes) partial sums rather than ``lanes``.
-    Each load is issued ``ahead`` terms before its add (LONG_SUM_AHEAD): a loop of 8 loads
-    then 8 adds made every 8 adds wait a shared-memory latency."""
-    levels = lanes.bit_length() - 1
-
-    def lanes_under(t, j):  # the lanes of tree node (level t, lane j), in evaluation order
-        return [j] if t == 0 else lanes_under(t - 1, j) + lanes_under(t - 1, j + (lanes >> t))
-
-    order = [k for j in lanes_under(levels, 0) for k in range(j, n, lanes)]
-    ring = [load(order[i]) for i in range(min(ahead, n))]
-    taken = [0]
-
-    def take():
-        i = taken[0]
-        x = ring[i % ahead]
-        if i + ahead < n:
-            ring[i % ahead] = load(order[i + ahead])
-        taken[0] = i + 1
-        return x
-
-    def node(t, j):
-        if t > 0:
-            return node(t - 1, j) + node(t - 1, j + (lanes >> t))
-        acc = take()
-        for _ in range(j + lanes, n, lanes):
-            acc = acc + take()
-        return acc
-
-    return node(levels, 0)
 
 
 class LongWindow:
@@ -82,6 +46,9 @@ class LongWindow:
         self.groups = self.slots // self.chunk_slots
         # The softmax's sums in torch's order for this window and row width.
         self.softmax_lanes = torch_softmax_lanes(self.slots, head_dim)
+        # The forward's output sum in torch's order, which for packs of a few rows depends
+        # on the row count: ((most_rows, lanes), ...), chosen at run time.
+        self.output_lanes = tuple(torch_sum_lanes_by_rows(self.slots, head_dim))
         self.lanes = max(1, min(self.cpr, cta_threads // self.groups))
         self.threads = self.lanes * self.groups  # a CTA: (lanes, groups)
         self.col_groups = math.ceil(self.cpr / self.lanes)
@@ -142,18 +109,31 @@ class LongWindow:
         self.softmax_sum(buf, stat, tid, g, 0)
 
     @cute.jit
-    def serial_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
-        """stat[col, slot] <- the sum of buf[col, :] over the window in slot order; thread
-        g of a chunk sums that chunk's column g (g < vec), then all threads meet at a
-        barrier."""
+    def output_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int], num_rows: Int32):
+        """stat[col, slot] <- the sum of buf[col, :] over the window in the order torch's
+        reduce kernel sums the products (output_lanes for ``num_rows`` rows); thread g of a
+        chunk sums that chunk's column g (g < vec), then all threads meet at a barrier."""
         if g < self.vec:
             col = self.col(tid, g)
-            stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, 1, self.t.LONG_SUM_AHEAD)
+            if cutlass.const_expr(len(self.output_lanes) == 1):
+                stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots,
+                                               self.output_lanes[0][1], self.t.LONG_SUM_AHEAD,
+                                               SUM_ACCUMULATORS)
+            else:
+                fewest = 0
+                for i in cutlass.range_constexpr(len(self.output_lanes)):
+                    most, lanes = self.output_lanes[i]
+                    most = 2 ** 31 - 1 if most is None else most
+                    if (num_rows > fewest) & (num_rows <= most):
+                        stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, lanes,
+                                                       self.t.LONG_SUM_AHEAD, SUM_ACCUMULATORS)
+                    fewest = most
         cute.arch.barrier()
 
     @cute.jit
     def softmax_sum(self, buf, stat, tid, g, slot: cutlass.Constexpr[int]):
-        """serial_sum in the order torch's softmax sums this window (softmax_lanes)."""
+        """output_sum's store of the sum in the order torch's softmax sums this window
+        (softmax_lanes)."""
         if g < self.vec:
             col = self.col(tid, g)
             stat[col, slot] = ordered_sum(lambda k: buf[col, k], self.slots, self.softmax_lanes,
@@ -218,7 +198,7 @@ class LongPoolForward(LongWindow, WindowSlots):
                 for k in cutlass.range_constexpr(CH):
                     buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
             cute.arch.barrier()
-            self.serial_sum(buf, stat, tid, g, 1)
+            self.output_sum(buf, stat, tid, g, 1, mOut.shape[0])
             if active & (g < vec):
                 mOut[row, chunk * vec + g] = stat[self.col(tid, g), 1].to(self.dtype)
         else:
