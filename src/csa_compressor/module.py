@@ -43,9 +43,11 @@ class YaRN:
     round_to_int: bool = True
 
 
-def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None) -> torch.Tensor:
-    """The rotary frequencies of the ``rope_dim // 2`` channel pairs (float64)."""
-    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The rotary frequencies of the ``rope_dim // 2`` channel pairs (float64), made on
+    ``device`` (no host copy: the module's step stays capturable in a CUDA graph)."""
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim
     extra = theta ** (-exponent)
     if yarn is None:
         return extra
@@ -60,7 +62,8 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None) -> torc
     low, high = max(low, 0), min(high, rope_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device=device) - low)
+            / (high - low)).clamp(0, 1)
     keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
     return extra / yarn.factor * (1 - keep) + extra * keep
 
@@ -71,7 +74,7 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     at integer positions ``pos`` (one per row)."""
     if rope_dim == 0:
         return x
-    inv = rope_inv_freq(rope_dim, theta, yarn).to(x.device)
+    inv = rope_inv_freq(rope_dim, theta, yarn, device=x.device)
     ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
     cos, sin = torch.cos(ang), torch.sin(ang)
     head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
@@ -92,8 +95,10 @@ def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
     Megatron-LM's THD rotary embedding puts them. No host sync."""
     cuc = cu_seqlens_comp.to(torch.int64)
     rows = torch.arange(total_comp, device=cuc.device, dtype=torch.int64)
-    seg = torch.searchsorted(cuc[:-1].contiguous(), rows, right=True) - 1
-    block = rows - cuc[seg.clamp_min(0)]
+    # The whole offsets tensor, not a slice of it: inductor cannot lower searchsorted over
+    # a slice view. Rows past the last offset clamp into the last segment.
+    seg = (torch.searchsorted(cuc, rows, right=True) - 1).clamp(0, max(cuc.numel() - 2, 0))
+    block = rows - cuc[seg]
     if max_seqlen is not None:
         block = block.clamp_max(max(max_seqlen // ratio - 1, 0))
     return block * ratio
