@@ -1,5 +1,7 @@
-"""The order in which torch's CUDA softmax sums a window: the fused kernels and the
-explicit reference follow it so that their gradients are torch's, bit for bit."""
+"""The orders in which torch's CUDA kernels sum a window: its softmax (the denominator and
+the backward's S) and its reduce kernel (the eager region's ``(v * w).sum(dim=1)``). The
+fused kernels and the explicit reference follow both, so that their outputs and gradients
+are torch's, bit for bit."""
 
 
 def torch_softmax_lanes(num_slots: int, head_dim: int) -> int:
