@@ -18,7 +18,12 @@ def stub_csa(monkeypatch):
     """A stand-in for Megatron's csa module: just the names the adapter needs."""
     mod = types.ModuleType(megatron.CSA_MODULE)
     original = lambda *a, **k: None  # noqa: E731
-    mod.maybe_compress_thd_fused, mod.Compressor = original, object
+
+    class Compressor:
+        def _forward_sbhd(self, x):
+            return "eager"
+
+    mod.maybe_compress_thd_fused, mod.Compressor = original, Compressor
     monkeypatch.setitem(sys.modules, megatron.CSA_MODULE, mod)
     yield mod, original
     megatron.uninstall()
@@ -27,11 +32,14 @@ def stub_csa(monkeypatch):
 def test_install_and_uninstall_swap_the_hook(stub_csa):
     mod, original = stub_csa
     assert not megatron.is_installed()
+    eager = mod.Compressor.__dict__["_forward_sbhd"]
     megatron.install()
     megatron.install()  # idempotent
     assert mod.maybe_compress_thd_fused is megatron.maybe_compress_thd_fused
+    assert mod.Compressor._forward_sbhd is megatron._forward_sbhd
     megatron.uninstall()
     assert mod.maybe_compress_thd_fused is original and not megatron.is_installed()
+    assert mod.Compressor.__dict__["_forward_sbhd"] is eager
     with megatron.installed():
         assert mod.maybe_compress_thd_fused is megatron.maybe_compress_thd_fused
     assert mod.maybe_compress_thd_fused is original
@@ -181,3 +189,40 @@ def test_megatron_layout_returns_none_when_nothing_compresses():
     assert out.shape == (2, 1, 32)
     with pytest.raises(KeyError, match="linear_q"):
         m.load_megatron_state_dict({"linear_q.weight": torch.zeros(1)})
+
+
+def _sbhd_step(comp, x):
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = comp(x)
+    out = out[0] if isinstance(out, tuple) else out
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(g)
+    return (out.detach().float(), x.grad.float(),
+            {n: p.grad.float() for n, p in comp.named_parameters()})
+
+
+@pytest.mark.parametrize("ratio,head_dim,sq", [(4, 32, 37), (4, 128, 64), (128, 32, 300),
+                                               (128, 32, 260)])
+def test_megatrons_sbhd_compressor_through_the_adapter(megatron_csa, fused_on_cpu, ratio,
+                                                      head_dim, sq):
+    """Megatron's SBHD path (no packed_seq_params; b = 3 sequences of sq tokens, a tail
+    past the last block) installed, the fused pooling standing in as the fp32 reference:
+    output and every gradient against Megatron's own method; sq < ratio stays Megatron's
+    None."""
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=head_dim, ratio=ratio, rope_dim=16)
+    x = torch.randn(sq, 3, 64, generator=torch.Generator().manual_seed(2))
+    want = _sbhd_step(comp, x)
+    with megatron.installed():
+        got = _sbhd_step(comp, x)
+        short = comp(torch.randn(ratio - 1, 3, 64))
+    assert fused_on_cpu == [3 * (sq // ratio)], "the fused pooling was not called once"
+    assert short[0] is None if isinstance(short, tuple) else short is None
+    assert got[0].shape == (sq // ratio, 3, head_dim)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert set(got[2]) == set(want[2]) and "ape" in got[2]
+    for name in want[2]:
+        scale = want[2][name].abs().max()
+        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, rtol=1e-5,
+                                   atol=1e-5, msg=name)

@@ -35,3 +35,37 @@ def test_megatrons_compressor_on_the_fused_kernels(megatron_csa, ratio, head_dim
     for a, b in [(got[0], want[0]), (got[1], want[1])] + [(got[2][n], want[2][n]) for n in want[2]]:
         scale = b.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("ratio,head_dim,sq", [(4, 128, 1030), (128, 512, 1100)])
+def test_megatrons_sbhd_compressor_on_the_fused_kernels(megatron_csa, monkeypatch, ratio, head_dim,
+                                                        sq):
+    """Its SBHD path (b = 2 sequences of sq tokens, a tail past the last block) through
+    the adapter's _forward_sbhd: the fused pooling ran (no fallback reason), output and
+    gradients within bf16 rounding of Megatron's own method."""
+    comp = build_compressor(megatron_csa, hidden=256, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                            dtype=torch.bfloat16).cuda()
+    x = torch.randn(sq, 2, 256, device="cuda").to(torch.bfloat16)
+
+    def step():
+        comp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = comp(xi)
+        out = out[0] if isinstance(out, tuple) else out
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        out.backward(g.to(out.dtype))
+        return [out.float(), xi.grad.float()] + [p.grad.float() for p in comp.parameters()]
+
+    want = step()
+    from csa_compressor import dispatch
+
+    fused, launched = dispatch.fused_from_validated, []
+    monkeypatch.setattr(dispatch, "fused_from_validated",
+                        lambda p: launched.append(p.total_comp) or fused(p))
+    with megatron.installed():
+        got = step()
+    assert launched == [2 * (sq // ratio)], megatron.fallback_reasons()
+    assert got[0].shape == (sq // ratio, 2, head_dim)
+    for a, b in zip(got, want):
+        scale = b.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)

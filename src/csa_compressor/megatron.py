@@ -15,9 +15,15 @@ Megatron's own ``enabled`` argument (``use_fused_dsa_kernels(config)``, False un
 DSA kernel backend is configured) is ignored by default: ``install()`` is the opt-in.
 ``install(respect_enabled=True)`` honours it instead.
 
+SBHD inputs (``Compressor._forward_sbhd``, which has no hook) are routed too: ``install()``
+replaces that method with one that runs Megatron's own projections, norm, rotary
+embedding and rotation around the fused pooling of the ``b`` sequences of ``sq`` tokens
+(one transposed copy of ``kv`` and ``score`` into the packed layout), and calls
+Megatron's method unchanged wherever the fused pooling cannot run.
+
 Megatron is imported only by ``install()``, never by ``import csa_compressor``. What is
-not routed yet: the context-parallel pre-grouped path and SBHD inputs, which Megatron
-runs without the hook (they stay eager).
+not routed yet: the context-parallel pre-grouped path, which Megatron runs without the
+hook (it stays eager).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
 HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
-_state = {"module": None, "original": None, "respect_enabled": False}
+_state = {"module": None, "original": None, "sbhd": None, "respect_enabled": False}
 _reasons: dict = {}
 
 
@@ -85,6 +91,50 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
     return fused_from_validated(p).unsqueeze(1)
 
 
+def _forward_sbhd(self, x):
+    """Megatron's ``Compressor._forward_sbhd`` with the pooling fused: ``x`` is
+    ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
+    from .dispatch import _device_reason, _unavailable, fused_from_validated
+
+    original, mod = _state["sbhd"], _state["module"]
+    ratio = self.compress_ratio
+    sq, b = x.size(0), x.size(1)
+    if sq < ratio:
+        return original(self, x)
+    if _state["respect_enabled"] and not getattr(self, "use_fused_compressor", False):
+        _fallback("disabled by Megatron (use_fused_dsa_kernels is False)")
+        return original(self, x)
+    reason = _device_reason(x.device)
+    if reason is not None:
+        _fallback(reason)
+        return original(self, x)
+    with mod.get_fp8_disabled_context(self.config):
+        kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
+        score, _ = self.linear_wgate(x)
+    n = sq // ratio
+    width = kv.shape[-1]
+    # The b sequences packed one after another: (b * n * ratio, coff * head_dim).
+    kv2 = kv[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
+    score2 = score[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
+    steps = torch.arange(b + 1, device=x.device, dtype=torch.int32)
+    try:
+        reason, p = _unavailable(kv2, score2, self.ape, steps * (n * ratio), steps * n, b * n,
+                                 ratio, self.coff, True)
+    except (TypeError, ValueError) as exc:
+        reason = str(exc)
+    if reason is not None:
+        _fallback(reason)
+        return original(self, x)
+    pooled = fused_from_validated(p).view(b, n, self.head_dim).transpose(0, 1)
+    kv = self.norm(pooled.to(x.dtype))
+    kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,
+                         self.rotary_pos_emb, self.config, n, ratio=ratio,
+                         cp_group=self.pg_collection.cp)
+    if self.rotate:
+        kv = mod.rotate_activation(kv)
+    return kv
+
+
 def install(respect_enabled: bool = False) -> None:
     """Route Megatron's Compressor through the fused kernels (idempotent)."""
     if not isinstance(respect_enabled, bool):
@@ -92,15 +142,20 @@ def install(respect_enabled: bool = False) -> None:
     mod = _csa_module()
     if _state["module"] is None:
         _state["module"], _state["original"] = mod, getattr(mod, HOOK)
+        _state["sbhd"] = getattr(mod.Compressor, "_forward_sbhd", None)
     _state["respect_enabled"] = respect_enabled
     setattr(mod, HOOK, maybe_compress_thd_fused)
+    if _state["sbhd"] is not None:
+        mod.Compressor._forward_sbhd = _forward_sbhd
 
 
 def uninstall() -> None:
     """Restore Megatron's own hook (a no-op when not installed)."""
     if _state["module"] is not None:
         setattr(_state["module"], HOOK, _state["original"])
-        _state["module"] = _state["original"] = None
+        if _state["sbhd"] is not None:
+            _state["module"].Compressor._forward_sbhd = _state["sbhd"]
+        _state["module"] = _state["original"] = _state["sbhd"] = None
 
 
 def is_installed() -> bool:
