@@ -19,7 +19,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 
 import cutlass.cute as cute  # noqa: E402
 
-from csa_compressor.kernels import compile as cc  # noqa: E402
+from csa_compressor.kernels import compile as cc, plan  # noqa: E402
 # CSA_CONFIG="K=V,K=V" (a sweep variant) is read by kernels/tuning.py at import.
 
 _orig = cute.compile
@@ -50,7 +50,7 @@ def _modelled(self, size, byte_alignment=1, *a, **k):
 SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-    built = cc._build(direction, getattr(torch, dtype), ratio, coff, d)
+    built = cc._build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d))
 kernel = built.kernel
 log = buf.getvalue()
 ptx = "".join(open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx"))

@@ -138,7 +138,7 @@ def test_devices_alternate_in_one_process():
     current and on a side stream of its own device: a kernel compiled and cached per
     device, launched on the tensors' device and its current stream, results bitwise those
     of cuda:0 alone. ratio 128 too: the slot-parallel kernels and their own schedule."""
-    from csa_compressor.kernels import compile as cc
+    from csa_compressor.kernels import compile as cc, plan
 
     for ratio, coff in ((4, 2), (128, 1)):
         kv, score, ape, cu, cuc, N = make_pack([3 * ratio + 5, 0, 2 * ratio, 61], 128, ratio,
@@ -167,8 +167,8 @@ def test_devices_alternate_in_one_process():
                 assert a.device == dev and torch.equal(a.cpu(), b)
         for index in (0, 1):
             for direction in ("fwd", "bwd", "dape"):
-                dtype = torch.float32 if direction == "dape" else torch.bfloat16
-                assert (direction, "cuda", index, dtype, ratio, coff, 128) in cc._CACHE
+                spec = plan.spec(direction, torch.bfloat16, ratio, coff, 128)
+                assert ("cuda", index, spec) in cc._CACHE, spec
 
 
 @pytest.mark.parametrize("ratio", [4, 128])

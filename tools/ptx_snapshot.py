@@ -33,7 +33,7 @@ def build(direction, dtype, ratio, coff, d, arch) -> bool:
     specialisation has no such kernel (a large-pack backward, a wide dape layout)."""
     import cutlass
 
-    from csa_compressor.kernels import compile as cc
+    from csa_compressor.kernels import compile as cc, plan
     from csa_compressor.kernels.pool_bwd import PoolBackward
     from csa_compressor.kernels.tuning import current
 
@@ -47,7 +47,7 @@ def build(direction, dtype, ratio, coff, d, arch) -> bool:
             return False
     if direction == "dape_wide" and not config.dape_has_wide(ratio * coff * d):
         return False
-    cc._build(direction, dtype, ratio, coff, d)
+    cc._build(plan.spec(direction, dtype, ratio, coff, d))
     return True
 
 

@@ -26,11 +26,11 @@ os.environ["CUTE_DSL_DUMP_DIR"] = dump
 
 import torch  # noqa: E402
 
-from csa_compressor.kernels import compile as cc  # noqa: E402
+from csa_compressor.kernels import compile as cc, plan  # noqa: E402
 from csa_compressor.kernels import tuning  # noqa: E402
 
-cc._build(direction, getattr(torch, dtype), ratio, coff, d,
-          tuning.replace(tuning.current(), **tuning.parse_overrides(",".join(args[5:]))))
+cc._build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
+                    tuning.replace(tuning.current(), **tuning.parse_overrides(",".join(args[5:])))))
 sass = [f for f in os.listdir(dump) if f.endswith(".sass")]
 if not sass:
     sys.exit("no .sass written: is nvdisasm on PATH?")

@@ -1,8 +1,8 @@
 """Compile cache of the pooling kernels, keyed by what specialises the code.
 
-A kernel is specialised on (device, dtype, ratio, coff, head_dim) and the Tuning it was
-built with (tuning.current()); token count, row count, batch size and the workspace size
-stay symbolic, so packs change without recompiling.
+The cache keys on (device, plan.KernelSpec): direction, dtype, ratio, coff, head_dim and
+the tuning's code-generating values; token count, row count, batch size and the workspace
+size stay symbolic, so packs change without recompiling.
 Directions: "fwd", "bwd", "bwd_large" (the backward's variant for large packs, where it
 differs: compiled with "bwd", chosen by launch.backward_kernel), and "dape" (the
 backward's partial-sum reduction, fp32, one per (ratio, coff, head_dim) whatever the
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from . import hardware, plan
-from .tuning import Tuning, current
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -123,13 +122,11 @@ class Compiled:
     owner: object = None  # the DSL's compiled object: owns the module ``fn`` calls into
 
 
-def _build(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-           tuning: Tuning | None = None) -> Compiled:
-    """Compile the kernel of one specialisation (plan.kernel_for) for its symbolic
-    arguments (plan.compile_args)."""
-    t = tuning or current()
-    arch = hardware.target_major() if direction not in ("dape", "dape_wide") else 0
-    kernel, args = plan.kernel_and_args(direction, dtype, ratio, coff, head_dim, arch, t)
+def _build(spec: plan.KernelSpec) -> Compiled:
+    """Compile the kernel of one specialisation (its spec's kernel object, for its
+    symbolic arguments)."""
+    arch = hardware.target_major() if spec.direction not in ("dape", "dape_wide") else 0
+    kernel, args = spec.build(arch)
     fn = _compile(kernel, *args)
     artifacts = getattr(fn, "artifacts", None)
     regs = cubin_registers(getattr(artifacts, "CUBIN", None))
@@ -151,23 +148,25 @@ def _direct(fn):
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it
-    on first use.
+    on first use (compiled_for on its spec)."""
+    return compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim), device)
+
+
+def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
+    """The compiled kernel of ``spec`` on ``device``: the cache keys on the pair.
 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record
     and can invalidate the capture, so a miss during capture raises instead.
     """
-    if direction in ("dape", "dape_wide"):
-        dtype = torch.float32  # the partials are fp32 whatever the inputs are
-    t = current().codegen()
-    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim, t)
+    key = (device.type, device.index, spec)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"csa_compressor: the {direction} kernel for dtype={dtype}, ratio={ratio}, coff={coff}, "
-            f"head_dim={head_dim} on {device} is not compiled yet and the stream is capturing a "
-            "CUDA graph; run one warm-up call (or csa_compressor.precompile(...)) before capture"
+            f"csa_compressor: the {spec} on {device} is not compiled yet and the stream is "
+            "capturing a CUDA graph; run one warm-up call (or csa_compressor.precompile(...)) "
+            "before capture"
         )
     err = dsl_import_error()
     if err:
@@ -175,24 +174,22 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     # A backward always runs with its dape sum: compiled first, it rides on the backward's
     # record (and the wide layout where the partials have enough columns for it), so a
     # launch makes one cache lookup, not two.
-    sums = {d: get_kernel(d, device, dtype, ratio, coff, head_dim).fn
-            for d in plan.companions(direction, ratio, coff, head_dim, t)}
-    dape, dape_wide = sums.get("dape"), sums.get("dape_wide")
+    sums = {c.direction: compiled_for(c, device).fn for c in spec.companions()}
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
             if device.type == "cuda":
                 with torch.cuda.device(device):
-                    hit = _build(direction, dtype, ratio, coff, head_dim, t)
+                    hit = _build(spec)
             else:
-                hit = _build(direction, dtype, ratio, coff, head_dim, t)
-            if dape is not None:
-                hit = dataclasses.replace(hit, dape=dape, dape_wide=dape_wide)
+                hit = _build(spec)
+            if sums:
+                hit = dataclasses.replace(hit, dape=sums.get("dape"), dape_wide=sums.get("dape_wide"))
             _CACHE[key] = hit
-    if direction == "bwd" and hit.kernel.has_large_variant:
+    if spec.direction == "bwd" and hit.kernel.has_large_variant:
         # Compiled with the backward, so a warm-up or precompile before CUDA-graph capture
         # covers every pack size.
-        get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
+        compiled_for(spec.variant("bwd_large"), device)
     return hit
 
 

@@ -1,11 +1,17 @@
 """Which kernel each specialisation is built from, and the symbolic arguments it compiles
-for. A kernel object is its launch design (vectors, lanes, stages, register bound, grid
-target), built from (direction, dtype, ratio, coff, head_dim, architecture, tuning) alone;
-compile.py compiles it and launch.py sizes each launch from it and its registers."""
+for. A specialisation is a frozen KernelSpec (direction, dtype, ratio, coff, head_dim and
+the tuning's code-generating values): the compile cache's key with the device. Its kernel
+object is its launch design (vectors, lanes, stages, register bound, grid target), built
+from the spec and the architecture alone; compile.py compiles it and launch.py sizes each
+launch from it and its registers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
+
+from .tuning import Tuning, current
 
 DIRECTIONS = ("fwd", "bwd", "bwd_large", "dape", "dape_wide")
 
@@ -15,6 +21,48 @@ def cutlass_dtype(dtype: torch.dtype):
 
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
             torch.float32: cutlass.Float32}[dtype]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialisation. ``tuning`` is the code-generating view (Tuning.codegen()), so
+    a sweep's variant is another key and never reuses a stale kernel."""
+
+    direction: str
+    dtype: torch.dtype
+    ratio: int
+    coff: int
+    head_dim: int
+    tuning: Tuning
+
+    def companions(self) -> tuple:
+        """The specs compiled and launched with this one (a backward's dape sums)."""
+        return tuple(replace(self, direction=d, dtype=torch.float32)
+                     for d in companions(self.direction, self.ratio, self.coff, self.head_dim,
+                                         self.tuning))
+
+    def variant(self, direction: str) -> "KernelSpec":
+        return replace(self, direction=direction)
+
+    def build(self, arch_major: int) -> tuple:
+        """(kernel object, symbolic compile arguments) for ``arch_major``."""
+        return (kernel_for(self.direction, self.dtype, self.ratio, self.coff, self.head_dim,
+                           arch_major, self.tuning),
+                compile_args(self.direction, self.dtype, self.ratio, self.coff, self.head_dim))
+
+    def __str__(self):
+        return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
+                f"coff={self.coff}, head_dim={self.head_dim}")
+
+
+def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+         tuning: Tuning | None = None) -> KernelSpec:
+    """The spec of one specialisation under ``tuning`` (default: the current one)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+    if direction in ("dape", "dape_wide"):
+        dtype = torch.float32  # the partials are fp32 whatever the inputs are
+    return KernelSpec(direction, dtype, ratio, coff, head_dim, (tuning or current()).codegen())
 
 
 def companions(direction: str, ratio: int, coff: int, head_dim: int, tuning) -> tuple:
@@ -47,13 +95,6 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
     return PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=direction == "bwd_large",
                         tuning=tuning)
-
-
-def kernel_and_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-                    arch_major: int, tuning) -> tuple:
-    """(kernel object, symbolic compile arguments) of one specialisation."""
-    return (kernel_for(direction, dtype, ratio, coff, head_dim, arch_major, tuning),
-            compile_args(direction, dtype, ratio, coff, head_dim))
 
 
 def _fake(dtype, shape, align):
