@@ -15,6 +15,7 @@
 #                        tests_fused_k a -k "$TESTS_K" subset
 #   check                python -m csa_compressor check (the numerics gate)
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py
+#   cache                tests/test_disk_cache_gpu.py with its cold and warm first-call times
 #   fuzz                 tests/test_fuzz_gpu.py (hypothesis, 200 cases a property) under
 #                        compute-sanitizer memcheck: the reliability figure
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
@@ -64,6 +65,7 @@ cmd_of() {
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;
+        cache) echo "python3 -m pytest -q -m gpu -s tests/test_disk_cache_gpu.py" ;;
         fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hardware, plan
+from . import disk_cache, hardware, plan
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -127,11 +127,18 @@ def _build(spec: plan.KernelSpec) -> Compiled:
     symbolic arguments)."""
     arch = hardware.target_major() if spec.direction not in ("dape", "dape_wide") else 0
     kernel, args = spec.build(arch)
-    fn = _compile(kernel, *args)
-    artifacts = getattr(fn, "artifacts", None)
-    regs = cubin_registers(getattr(artifacts, "CUBIN", None))
+    target = hardware.target_arch()
+    stored = disk_cache.load(spec, target)
+    if stored is not None:
+        fn, owner, regs = stored
+    else:
+        owner = _compile(kernel, *args)
+        artifacts = getattr(owner, "artifacts", None)
+        regs = cubin_registers(getattr(artifacts, "CUBIN", None))
+        disk_cache.store(spec, target, owner, regs)
+        fn = _direct(owner)
     ctas = kernel.grid_ctas_per_sm(regs) if hasattr(kernel, "grid_ctas_per_sm") else None
-    return Compiled(kernel, _direct(fn), regs, ctas, owner=fn)
+    return Compiled(kernel, fn, regs, ctas, owner=owner)
 
 
 def _direct(fn):

@@ -51,5 +51,14 @@ def target_major() -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def target_arch() -> str:
+    """The architecture the DSL compiles for, as a name: CUTE_DSL_ARCH where set, else the
+    current device's compute capability."""
+    if os.environ.get("CUTE_DSL_ARCH"):
+        return os.environ["CUTE_DSL_ARCH"]
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

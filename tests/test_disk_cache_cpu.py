@@ -1,0 +1,102 @@
+"""The opt-in on-disk compile cache (CSA_COMPRESSOR_CACHE_DIR): a second process loads
+what the first compiled, for sm_90a on a CPU machine (compile-only; the GPU run is
+tests/test_disk_cache_gpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+HERE = os.path.dirname(__file__)
+PROBE = """
+import json, sys, torch
+from csa_compressor.kernels import compile as cc
+compiled = []
+real = cc._compile
+def counting(*a, **k):
+    compiled.append(1)
+    return real(*a, **k)
+cc._compile = counting
+b = cc.get_kernel("bwd", torch.device("cpu"), torch.bfloat16, 4, 2, 128)
+f = cc.get_kernel("fwd", torch.device("cpu"), torch.bfloat16, 4, 2, 128)
+print(json.dumps({"compiled": len(compiled), "regs": [b.registers, f.registers],
+                  "ctas": [b.ctas_per_sm, f.ctas_per_sm], "dape": b.dape is not None}))
+"""
+
+
+def _run(cache, config=""):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CSA_CONFIG=config,
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
+    if cache is None:
+        env.pop("CSA_COMPRESSOR_CACHE_DIR", None)
+    else:
+        env["CSA_COMPRESSOR_CACHE_DIR"] = str(cache)
+    res = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+def _entries(cache):
+    names = sorted(os.listdir(cache))
+    return [n for n in names if n.endswith(".so")], [n for n in names if n.endswith(".json")], names
+
+
+@pytest.mark.compile
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    cache = tmp_path / "cache"
+    cold, _ = _run(cache)
+    libs, records, names = _entries(cache)
+    # bwd, its dape sum, its large-pack variant, fwd: each an entry, nothing half-written
+    assert cold["compiled"] == 4 and len(libs) == len(records) == 4 and len(names) == 8, names
+    warm, _ = _run(cache)
+    assert warm["compiled"] == 0, warm
+    assert (warm["regs"], warm["ctas"], warm["dape"]) == (cold["regs"], cold["ctas"], True)
+    assert _entries(cache)[2] == names  # a hit writes nothing
+    # another tuning is another entry: the forward compiles again, the backward's family too
+    variant, _ = _run(cache, "FWD_STAGES=3")
+    assert variant["compiled"] >= 1 and len(_entries(cache)[0]) > 4
+
+
+@pytest.mark.compile
+def test_a_damaged_entry_compiles_again_with_a_warning(tmp_path):
+    cache = tmp_path / "cache"
+    _run(cache)
+    libs, _, _ = _entries(cache)
+    for name in libs:
+        with open(cache / name, "wb") as f:
+            f.write(b"not a library")
+    again, err = _run(cache)
+    assert again["compiled"] == 4 and "could not load an entry" in err
+
+
+def test_the_cache_is_off_without_its_variable(tmp_path, monkeypatch):
+    from csa_compressor.kernels import disk_cache
+
+    monkeypatch.delenv(disk_cache.ENV, raising=False)
+    assert disk_cache.directory() is None
+    assert disk_cache.load(None, "sm_90a") is None
+    disk_cache.store(None, "sm_90a", None, 64)  # a no-op: nothing to write to
+    monkeypatch.setenv(disk_cache.ENV, "")
+    assert disk_cache.directory() is None
+
+
+def test_a_failing_store_never_fails_the_call(tmp_path, monkeypatch, caplog):
+    from csa_compressor.kernels import disk_cache, plan
+
+    monkeypatch.setenv(disk_cache.ENV, str(tmp_path / "cache"))
+
+    class NoExport:
+        def export_to_c(self, *a, **k):
+            raise RuntimeError("no export here")
+
+    spec = plan.spec("fwd", __import__("torch").bfloat16, 4, 2, 128)
+    disk_cache._warned.clear()
+    with caplog.at_level("WARNING", logger="csa_compressor.cache"):
+        disk_cache.store(spec, "sm_90a", NoExport(), 64)
+    assert "could not store an entry" in caplog.text
+    assert os.listdir(tmp_path / "cache") == []  # the temporary entry is gone too
