@@ -40,6 +40,7 @@ def regs_for_one_wave(info):
 def probe(arch, cfg, overrides=""):
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CSA_CONFIG=overrides,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("CSA_COMPRESSOR_CACHE_DIR", None)  # the probe reads what ptxas says of a compile
     res = subprocess.run([sys.executable, os.path.join(HERE, "compile_probe.py"), *map(str, cfg)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

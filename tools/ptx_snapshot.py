@@ -55,6 +55,7 @@ def _worker(arch, out, cases):
     """Runs in a subprocess per architecture: the DSL reads CUTE_DSL_ARCH at import."""
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("CSA_COMPRESSOR_CACHE_DIR", None)  # a cache hit would compile, and dump, nothing
     code = f"""
 import os, sys, tempfile, torch
 sys.path.insert(0, {HERE!r})

@@ -22,6 +22,7 @@ if "--dump" in sys.argv:
     os.makedirs(dump, exist_ok=True)  # the DSL does not create it
 direction, dtype, ratio, coff, d = args[0], args[1], *map(int, args[2:5])
 os.environ["CUTE_DSL_KEEP"] = "sass"
+os.environ.pop("CSA_COMPRESSOR_CACHE_DIR", None)  # a cache hit would dump no SASS
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
 
 import torch  # noqa: E402
