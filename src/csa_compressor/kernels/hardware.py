@@ -41,6 +41,15 @@ def carveout_for(ctas: int, smem_bytes: int) -> int:
     return min(100, -(-need * 100 // SMEM_PER_SM))
 
 
+def target_arch() -> str:
+    """The architecture the DSL compiles for, as a name (the disk cache's key): its
+    CUTE_DSL_ARCH override, else the current device's compute capability."""
+    if os.environ.get("CUTE_DSL_ARCH"):
+        return os.environ["CUTE_DSL_ARCH"]
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
 def target_major() -> int:
     """Compute-capability major the DSL compiles for: its CUTE_DSL_ARCH override (sm_90a,
     sm_100a: the compile-only checks), else the current device's."""
@@ -51,14 +60,5 @@ def target_major() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def target_arch() -> str:
-    """The architecture the DSL compiles for, as a name: CUTE_DSL_ARCH where set, else the
-    current device's compute capability."""
-    if os.environ.get("CUTE_DSL_ARCH"):
-        return os.environ["CUTE_DSL_ARCH"]
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
-
-
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
