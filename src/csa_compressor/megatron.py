@@ -39,6 +39,7 @@ HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
 _state = {"module": None, "original": None, "sbhd": None, "respect_enabled": False}
 _reasons: dict = {}
+_DISABLED = "disabled by Megatron (use_fused_dsa_kernels is False)"
 
 
 def _csa_module():
@@ -73,28 +74,35 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                              head_dim, coff, enabled=True):
     """Megatron's hook: the pooled ``(total_comp, 1, head_dim)`` rows, or None (the caller
     runs its eager region). Never raises on what Megatron passes."""
-    from .dispatch import _unavailable, fused_from_validated
-
     if _state["respect_enabled"] and not enabled:
-        return _fallback("disabled by Megatron (use_fused_dsa_kernels is False)")
+        return _fallback(_DISABLED)
     if not (isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1] == 1):
         return _fallback(f"kv: expected (T, 1, coff*d), got {tuple(getattr(kv, 'shape', ()))}")
     if not isinstance(head_dim, int) or kv.shape[2] != coff * head_dim:
         return _fallback(f"kv: last dimension {kv.shape[2]} is not coff*head_dim = {coff}*{head_dim}")
-    try:  # validated once: the problem goes on to the launch
+    out = _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff)
+    return None if out is None else out.unsqueeze(1)
+
+
+def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
+    once, the problem going on to the launch."""
+    from .dispatch import _unavailable, fused_from_validated
+
+    try:
         reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                                  coff, True)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
         return _fallback(reason)
-    return fused_from_validated(p).unsqueeze(1)
+    return fused_from_validated(p)
 
 
 def _forward_sbhd(self, x):
     """Megatron's ``Compressor._forward_sbhd`` with the pooling fused: ``x`` is
     ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
-    from .dispatch import _device_reason, _unavailable, fused_from_validated
+    from .dispatch import _device_reason
 
     original, mod = _state["sbhd"], _state["module"]
     ratio = self.compress_ratio
@@ -102,7 +110,7 @@ def _forward_sbhd(self, x):
     if sq < ratio:
         return original(self, x)
     if _state["respect_enabled"] and not getattr(self, "use_fused_compressor", False):
-        _fallback("disabled by Megatron (use_fused_dsa_kernels is False)")
+        _fallback(_DISABLED)
         return original(self, x)
     reason = _device_reason(x.device)
     if reason is not None:
@@ -117,15 +125,11 @@ def _forward_sbhd(self, x):
     kv2 = kv[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
     score2 = score[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
     steps = torch.arange(b + 1, device=x.device, dtype=torch.int32)
-    try:
-        reason, p = _unavailable(kv2, score2, self.ape, steps * (n * ratio), steps * n, b * n,
-                                 ratio, self.coff, True)
-    except (TypeError, ValueError) as exc:
-        reason = str(exc)
-    if reason is not None:
-        _fallback(reason)
+    pooled = _fused_or_fallback(kv2, score2, self.ape, steps * (n * ratio), steps * n, b * n,
+                                ratio, self.coff)
+    if pooled is None:
         return original(self, x)
-    pooled = fused_from_validated(p).view(b, n, self.head_dim).transpose(0, 1)
+    pooled = pooled.view(b, n, self.head_dim).transpose(0, 1)
     kv = self.norm(pooled.to(x.dtype))
     kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,
                          self.rotary_pos_emb, self.config, n, ratio=ratio,
