@@ -15,12 +15,8 @@ HERE = os.path.dirname(__file__)
 PROBE = """
 import json, sys, torch
 from csa_compressor.kernels import compile as cc
-compiled = []
-real = cc._compile
-def counting(*a, **k):
-    compiled.append(1)
-    return real(*a, **k)
-cc._compile = counting
+from compile_counter import count_compiles
+compiled = count_compiles()
 b = cc.get_kernel("bwd", torch.device("cpu"), torch.bfloat16, 4, 2, 128)
 f = cc.get_kernel("fwd", torch.device("cpu"), torch.bfloat16, 4, 2, 128)
 print(json.dumps({"compiled": len(compiled), "regs": [b.registers, f.registers],
@@ -30,7 +26,8 @@ print(json.dumps({"compiled": len(compiled), "regs": [b.registers, f.registers],
 
 def _run(cache, config=""):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CSA_CONFIG=config,
-               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), HERE,
+                                           os.environ.get("PYTHONPATH", "")]))
     if cache is None:
         env.pop("CSA_COMPRESSOR_CACHE_DIR", None)
     else:
