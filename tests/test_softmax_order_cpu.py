@@ -1,17 +1,39 @@
-"""The kernels' window sums group their terms as the explicit reference does, which is how
-torch's CUDA softmax and reduce kernels group them (CPU: the kernels' sum is unrolled at
-trace time, so it can run here on numpy fp32 scalars). tests/test_torch_region_gpu.py
-checks the reference's grouping against torch's own sum on the GPU."""
+"""softmax_order.ordered_sum, through which the kernels (unrolled at trace time, here on
+numpy fp32 scalars) and the explicit reference (on tensors) sum, groups its terms as an
+independent emulation of torch's CUDA softmax and reduce kernels does.
+tests/test_torch_region_gpu.py checks the reference's grouping against torch's own sum on
+the GPU."""
 
 import numpy as np
 import pytest
 import torch
 
 from csa_compressor import reference
-from csa_compressor.softmax_order import (SUM_ACCUMULATORS, torch_softmax_lanes, torch_sum_lanes,
-                                          torch_sum_lanes_by_rows)
+from csa_compressor.softmax_order import (SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes,
+                                          torch_sum_lanes, torch_sum_lanes_by_rows)
 
-softmax = pytest.importorskip("csa_compressor.kernels.softmax")
+
+def _emulated(x, lanes, accumulators):
+    """Sum over dim 1 of ``(N, K, d)``: lane j adds slots j, j + lanes, ... into
+    ``accumulators`` in turn and meets them in order; the lanes meet level by level in a
+    halving tree."""
+    K = x.shape[1]
+    part = []
+    for j in range(min(lanes, K)):
+        acc = []
+        for m, k in enumerate(range(j, K, lanes)):
+            if m < accumulators:
+                acc.append(x[:, k])
+            else:
+                acc[m % accumulators] = acc[m % accumulators] + x[:, k]
+        total = acc[0]
+        for a in acc[1:]:
+            total = total + a
+        part.append(total)
+    while len(part) > 1:
+        half = len(part) // 2
+        part = [part[j] + part[j + half] for j in range(half)]
+    return part[0]
 
 
 @pytest.mark.parametrize("n,d", [(18, 128), (64, 64), (128, 33), (128, 64), (256, 8), (256, 1),
@@ -22,12 +44,13 @@ def test_kernel_sum_order_is_the_reference_order(n, d):
     # Terms of very different magnitudes, so any regrouping changes the rounded sum.
     x = (torch.randn(64, n, d, generator=gen)
          * torch.exp2(torch.randint(-30, 30, (64, n, d), generator=gen).float()))
-    want = reference._window_sum(x)[:, 0]  # (rows, n, d): the lanes follow d
+    want = _emulated(x, lanes, 1)[:, 0]  # (rows, n, d): the lanes follow d
+    assert torch.equal(reference._window_sum(x)[:, 0], want)
     cols = x[:, :, 0].numpy()
-    got = [softmax.ordered_sum(lambda k: np.float32(row[k]), n, lanes, 8) for row in cols]
+    got = [ordered_sum(lambda k: np.float32(row[k]), n, lanes, 8) for row in cols]
     assert np.array_equal(np.array(got, dtype=np.float32), want.numpy())
     if lanes > 1:  # and the grouping matters: a serial sum gives other bits
-        serial = [softmax.ordered_sum(lambda k: np.float32(row[k]), n, 1, 8) for row in cols]
+        serial = [ordered_sum(lambda k: np.float32(row[k]), n, 1, 8) for row in cols]
         assert not np.array_equal(np.array(serial, dtype=np.float32), want.numpy())
 
 
@@ -45,12 +68,13 @@ def test_kernel_output_sum_is_the_reference_order(rows, n, d):
     explicit reference's _output_sum groups it, for the row count that decides the lanes."""
     lanes = torch_sum_lanes(rows, n, d)
     x = _spread((rows, n, d), rows * n + d)
-    want = reference._output_sum(x)[:, 0]
-    got = [softmax.ordered_sum(lambda k: np.float32(row[k]), n, lanes, 8, SUM_ACCUMULATORS)
+    want = _emulated(x, lanes, SUM_ACCUMULATORS)[:, 0]
+    assert torch.equal(reference._output_sum(x)[:, 0], want)
+    got = [ordered_sum(lambda k: np.float32(row[k]), n, lanes, 8, SUM_ACCUMULATORS)
            for row in x[:, :, 0].numpy()]
     assert np.array_equal(np.array(got, dtype=np.float32), want.numpy())
     if n > SUM_ACCUMULATORS:  # the grouping matters: the serial sum gives other bits
-        serial = [softmax.ordered_sum(lambda k: np.float32(row[k]), n, 1, 8)
+        serial = [ordered_sum(lambda k: np.float32(row[k]), n, 1, 8)
                   for row in x[:, :, 0].numpy()]
         assert not np.array_equal(np.array(serial, dtype=np.float32), want.numpy())
 

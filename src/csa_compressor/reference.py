@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .softmax_order import SUM_ACCUMULATORS, torch_softmax_lanes, torch_sum_lanes
+from .softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes, torch_sum_lanes
 from .validation import check_ratio_coff, validate
 
 MODES = ("upstream", "fp32", "fp32_explicit", "fp64")
@@ -70,14 +70,7 @@ def _window_sum(x):
     """Sum over dim 1 of ``(N, K, d)`` in torch's CUDA softmax order: serial over the slots,
     or lane j summing slots j, j + L, ... then a halving tree (L = torch_softmax_lanes)."""
     K = x.shape[1]
-    lanes = torch_softmax_lanes(K, x.shape[2])
-    part = [x[:, j] for j in range(min(lanes, K))]
-    for k in range(lanes, K):
-        part[k % lanes] = part[k % lanes] + x[:, k]
-    while len(part) > 1:
-        half = len(part) // 2
-        part = [part[j] + part[j + half] for j in range(half)]
-    return part[0]
+    return ordered_sum(lambda k: x[:, k], K, torch_softmax_lanes(K, x.shape[2]), K)
 
 
 def _output_sum(x):
@@ -85,23 +78,7 @@ def _output_sum(x):
     lanes (torch_sum_lanes), lane j adding its m-th slot (j + m*L) into accumulator m % 4
     and meeting the four in order, then the lanes in a halving tree."""
     N, K, d = x.shape
-    lanes = torch_sum_lanes(N, K, d)
-    part = []
-    for j in range(lanes):
-        acc = []
-        for m, k in enumerate(range(j, K, lanes)):
-            if m < SUM_ACCUMULATORS:
-                acc.append(x[:, k])
-            else:
-                acc[m % SUM_ACCUMULATORS] = acc[m % SUM_ACCUMULATORS] + x[:, k]
-        total = acc[0]
-        for a in acc[1:]:
-            total = total + a
-        part.append(total)
-    while len(part) > 1:
-        half = len(part) // 2
-        part = [part[j] + part[j + half] for j in range(half)]
-    return part[0]
+    return ordered_sum(lambda k: x[:, k], K, torch_sum_lanes(N, K, d), K, SUM_ACCUMULATORS)
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The orders in which torch's CUDA kernels sum a window: its softmax (the denominator and
-the backward's S) and its reduce kernel (the eager region's ``(v * w).sum(dim=1)``). The
-fused kernels and the explicit reference follow both, so that their outputs and gradients
-are torch's, bit for bit."""
+the backward's S) and its reduce kernel (the eager region's ``(v * w).sum(dim=1)``), and
+ordered_sum, which adds in such an order: the fused kernels (unrolled at trace time) and
+the explicit reference (on tensors) both sum through it, so that their outputs and
+gradients are torch's, bit for bit."""
 
 
 def torch_softmax_lanes(num_slots: int, head_dim: int) -> int:
@@ -70,3 +71,52 @@ def torch_sum_lanes_by_rows(num_slots: int, head_dim: int) -> list:
     if len(ranges) > 1 and ranges[-2][1] == ranges[-1][1]:
         ranges[-2:] = [(None, ranges[-1][1])]
     return ranges
+
+
+def ordered_sum(load, n: int, lanes: int, ahead: int, accumulators: int = 1):
+    """The sum of ``load(0) .. load(n - 1)`` unrolled at trace time, in one of torch's
+    orders. Lane j takes slots j, j + lanes, ... in order, adding its m-th into
+    accumulator m % ``accumulators`` and meeting those in order (torch's reduce kernel
+    keeps 4; its softmax 1, a serial sum); ``lanes > 1``: the lanes then meet in a
+    halving tree (lane j + lane j + half, half = lanes/2, lanes/4, ...), evaluated depth
+    first, a lane's sum just before its add, so a thread holds log2(lanes) partial sums
+    rather than ``lanes``. Each load is issued ``ahead`` terms before its add
+    (the long kernels' LONG_SUM_AHEAD in shared memory): a loop of 8 loads then 8 adds made every 8 adds
+    wait a shared-memory latency."""
+    levels = lanes.bit_length() - 1
+
+    def lanes_under(t, j):  # the lanes of tree node (level t, lane j), in evaluation order
+        return [j] if t == 0 else lanes_under(t - 1, j) + lanes_under(t - 1, j + (lanes >> t))
+
+    order = [k for j in lanes_under(levels, 0) for k in range(j, n, lanes)]
+    ring = [load(order[i]) for i in range(min(ahead, n))]
+    taken = [0]
+
+    def take():
+        i = taken[0]
+        x = ring[i % ahead]
+        if i + ahead < n:
+            ring[i % ahead] = load(order[i + ahead])
+        taken[0] = i + 1
+        return x
+
+    def lane(j):
+        acc = []
+        for m, _ in enumerate(range(j, n, lanes)):
+            if m < accumulators:
+                acc.append(take())
+            else:
+                acc[m % accumulators] = acc[m % accumulators] + take()
+        total = acc[0]
+        for a in acc[1:]:
+            total = total + a
+        return total
+
+    def node(t, j):
+        if t > 0:
+            if j + (lanes >> t) >= n:  # a lane past the window adds torch's zero: exact
+                return node(t - 1, j)
+            return node(t - 1, j) + node(t - 1, j + (lanes >> t))
+        return lane(j)
+
+    return node(levels, 0)

@@ -100,7 +100,7 @@ def _compile(kernel, *args):
 
     dump = os.environ.get("CUTE_DSL_DUMP_DIR")
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        # The long kernels unroll their window sums on purpose (softmax.ordered_sum); the
+        # The long kernels unroll their window sums on purpose (softmax_order.ordered_sum); the
         # DSL warns of that.
         warnings.filterwarnings("ignore", message="This static loop has")
         return cute.compile(kernel, *args,

@@ -29,8 +29,8 @@ from cutlass import Float32, Int32
 from .tuning import Tuning, current
 from .ptx import mul_rn
 from .segments import start_walk, walk_rows, walk_window
-from ..softmax_order import SUM_ACCUMULATORS, torch_sum_lanes_by_rows
-from .softmax import ordered_sum, softmax_row
+from ..softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_sum_lanes_by_rows
+from .softmax import softmax_row
 from .staging import WindowSlots
 
 

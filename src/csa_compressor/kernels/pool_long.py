@@ -15,11 +15,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..softmax_order import SUM_ACCUMULATORS, torch_softmax_lanes, torch_sum_lanes_by_rows
+from ..softmax_order import (SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes,
+                             torch_sum_lanes_by_rows)
 from .tuning import Tuning, current
 from .ptx import max_nan, mul_rn
 from .segments import advance_segment, row_window
-from .softmax import divide_column, ordered_sum, p_times_dp, softmax_grads
+from .softmax import divide_column, p_times_dp, softmax_grads
 from .staging import WindowSlots, smem_footprint
 from .backward_grid import BackwardGrid
 

@@ -13,55 +13,6 @@ from .ptx import div_by_rcp, div_exact, max_nan, min_nan, mul_rn, rcp_rn, sub_mu
 DIV_FAST_MIN = 2.0 ** -64
 
 
-def ordered_sum(load, n: int, lanes: int, ahead: int, accumulators: int = 1):
-    """The sum of ``load(0) .. load(n - 1)`` unrolled at trace time, in one of torch's
-    orders. Lane j takes slots j, j + lanes, ... in order, adding its m-th into
-    accumulator m % ``accumulators`` and meeting those in order (torch's reduce kernel
-    keeps 4; its softmax 1, a serial sum); ``lanes > 1``: the lanes then meet in a
-    halving tree (lane j + lane j + half, half = lanes/2, lanes/4, ...), evaluated depth
-    first, a lane's sum just before its add, so a thread holds log2(lanes) partial sums
-    rather than ``lanes``. Each load is issued ``ahead`` terms before its add
-    (LONG_SUM_AHEAD in shared memory): a loop of 8 loads then 8 adds made every 8 adds
-    wait a shared-memory latency."""
-    levels = lanes.bit_length() - 1
-
-    def lanes_under(t, j):  # the lanes of tree node (level t, lane j), in evaluation order
-        return [j] if t == 0 else lanes_under(t - 1, j) + lanes_under(t - 1, j + (lanes >> t))
-
-    order = [k for j in lanes_under(levels, 0) for k in range(j, n, lanes)]
-    ring = [load(order[i]) for i in range(min(ahead, n))]
-    taken = [0]
-
-    def take():
-        i = taken[0]
-        x = ring[i % ahead]
-        if i + ahead < n:
-            ring[i % ahead] = load(order[i + ahead])
-        taken[0] = i + 1
-        return x
-
-    def lane(j):
-        acc = []
-        for m, _ in enumerate(range(j, n, lanes)):
-            if m < accumulators:
-                acc.append(take())
-            else:
-                acc[m % accumulators] = acc[m % accumulators] + take()
-        total = acc[0]
-        for a in acc[1:]:
-            total = total + a
-        return total
-
-    def node(t, j):
-        if t > 0:
-            if j + (lanes >> t) >= n:  # a lane past the window adds torch's zero: exact
-                return node(t - 1, j)
-            return node(t - 1, j) + node(t - 1, j + (lanes >> t))
-        return lane(j)
-
-    return node(levels, 0)
-
-
 @cute.jit
 def column_min(sf: cute.Tensor, e: cutlass.Constexpr[int], slots: cutlass.Constexpr[int],
                mn=None):
