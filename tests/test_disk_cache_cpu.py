@@ -4,6 +4,7 @@ tests/test_disk_cache_gpu.py)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,13 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     libs, records, names = _entries(cache)
     # bwd, its dape sum, its large-pack variant, fwd: each an entry, nothing half-written
     assert cold["compiled"] == 4 and len(libs) == len(records) == 4 and len(names) == 8, names
+    # each library exports its own function name: the DSL loads them into one global symbol
+    # scope, where a shared name would make every lookup find the first library's kernel
+    from csa_compressor.kernels import disk_cache
+
+    for lib in libs:
+        exported = set(re.findall(rb"__tvm_ffi_(csa_\w+)", (cache / lib).read_bytes()))
+        assert exported == {disk_cache.symbol(lib[:-3]).encode()}, (lib, exported)
     warm, _ = _run(cache)
     assert warm["compiled"] == 0, warm
     assert (warm["regs"], warm["ctas"], warm["dape"]) == (cold["regs"], cold["ctas"], True)

@@ -23,7 +23,6 @@ import subprocess
 import tempfile
 
 ENV = "CSA_COMPRESSOR_CACHE_DIR"
-SYMBOL = "csa_kernel"
 _log = logging.getLogger("csa_compressor.cache")
 _warned = set()
 
@@ -62,6 +61,13 @@ def entry_name(spec, arch: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
+def symbol(name: str) -> str:
+    """The exported function's name in entry ``name``'s library. Unique per entry: the DSL
+    loads libraries into the process' global symbol scope, where the first library's
+    function would answer every later lookup of a shared name."""
+    return "csa_" + name
+
+
 def _warn(what: str, exc: Exception):
     if what not in _warned:
         _warned.add(what)
@@ -74,7 +80,8 @@ def load(spec, arch: str):
     d = directory()
     if d is None:
         return None
-    base = os.path.join(d, entry_name(spec, arch))
+    name = entry_name(spec, arch)
+    base = os.path.join(d, name)
     if not os.path.exists(base + ".json"):
         return None
     try:
@@ -83,7 +90,7 @@ def load(spec, arch: str):
         import cutlass.runtime
 
         module = cutlass.runtime.load_module(base + ".so", enable_tvm_ffi=True)
-        return getattr(module, SYMBOL), module, record["registers"]
+        return getattr(module, symbol(name)), module, record["registers"]
     except Exception as exc:  # a damaged or foreign entry: compile as without the cache
         _warn("load an entry", exc)
         return None
@@ -94,13 +101,14 @@ def store(spec, arch: str, fn, registers) -> None:
     d = directory()
     if d is None:
         return
-    base = os.path.join(d, entry_name(spec, arch))
+    name = entry_name(spec, arch)
+    base = os.path.join(d, name)
     tmp = None
     try:
         os.makedirs(d, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=d, prefix=".tmp-")
         obj, lib, rec = (os.path.join(tmp, n) for n in ("k.o", "k.so", "k.json"))
-        fn.export_to_c(obj, function_name=SYMBOL)
+        fn.export_to_c(obj, function_name=symbol(name))
         subprocess.run([os.environ.get("CC", "cc"), "-shared", "-o", lib, obj], check=True,
                        capture_output=True, timeout=120)
         with open(rec, "w") as f:
