@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import disk_cache, hardware, plan
+from .tuning import current
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -152,11 +153,27 @@ def _direct(fn):
     return raw if raw is not None else fn
 
 
+_BY_ARGS: dict = {}
+
+
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it
-    on first use (compiled_for on its spec)."""
-    return compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim), device)
+    on first use (compiled_for on its spec).
+
+    Launches ask this every call, so hits skip building the spec: deriving the tuning's
+    code-generating view and hashing its fields cost ~15 µs of host time a lookup. The
+    memo keys on the tuning object itself and keeps it alive, so its id cannot be reused."""
+    t = current()
+    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim, id(t))
+    hit = _BY_ARGS.get(key)
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    c = compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, t), device)
+    if len(_BY_ARGS) > 4096:  # a sweep's many tunings: keep the memo small, compiled_for keeps all
+        _BY_ARGS.clear()
+    _BY_ARGS[key] = (t, c)
+    return c
 
 
 def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
