@@ -226,3 +226,63 @@ def test_megatrons_sbhd_compressor_through_the_adapter(megatron_csa, fused_on_cp
         scale = want[2][name].abs().max()
         torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, rtol=1e-5,
                                    atol=1e-5, msg=name)
+
+
+def _grouped_step(comp, x, ids, max_seqlen, skip_row0):
+    """One pre-grouped (context-parallel) forward + backward of Megatron's Compressor. Row 0
+    takes no gradient where it is the previous rank's halo (ids[0] != 0), as downstream."""
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    cu = torch.tensor([0, x.shape[0]], dtype=torch.int32)
+    out, second = comp._forward_thd(x, cu, max_seqlen_q=max_seqlen, compressed_group_ids=ids)
+    assert second is None
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    if skip_row0:
+        g[0] = 0
+    out.backward(g)
+    return (out.detach().float(), x.grad.float(),
+            {n: p.grad.float() for n, p in comp.named_parameters()})
+
+
+@pytest.mark.parametrize("ratio,ids", [
+    (4, [3, 4, 5, 0, 1, 2, 0, -1, -1]),    # a halo row, a continuation, a new sequence, padding
+    (4, [0, 1, 2, 3, 0, 0, 1]),            # starts at a sequence start; a one-block sequence
+    (128, [7, 8, 0, 1, -1]),
+])
+def test_megatrons_grouped_compressor_through_the_adapter(megatron_csa, fused_on_cpu, ratio, ids):
+    """Megatron's context-parallel pre-grouped path installed, the fused pooling standing in
+    as the fp32 reference: output and every gradient against Megatron's own eager region,
+    row 0 excepted where it is an overlapping halo (Megatron fills its previous block from
+    the buffer's last group, the adapter leaves it empty; downstream never reads it)."""
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=ratio, rope_dim=16)
+    ids = torch.tensor(ids, dtype=torch.int32)
+    x = torch.randn(ids.numel() * ratio, 1, 64, generator=torch.Generator().manual_seed(2))
+    halo = int(ids[0]) != 0 and comp.overlap  # without overlap no row reads a previous block
+    max_seqlen = (int(ids.max()) + 1) * ratio
+    want = _grouped_step(comp, x, ids, max_seqlen, halo)
+    with megatron.installed():
+        got = _grouped_step(comp, x, ids, max_seqlen, halo)
+    assert fused_on_cpu == [ids.numel()], "the fused pooling was not called once"
+    assert got[0].shape == want[0].shape == (ids.numel(), 1, 32)
+    rows = slice(1 if halo else 0, None)
+    torch.testing.assert_close(got[0][rows], want[0][rows], rtol=1e-5, atol=1e-5)
+    if halo:  # the halo row itself: a first block here, not Megatron's rolled one
+        assert not torch.allclose(got[0][0], want[0][0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert set(got[2]) == set(want[2]) and "ape" in got[2]
+    for name in want[2]:
+        scale = want[2][name].abs().max()
+        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, rtol=1e-5,
+                                   atol=1e-5, msg=name)
+
+
+def test_grouped_calls_megatron_cannot_fuse_keep_its_eager_region(megatron_csa):
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
+    ids = torch.tensor([0, 1, 2], dtype=torch.int32)
+    x = torch.randn(12, 1, 64)
+    cu = torch.tensor([0, 12], dtype=torch.int32)
+    want = comp._forward_thd(x, cu, max_seqlen_q=12, compressed_group_ids=ids)[0]
+    with megatron.installed():
+        got = comp._forward_thd(x, cu, max_seqlen_q=12, compressed_group_ids=ids)[0]
+    assert torch.equal(got, want)
+    assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())

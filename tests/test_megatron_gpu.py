@@ -69,3 +69,43 @@ def test_megatrons_sbhd_compressor_on_the_fused_kernels(megatron_csa, monkeypatc
     for a, b in zip(got, want):
         scale = b.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("ratio,head_dim,ids", [
+    (4, 512, [5, 6, 7, 0, 1, 2, 3, 0] + list(range(200)) + [-1] * 24),
+    (128, 512, [3, 4, 0, 1, 2, -1, -1]),
+])
+def test_megatrons_grouped_compressor_on_the_fused_kernels(megatron_csa, monkeypatch, ratio,
+                                                           head_dim, ids):
+    """Its context-parallel pre-grouped path through the adapter's _forward_thd: the fused
+    pooling ran, output (row 0, an overlapping halo, excepted) and gradients within bf16
+    rounding of Megatron's eager region."""
+    comp = build_compressor(megatron_csa, hidden=256, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                            dtype=torch.bfloat16).cuda()
+    ids = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    x = torch.randn(ids.numel() * ratio, 1, 256, device="cuda").to(torch.bfloat16)
+    cu = torch.tensor([0, x.shape[0]], dtype=torch.int32, device="cuda")
+    halo = comp.overlap
+
+    def step():
+        comp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out, _ = comp._forward_thd(xi, cu, max_seqlen_q=x.shape[0], compressed_group_ids=ids)
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        if halo:
+            g[0] = 0
+        out.backward(g.to(out.dtype))
+        return [out[1:].float(), xi.grad.float()] + [p.grad.float() for p in comp.parameters()]
+
+    want = step()
+    from csa_compressor import dispatch
+
+    fused, launched = dispatch.fused_from_validated, []
+    monkeypatch.setattr(dispatch, "fused_from_validated",
+                        lambda p: launched.append(p.total_comp) or fused(p))
+    with megatron.installed():
+        got = step()
+    assert launched == [ids.numel()], megatron.fallback_reasons()
+    for a, b in zip(got, want):
+        scale = b.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)

@@ -21,9 +21,18 @@ embedding and rotation around the fused pooling of the ``b`` sequences of ``sq``
 (one transposed copy of ``kv`` and ``score`` into the packed layout), and calls
 Megatron's method unchanged wherever the fused pooling cannot run.
 
-Megatron is imported only by ``install()``, never by ``import csa_compressor``. What is
-not routed yet: the context-parallel pre-grouped path, which Megatron runs without the
-hook (it stays eager).
+The context-parallel path (``Compressor._forward_thd(..., compressed_group_ids=ids)``,
+rows already packed in groups of ``ratio`` tokens, which skips the hook) is routed too:
+``install()`` wraps ``_forward_thd`` so that pre-grouped calls run Megatron's projections,
+the fused pooling of the groups (a THD pack on device-built offsets, no host sync), then
+its norm, rotary embedding at ``max(id, 0) * ratio`` and rotation; other calls go to
+Megatron's method unchanged. One row differs by design: where ``ids[0] != 0`` Megatron's
+eager code fills row 0's previous-block slots from the buffer's last group
+(``torch.roll``), here they are empty (a first block). In Megatron's layout that row is the
+previous rank's halo (its boundary window is ``2 * ratio`` tokens at ratio 4, the only
+overlapping ratio), so its output is never consumed and takes no gradient.
+
+Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
 HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
-_state = {"module": None, "original": None, "sbhd": None, "respect_enabled": False}
+_state = {"module": None, "original": None, "sbhd": None, "thd": None, "respect_enabled": False}
 _reasons: dict = {}
 _DISABLED = "disabled by Megatron (use_fused_dsa_kernels is False)"
 
@@ -139,6 +148,59 @@ def _forward_sbhd(self, x):
     return kv
 
 
+def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=None,
+                 fixed_total_comp=None):
+    """Megatron's ``Compressor._forward_thd``; its pre-grouped (context-parallel) calls with
+    the pooling fused: ``x`` ``(G * ratio, 1, hidden)``, returns ``((G, 1, head_dim), None)``."""
+    from .dispatch import _device_reason
+    from .grouped import grouped_offsets
+
+    original, mod = _state["thd"], _state["module"]
+    ids = compressed_group_ids
+    if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
+        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+    if _state["respect_enabled"] and not getattr(self, "use_fused_compressor", False):
+        _fallback(_DISABLED)
+        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+    reason = _device_reason(x.device)
+    if reason is None and ids.dtype not in (torch.int32, torch.int64):
+        reason = f"compressed_group_ids: expected int32 or int64, got {ids.dtype}"
+    if reason is None and x.shape[0] != ids.numel() * self.compress_ratio:
+        reason = (f"x: expected {ids.numel()} groups x ratio {self.compress_ratio} rows, got "
+                  f"{x.shape[0]}")
+    if reason is not None:
+        _fallback(reason)
+        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+    ratio, G = self.compress_ratio, ids.numel()
+    kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
+    score, _ = self.linear_wgate(x)
+    cu, cuc = grouped_offsets(ids.to(torch.int32), ratio)
+    # The THD op itself, not compress_grouped: padding groups (ids < 0) take gradient like
+    # Megatron's continuations do.
+    pooled = _fused_or_fallback(kv.view(G * ratio, -1), score.view(G * ratio, -1), self.ape,
+                                cu, cuc, G, ratio, self.coff)
+    if pooled is None:
+        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+    out = self.norm(pooled.unsqueeze(1).to(x.dtype))
+    rope_dim = self.qk_pos_emb_head_dim
+    position_ids = ids.clamp_min(0) * ratio
+    if self.config.apply_rope_fusion:
+        cos, sin = self.rotary_pos_emb.get_cached_cos_sin(int(max_seqlen_q), dtype=out.dtype,
+                                                          packed_seq=True, mscale=1.0)
+        out = mod.fused_mla_rope_inplace(out, cos, sin, self.head_dim - rope_dim, rope_dim,
+                                         cu_seqlens_q=cu_seqlens, remove_interleaving=True,
+                                         position_ids=position_ids)
+    else:
+        emb = self.rotary_pos_emb(int(max_seqlen_q), packed_seq=True)
+        emb = emb[0] if isinstance(emb, tuple) else emb
+        out = mod._apply_unfused_rope(out, torch.index_select(emb, 0, position_ids.long()),
+                                      self.head_dim - rope_dim, rope_dim, self.config, None,
+                                      self.pg_collection.cp)
+    if self.rotate:
+        out = mod.rotate_activation(out)
+    return out, None
+
+
 def install(respect_enabled: bool = False) -> None:
     """Route Megatron's Compressor through the fused kernels (idempotent)."""
     if not isinstance(respect_enabled, bool):
@@ -147,19 +209,23 @@ def install(respect_enabled: bool = False) -> None:
     if _state["module"] is None:
         _state["module"], _state["original"] = mod, getattr(mod, HOOK)
         _state["sbhd"] = getattr(mod.Compressor, "_forward_sbhd", None)
+        _state["thd"] = getattr(mod.Compressor, "_forward_thd", None)
     _state["respect_enabled"] = respect_enabled
     setattr(mod, HOOK, maybe_compress_thd_fused)
     if _state["sbhd"] is not None:
         mod.Compressor._forward_sbhd = _forward_sbhd
+    if _state["thd"] is not None:
+        mod.Compressor._forward_thd = _forward_thd
 
 
 def uninstall() -> None:
     """Restore Megatron's own hook (a no-op when not installed)."""
     if _state["module"] is not None:
         setattr(_state["module"], HOOK, _state["original"])
-        if _state["sbhd"] is not None:
-            _state["module"].Compressor._forward_sbhd = _state["sbhd"]
-        _state["module"] = _state["original"] = _state["sbhd"] = None
+        for name in ("sbhd", "thd"):
+            if _state[name] is not None:
+                setattr(_state["module"].Compressor, f"_forward_{name}", _state[name])
+        _state["module"] = _state["original"] = _state["sbhd"] = _state["thd"] = None
 
 
 def is_installed() -> bool:
