@@ -1,0 +1,179 @@
+"""Megatron-LM's own Compressor, forward + backward on the GPU: its eager pooling against
+csa_compressor.megatron installed, side by side in one run.
+
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
+
+Configs (hidden 4096, bf16, rope_dim 64): d 512 ratio 4; d 128 ratio 4 with rotate (where
+fast_hadamard_transform imports, else without, and the row says so); d 512 ratio 128; on
+the THD path (packed_seq_params, static capacity, as Megatron's forward passes) and on the
+context-parallel pre-grouped path (``_forward_thd(..., compressed_group_ids=ids)``, the
+same tokens as groups). Per step: wall time (CUDA events around 10 back-to-back steps,
+median of 5; host time included, no CUDA graph: Megatron's step is not capturable as
+called), GPU time (the sum of the step's kernel and memory-op durations from
+torch.profiler over 3 steps) and kernel launches. A row is reported only where the
+installed step really ran the fused pooling (a fallback is an error in the row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+HIDDEN, ROPE_DIM = 4096, 64
+CONFIGS = (("d512 r4", 512, 4, False), ("d128 r4 rotate", 128, 4, True), ("d512 r128", 512, 128, False))
+
+
+def _csa():
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+    import megatron.core.transformer.experimental_attention_variant.csa as csa
+
+    return csa
+
+
+def _wall_us(step, n=10, repeats=5):
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return sorted(times)[len(times) // 2]
+
+
+def _gpu_us_and_launches(step, n=3):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in evs) / n, len(evs) / n
+
+
+def _measure(step):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    wall = _wall_us(step)
+    gpu, launches = _gpu_us_and_launches(step)
+    return {"wall_us": wall, "gpu_us": gpu, "launches": launches}
+
+
+def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
+    csa = _csa()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from csa_compressor import megatron
+    from csa_compressor.testing import megatron_compressor, megatron_one_process
+
+    megatron_one_process(tempfile.mkdtemp())
+    try:
+        import fast_hadamard_transform  # noqa: F401
+        can_rotate = True
+    except ImportError:
+        can_rotate = False
+    dev = torch.device(device)
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    rows = []
+    for name, d, ratio, rotate in configs:
+        if rotate and not can_rotate:
+            name, rotate = name.replace("rotate", "(no rotate: fast_hadamard_transform missing)"), False
+        comp = megatron_compressor(csa, hidden, d, ratio, rope_dim, rotate=rotate,
+                                   dtype=torch.bfloat16).to(dev)
+        x = torch.randn(T, 1, hidden, device=dev).to(torch.bfloat16).requires_grad_(True)
+        # the pre-grouped path: every sequence's full blocks as groups, ids their block index
+        ids = torch.cat([torch.arange(n // ratio, dtype=torch.int32) for n in lens]).to(dev)
+        xg = torch.randn(ids.numel() * ratio, 1, hidden, device=dev).to(torch.bfloat16)
+        xg.requires_grad_(True)
+        cug = torch.tensor([0, xg.shape[0]], dtype=torch.int32, device=dev)
+        grads = {}
+
+        def thd():
+            x.grad = None
+            comp.zero_grad(set_to_none=True)
+            out, _ = comp(x, psp)
+            if "thd" not in grads:
+                grads["thd"] = torch.randn_like(out)
+            out.backward(grads["thd"])
+
+        def grouped():
+            xg.grad = None
+            comp.zero_grad(set_to_none=True)
+            out, _ = comp._forward_thd(xg, cug, max_seqlen_q=max(lens), compressed_group_ids=ids)
+            if "grouped" not in grads:
+                grads["grouped"] = torch.randn_like(out)
+            out.backward(grads["grouped"])
+
+        for path, step in (("thd", thd), ("grouped", grouped)):
+            row = {"config": name, "path": path}
+            try:
+                row["eager"] = _measure(step)
+                from csa_compressor import dispatch
+
+                launched = []
+                fused = dispatch.fused_from_validated
+                dispatch.fused_from_validated = lambda p, *a: launched.append(p.total_comp) or fused(p, *a)
+                try:
+                    with megatron.installed():
+                        row["installed"] = _measure(step)
+                finally:
+                    dispatch.fused_from_validated = fused
+                if not launched:
+                    raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
+            except Exception as exc:  # report, never hide
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            rows.append(row)
+            print(_row(row), file=sys.stderr, flush=True)
+        del comp, x, xg
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row(r):
+    if "error" in r:
+        return f"| {r['config']} | {r['path']} | {r['error']} | | | | |"
+    e, i = r["eager"], r["installed"]
+    return (f"| {r['config']} | {r['path']} | {e['wall_us']:.0f} / {i['wall_us']:.0f} | "
+            f"{e['wall_us'] / i['wall_us']:.2f}x | {e['gpu_us']:.0f} / {i['gpu_us']:.0f} | "
+            f"{e['gpu_us'] / i['gpu_us']:.2f}x | {e['launches']:.0f} / {i['launches']:.0f} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="3x8192", help="BxL: B sequences of L tokens")
+    args = ap.parse_args(argv)
+    b, n = (int(v) for v in args.tokens.split("x"))
+    if not torch.cuda.is_available():
+        print("megatron_bench: no CUDA GPU visible, nothing was run", file=sys.stderr)
+        return 2
+    from csa_compressor.cli.bench import environment
+
+    env = environment()
+    rows = run([n] * b)
+    print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
+          f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
+          f"{args.tokens} tokens, forward + backward a step")
+    print("| config | path | wall µs eager / installed | speedup | GPU µs eager / installed "
+          "| speedup | kernels a step eager / installed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_row(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
