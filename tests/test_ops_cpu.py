@@ -73,3 +73,61 @@ def test_device_guard_is_skipped_with_one_gpu(monkeypatch):
     monkeypatch.setattr(launch, "_one_gpu", lambda: False)
     assert launch._on_device(torch.device("cuda", 0)).guard is None and asked
     assert launch._on_device(torch.device("cuda", 1)).guard == ("guard", torch.device("cuda", 1))
+
+
+def _cpu_launches(monkeypatch, grads):
+    """Both directions' launches replaced, counted: the forward by the fp32 reference, the
+    backward by ``grads`` (the reference's, precomputed: an op's body runs below autograd),
+    after checking it was handed the incoming gradient."""
+    calls = {"fwd": 0, "bwd": 0}
+
+    def fake_validate(*a, for_kernel=False, **k):
+        return validation.validate(*a, for_kernel=False, **k)
+
+    def fake_forward(p):
+        calls["fwd"] += 1
+        return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
+                                      p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
+                                      mode="fp32")
+
+    def fake_backward(grad, p):
+        calls["bwd"] += 1
+        assert torch.equal(grad, grads["g"]) and p.kv.shape == grads["dkv"].shape
+        return grads["dkv"].clone(), grads["dscore"].clone(), grads["dape"].clone()
+
+    monkeypatch.setattr(ops, "validate", fake_validate)
+    monkeypatch.setattr(ops, "_forward", fake_forward)
+    monkeypatch.setattr(ops, "_backward", fake_backward)
+    return calls
+
+
+def test_compile_and_eager_share_the_op_and_its_autograd(monkeypatch):
+    """torch.compile(fullgraph=True) of compress_thd_fused reaches the custom ops (forward
+    and backward bodies each run once a step), with no graph break, and gives what the
+    eager bypass gives, bitwise, output and gradients."""
+    import torch._dynamo
+
+    kv, score, ape, cu, cuc, N = make_pack([9, 0, 13, 4], 8, 4, 2)
+    g = torch.randn(N, 8, generator=torch.Generator().manual_seed(5))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    ref = reference.compress_thd(*leaves, cu, cuc, N, ratio=4, coff=2, mode="fp32")
+    grads = dict(zip(("dkv", "dscore", "dape"), torch.autograd.grad(ref, leaves, g)), g=g)
+    calls = _cpu_launches(monkeypatch, grads)
+
+    def step(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+        out = fn(*leaves, cu, cuc, N, ratio=4, coff=2)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, g))
+
+    want = step(ops.compress_thd_fused)
+    assert calls == {"fwd": 1, "bwd": 1}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(ops.compress_thd_fused, fullgraph=True, backend="aot_eager")
+    got = step(compiled)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert calls == {"fwd": 2, "bwd": 2}, calls
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(want[0], ref.detach()) and torch.equal(want[1], grads["dkv"])
+    torch._dynamo.reset()

@@ -1,10 +1,13 @@
-"""The torch-facing op: custom ops (for torch.compile), autograd, and compress_thd_fused.
+"""The torch-facing op, defined once for eager calls and torch.compile.
 
-Eager calls go through a light ``torch.autograd.Function`` that launches the kernels
-directly (a custom-op dispatch costs tens of microseconds of host time); under
-``torch.compile`` the same kernels are reached through ``torch.library`` custom ops with
-fake implementations, so the op is opaque to the compiler and never breaks the graph.
-Both paths run the same launches and give bitwise identical results.
+Each direction is a ``torch.library`` custom op (opaque to the compiler, a fake for its
+shapes) whose body validates and launches the kernels. ``_fwd`` / ``_bwd`` are the eager
+bypass: outside torch.compile they run the body's launch on the problem the caller already
+validated (a custom-op dispatch costs tens of microseconds of host time), under
+torch.compile they call the op. One ``autograd.Function`` calls them in both modes, so
+eager and compiled runs share the autograd path and the launches, and give bitwise
+identical results; inputs are validated once per call either way (by the caller in eager
+mode, by the op's body when compiled).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _backward(grad, p: Problem):
     return launch_backward(p, grad, dkv, dscore, dape)
 
 
-@torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=())
 def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
                 cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, coff: int) -> torch.Tensor:
     return _forward(_problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
@@ -46,7 +49,7 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
     return kv.new_empty((total_comp, kv.shape[1] // coff))
 
 
-@torch.library.custom_op("csa_compressor::pool_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("csa_compressor::pool_bwd", mutates_args=())
 def pool_bwd_op(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                 cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
                 coff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,36 +61,31 @@ def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
-def _setup_context(ctx, inputs, output):
-    kv, score, ape, cu, cuc, _, ratio, coff = inputs
-    ctx.save_for_backward(kv, score, ape, cu, cuc)
-    ctx.ratio, ctx.coff = ratio, coff
+def _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
+    if torch.compiler.is_compiling():
+        return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff)
+    return _forward(Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
 
 
-def _op_backward(ctx, grad):
-    kv, score, ape, cu, cuc = ctx.saved_tensors
-    dkv, dscore, dape = pool_bwd_op(grad, kv, score, ape, cu, cuc, ctx.ratio, ctx.coff)
-    return dkv, dscore, dape, None, None, None, None, None
-
-
-pool_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+def _bwd(grad, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
+    if torch.compiler.is_compiling():
+        return pool_bwd_op(grad, kv, score, ape, cu, cuc, ratio, coff)
+    return _backward(grad, Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
 
 
 class _PoolFn(torch.autograd.Function):
-    """Eager path: same kernels, no dispatcher round trip, inputs validated once."""
+    """The op's one autograd path (eager and compiled)."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, p):
+    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
         ctx.save_for_backward(kv, score, ape, cu, cuc)
-        ctx.meta = (p.total_comp, p.ratio, p.coff, p.head_dim)
-        return _forward(p)
+        ctx.meta = (total_comp, ratio, coff, head_dim)
+        return _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        kv, score, ape, cu, cuc = ctx.saved_tensors
-        p = Problem(kv, score, ape, cu, cuc, *ctx.meta)
-        dkv, dscore, dape = _backward(grad, p)
-        return dkv, dscore, dape, None, None, None
+        dkv, dscore, dape = _bwd(grad, *ctx.saved_tensors, *ctx.meta)
+        return dkv, dscore, dape, None, None, None, None, None, None
 
 
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
@@ -111,12 +109,11 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
 def fused_from_problem(p: Problem):
     """compress_thd_fused on arguments already validated for the kernels (the dispatch and
     the module validate once and come here)."""
-    if torch.compiler.is_compiling():
-        return pool_fwd_op(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
-                           p.ratio, p.coff)
-    if not (torch.is_grad_enabled() and (p.kv.requires_grad or p.score.requires_grad
-                                         or p.ape.requires_grad)):
-        # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on
-        # the CPU dev machine, a tenth of that for the check).
-        return _forward(p)
-    return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p)
+    args = (p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, p.ratio, p.coff,
+            p.head_dim)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            p.kv.requires_grad or p.score.requires_grad or p.ape.requires_grad)):
+        return _PoolFn.apply(*args)
+    # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
+    # dev machine, a tenth of that for the check).
+    return _forward(p)
