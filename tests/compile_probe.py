@@ -50,7 +50,10 @@ def _modelled(self, size, byte_alignment=1, *a, **k):
 SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-    built = cc._build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d))
+    built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d))
+if built is None:  # the specialisation has no such kernel (plan.kernel_for)
+    print(json.dumps({"absent": True}))
+    sys.exit(0)
 kernel = built.kernel
 log = buf.getvalue()
 ptx = "".join(open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx"))

@@ -51,6 +51,11 @@ def probe(arch, cfg, overrides=""):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
 def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
     info = probe(arch, cfg)
+    if info.get("absent"):
+        # sm_100 has no large-pack backward (its cooperative copies are sm_90-only), and
+        # that is the only kernel of the grid a plan may lack
+        assert cfg[0] == "bwd_large" and arch == "sm_100a", cfg
+        return
     assert info["regs"], "ptxas reported no register count"
     # The grid sizing reads the register count from the cubin (compile.cubin_registers):
     # it must be ptxas' own, and the production kernels' grids are what they were designed

@@ -31,7 +31,7 @@ class Recorder:
 def fake_compile(monkeypatch):
     calls = {}
 
-    def get_kernel(direction, device, dtype, ratio, coff, head_dim):
+    def record(direction, dtype, ratio, coff, head_dim):
         long = ratio * coff > 16
         cdt = CDT[dtype] if direction not in ("dape", "dape_wide") else cutlass.Float32
         if direction == "fwd":
@@ -41,9 +41,14 @@ def fake_compile(monkeypatch):
                  else PoolBackward(cdt, ratio, coff, head_dim, large=direction == "bwd_large"))
         rec = calls.setdefault(direction, Recorder())
         dape = calls.setdefault("dape", Recorder())
-        return Compiled(k, rec, 80, k.grid_ctas_per_sm(80), dape=dape)
+        large = (record("bwd_large", dtype, ratio, coff, head_dim)
+                 if direction == "bwd" and k.has_large_variant else None)
+        return Compiled(k, rec, 80, k.grid_ctas_per_sm(80), dape=dape, large=large)
 
-    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    def compiled_for(spec, device):
+        return record(spec.direction, spec.dtype, spec.ratio, spec.coff, spec.head_dim)
+
+    monkeypatch.setattr(launch, "compiled_for", compiled_for)
     monkeypatch.setattr(launch, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch, "_one_gpu", lambda: True)
     return calls
@@ -66,7 +71,9 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
     g = torch.randn(N, d).to(dtype)
     dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
     launch.launch_backward(p, g, dkv, dsc, dape)
-    which = "bwd_large" if "bwd_large" in fake_compile else "bwd"
+    used = [k for k in ("bwd", "bwd_large") if k in fake_compile and fake_compile[k].calls]
+    assert len(used) == 1, used  # one backward launched, the default or its large-pack variant
+    which = used[0]
     (bwd_args,) = fake_compile[which].calls
     rows_per_cta, row_ctas, zero_ctas = bwd_args[9:12]
     assert rows_per_cta * row_ctas >= N and zero_ctas >= 1

@@ -127,11 +127,13 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
     picked = []
     kernel = small
 
-    def get_kernel(which, *args):
-        picked.append(which)
-        return Compiled(kernel, None, None, None)
+    def compiled_for(spec, device):
+        picked.append(spec.direction)
+        large = (Compiled(PoolBackward(cutlass.BFloat16, ratio, coff, 128, large=True), None, None,
+                          None) if kernel.has_large_variant else None)
+        return Compiled(kernel, None, None, None, large=large)
 
-    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(launch, "compiled_for", compiled_for)
     dev = torch.device("cuda", 0)
     t = tuning.current()
     threshold = t.BWD_LARGE_PACK_ROWS
@@ -139,9 +141,9 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
         threshold = min(threshold, t.BWD_LARGE_GUESS_PACK_ROWS)
     for rows in (threshold - 1, threshold, t.BWD_LARGE_PACK_ROWS):
         picked.clear()
-        launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
+        got = launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
         want = small.has_large_variant and rows >= threshold
-        assert picked == (["bwd", "bwd_large"] if want else ["bwd"]), rows
+        assert picked == ["bwd"] and (got.kernel is not kernel) == want, rows
     kernel = LongPoolBackward(cutlass.BFloat16, 128, 1, 128)
     picked.clear()
     assert launch.backward_kernel(dev, torch.bfloat16, 128, 1, 128, 1 << 20).kernel is kernel

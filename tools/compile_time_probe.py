@@ -8,6 +8,6 @@ t0 = time.perf_counter()
 import torch
 from csa_compressor.kernels import compile as cc, plan
 t1 = time.perf_counter()
-cc._build(plan.spec(sys.argv[1], torch.bfloat16, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+cc.build(plan.spec(sys.argv[1], torch.bfloat16, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
 t2 = time.perf_counter()
 print(f"import {t1-t0:.2f}s build {t2-t1:.2f}s")

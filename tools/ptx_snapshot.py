@@ -47,7 +47,7 @@ def build(direction, dtype, ratio, coff, d, arch) -> bool:
             return False
     if direction == "dape_wide" and not config.dape_has_wide(ratio * coff * d):
         return False
-    cc._build(plan.spec(direction, dtype, ratio, coff, d))
+    cc.build(plan.spec(direction, dtype, ratio, coff, d))
     return True
 
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from csa_compressor.kernels import compile as cc, plan  # noqa: E402
 from csa_compressor.kernels import tuning  # noqa: E402
 
-cc._build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
+cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
                     tuning.replace(tuning.current(), **tuning.parse_overrides(",".join(args[5:])))))
 sass = [f for f in os.listdir(dump) if f.endswith(".sass")]
 if not sass:

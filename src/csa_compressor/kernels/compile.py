@@ -13,6 +13,7 @@ Launches go through the DSL's TVM-FFI path on the caller's current torch stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from . import disk_cache, hardware, plan
-from .tuning import current
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -112,7 +112,8 @@ def _compile(kernel, *args):
 class Compiled:
     """One compiled kernel: the kernel object (its design), the launchable function, ptxas'
     registers a thread, the CTAs an SM its one-wave grid is sized for (the design's,
-    capped by those registers), and for a backward its dape sums (default and wide)."""
+    capped by those registers), and for a backward its dape sums (default and wide) and,
+    where the specialisation has one, its large-pack variant (a Compiled itself)."""
 
     kernel: object
     fn: object
@@ -121,25 +122,48 @@ class Compiled:
     dape: object = None
     dape_wide: object = None
     owner: object = None  # the DSL's compiled object: owns the module ``fn`` calls into
+    large: object = None
 
 
-def _build(spec: plan.KernelSpec) -> Compiled:
-    """Compile the kernel of one specialisation (its spec's kernel object, for its
-    symbolic arguments)."""
-    arch = hardware.target_major() if spec.direction not in ("dape", "dape_wide") else 0
-    kernel, args = spec.build(arch)
+def _compile_unit(unit: plan.Unit) -> tuple:
+    """(function, owner, registers) of one Unit, compiled now."""
+    owner = _compile(unit.kernel, *unit.args)
+    regs = cubin_registers(getattr(getattr(owner, "artifacts", None), "CUBIN", None))
+    return _direct(owner), owner, regs
+
+
+def _records(units, device) -> dict:
+    """{spec: Compiled} of the Units, each taken from the cache where it is there already
+    (a dape sum two backward dtypes share), else from the disk cache or compiled; a
+    backward's record carries its dape sums and its large-pack variant's record."""
     target = hardware.target_arch()
-    stored = disk_cache.load(spec, target)
-    if stored is not None:
-        fn, owner, regs = stored
-    else:
-        owner = _compile(kernel, *args)
-        artifacts = getattr(owner, "artifacts", None)
-        regs = cubin_registers(getattr(artifacts, "CUBIN", None))
-        disk_cache.store(spec, target, owner, regs)
-        fn = _direct(owner)
-    ctas = kernel.grid_ctas_per_sm(regs) if hasattr(kernel, "grid_ctas_per_sm") else None
-    return Compiled(kernel, fn, regs, ctas, owner=owner)
+    out = {}
+    for u in units:
+        hit = _CACHE.get((device.type, device.index, u.spec))
+        if hit is None:
+            fn, owner, regs = disk_cache.fetch(u.spec, target, u, _compile_unit)
+            ctas = u.kernel.grid_ctas_per_sm(regs) if hasattr(u.kernel, "grid_ctas_per_sm") else None
+            hit = Compiled(u.kernel, fn, regs, ctas, owner=owner)
+        out[u.spec] = hit
+    by = {s.direction: c for s, c in out.items()}
+    sums = {d: getattr(by.get(d), "fn", None) for d in ("dape", "dape_wide")}
+    large = by.get("bwd_large")
+    large = None if large is None else dataclasses.replace(large, **sums)
+    for s, c in out.items():
+        if s.direction == "bwd_large":
+            out[s] = large
+        elif s.direction == "bwd":
+            out[s] = dataclasses.replace(c, **sums, large=large)
+    return out
+
+
+def build(spec: plan.KernelSpec, device: torch.device | None = None) -> Compiled | None:
+    """The kernel of ``spec`` alone, compiled now (no in-process cache; the disk cache
+    where it is on), or None where the specialisation has no such kernel: the probes'
+    entry point."""
+    device = device or torch.device("cpu")
+    units = [u for u in plan.lower(spec, hardware.target_major()) if u.spec == spec]
+    return _records(units, device)[spec] if units else None
 
 
 def _direct(fn):
@@ -153,31 +177,17 @@ def _direct(fn):
     return raw if raw is not None else fn
 
 
-_BY_ARGS: dict = {}
-
-
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it
-    on first use (compiled_for on its spec).
-
-    Launches ask this every call, so hits skip building the spec: deriving the tuning's
-    code-generating view and hashing its fields cost ~15 µs of host time a lookup. The
-    memo keys on the tuning object itself and keeps it alive, so its id cannot be reused."""
-    t = current()
-    key = (direction, device.type, device.index, dtype, ratio, coff, head_dim, id(t))
-    hit = _BY_ARGS.get(key)
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    c = compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, t), device)
-    if len(_BY_ARGS) > 4096:  # a sweep's many tunings: keep the memo small, compiled_for keeps all
-        _BY_ARGS.clear()
-    _BY_ARGS[key] = (t, c)
-    return c
+    (and its family) on first use."""
+    return compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim), device)
 
 
 def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
-    """The compiled kernel of ``spec`` on ``device``: the cache keys on the pair.
+    """The compiled kernel of ``spec`` on ``device``: the cache keys on the pair. A miss
+    compiles the spec's whole family (plan.lower), so a warm-up or precompile before
+    CUDA-graph capture covers every pack size and the dape sums.
 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record
     and can invalidate the capture, so a miss during capture raises instead.
@@ -195,25 +205,17 @@ def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
     err = dsl_import_error()
     if err:
         raise RuntimeError(f"csa_compressor: {err}")
-    # A backward always runs with its dape sum: compiled first, it rides on the backward's
-    # record (and the wide layout where the partials have enough columns for it), so a
-    # launch makes one cache lookup, not two.
-    sums = {c.direction: compiled_for(c, device).fn for c in spec.companions()}
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    hit = _build(spec)
-            else:
-                hit = _build(spec)
-            if sums:
-                hit = dataclasses.replace(hit, dape=sums.get("dape"), dape_wide=sums.get("dape_wide"))
-            _CACHE[key] = hit
-    if spec.direction == "bwd" and hit.kernel.has_large_variant:
-        # Compiled with the backward, so a warm-up or precompile before CUDA-graph capture
-        # covers every pack size.
-        compiled_for(spec.variant("bwd_large"), device)
+            guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+            with guard:
+                built = _records(plan.lower(spec, hardware.target_major()), device)
+            for s, c in built.items():
+                _CACHE.setdefault((device.type, device.index, s), c)
+            hit = _CACHE.get(key)
+    if hit is None:
+        raise ValueError(f"csa_compressor: there is no {spec} (plan.kernel_for)")
     return hit
 
 

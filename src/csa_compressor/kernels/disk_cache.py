@@ -120,3 +120,14 @@ def store(spec, arch: str, fn, registers) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fetch(spec, arch: str, unit, compile_unit):
+    """``(function, owner, registers)`` of ``unit``: loaded from the cache where it holds
+    the entry, else ``compile_unit(unit)`` and stored (both only where the cache is on)."""
+    stored = load(spec, arch)
+    if stored is not None:
+        return stored
+    fn, owner, regs = compile_unit(unit)
+    store(spec, arch, owner, regs)
+    return fn, owner, regs

@@ -9,7 +9,8 @@ import math
 import torch
 
 from ..validation import check_cuda_device, check_int, check_out, check_specialisation, validate
-from .compile import get_kernel
+from . import plan
+from .compile import compiled_for
 from .hardware import sm_count
 from .tuning import current
 
@@ -51,9 +52,9 @@ def launch_forward(p, out):
     if p.total_comp == 0:
         return out
     dev = p.kv.device
-    c = get_kernel("fwd", dev, p.kv.dtype, p.ratio, p.coff, p.head_dim)
-    rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
     with _on_device(dev):
+        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim), dev)
+        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
 
@@ -85,13 +86,13 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
     """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant where
     the kernel has one (pool_bwd ``large``), from BWD_LARGE_PACK_ROWS rows, or from
     BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess."""
-    c = get_kernel("bwd", device, dtype, ratio, coff, head_dim)
+    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim), device)
     t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
         rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
-    if c.kernel.has_large_variant and total_comp >= rows:
-        c = get_kernel("bwd_large", device, dtype, ratio, coff, head_dim)
+    if c.large is not None and total_comp >= rows:
+        return c.large
     return c
 
 
@@ -149,12 +150,12 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         grad_score.zero_()
         grad_ape.zero_()
         return grad_kv, grad_score, grad_ape
-    c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T)
-    if workspace is None:
-        workspace = torch.empty(shape, dtype=torch.float32, device=dev)
-    elif tuple(workspace.shape) != shape:
-        raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
     with _on_device(dev):
+        c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T)
+        if workspace is None:
+            workspace = torch.empty(shape, dtype=torch.float32, device=dev)
+        elif tuple(workspace.shape) != shape:
+            raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
              grad_score, workspace, rows_per_cta, row_ctas, zero_ctas)
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in

@@ -1,9 +1,10 @@
-"""Which kernel each specialisation is built from, and the symbolic arguments it compiles
+"""Which kernels each specialisation is built from, and the symbolic arguments they compile
 for. A specialisation is a frozen KernelSpec (direction, dtype, ratio, coff, head_dim and
-the tuning's code-generating values): the compile cache's key with the device. Its kernel
-object is its launch design (vectors, lanes, stages, register bound, grid target), built
-from the spec and the architecture alone; compile.py compiles it and launch.py sizes each
-launch from it and its registers."""
+the tuning's code-generating values): the compile cache's key with the device. lower()
+turns one into the Units compiled with it (a backward brings its dape sums and its
+large-pack variant); a Unit's kernel object is its launch design (vectors, lanes, stages,
+register bound, grid target), built from the spec and the architecture alone. compile.py
+compiles the Units and launch.py sizes each launch from the kernel and its registers."""
 
 from __future__ import annotations
 
@@ -35,66 +36,107 @@ class KernelSpec:
     head_dim: int
     tuning: Tuning
 
-    def companions(self) -> tuple:
-        """The specs compiled and launched with this one (a backward's dape sums)."""
-        return tuple(replace(self, direction=d, dtype=torch.float32)
-                     for d in companions(self.direction, self.ratio, self.coff, self.head_dim,
-                                         self.tuning))
-
-    def variant(self, direction: str) -> "KernelSpec":
-        return replace(self, direction=direction)
-
-    def build(self, arch_major: int) -> tuple:
-        """(kernel object, symbolic compile arguments) for ``arch_major``."""
-        return (kernel_for(self.direction, self.dtype, self.ratio, self.coff, self.head_dim,
-                           arch_major, self.tuning),
-                compile_args(self.direction, self.dtype, self.ratio, self.coff, self.head_dim))
+    def __hash__(self):
+        # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
+        # each time.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __str__(self):
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}")
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One kernel to compile: its spec, its kernel object (the launch design, built from the
+    spec and the architecture alone) and the symbolic arguments it compiles for."""
+
+    spec: KernelSpec
+    kernel: object
+    args: tuple
+
+
+_SPECS: dict = {}
+
+
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
          tuning: Tuning | None = None) -> KernelSpec:
-    """The spec of one specialisation under ``tuning`` (default: the current one)."""
+    """The spec of one specialisation under ``tuning`` (default: the current one).
+
+    Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
+    cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
+    id cannot be reused."""
+    t = tuning or current()
+    key = (direction, dtype, ratio, coff, head_dim, id(t))
+    hit = _SPECS.get(key)
+    if hit is not None and hit[0] is t:
+        return hit[1]
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
     if direction in ("dape", "dape_wide"):
         dtype = torch.float32  # the partials are fp32 whatever the inputs are
-    return KernelSpec(direction, dtype, ratio, coff, head_dim, (tuning or current()).codegen())
+    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen())
+    if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
+        _SPECS.clear()
+    _SPECS[key] = (t, made)
+    return made
 
 
-def companions(direction: str, ratio: int, coff: int, head_dim: int, tuning) -> tuple:
-    """The kernels a direction launches with, compiled with it: a backward's dape sum, and
-    its wide layout where the partials have the columns for it."""
-    if direction not in ("bwd", "bwd_large"):
-        return ()
-    return ("dape", "dape_wide") if tuning.dape_has_wide(ratio * coff * head_dim) else ("dape",)
+def family(s: KernelSpec) -> tuple:
+    """``s`` and the specs compiled with it, ``s`` first: a backward's dape sums (both
+    layouts) and a default backward's large-pack variant. kernel_for says which of them
+    this specialisation has."""
+    sums = tuple(replace(s, direction=d, dtype=torch.float32) for d in ("dape", "dape_wide"))
+    if s.direction == "bwd":
+        return (s,) + sums + (replace(s, direction="bwd_large"),)
+    if s.direction == "bwd_large":
+        return (s,) + sums
+    return (s,)
+
+
+def lower(s: KernelSpec, arch_major: int) -> tuple:
+    """The Units compiled for ``s``, its own first (family() less the kernels this
+    specialisation does not have)."""
+    specs = family(s)
+    args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim) for f in specs]
+    kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning)
+               for f in specs]
+    return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                arch_major: int, tuning):
-    """The kernel object of one specialisation: windows of more than MAX_REG_SLOTS slots
-    take the slot-parallel kernels, the rest the register-resident ones; ``bwd_large`` is
-    the register-resident backward's large-pack variant; ``dape`` / ``dape_wide`` the two
-    layouts of the backward's partial sum."""
+    """The kernel object of one specialisation, None where it has none: windows of more
+    than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
+    ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
+    default has one; ``dape`` / ``dape_wide`` the two layouts of the backward's partial sum,
+    the wide one where the partials have the columns for it."""
     from .dape_reduce import DapeReduce
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
     from .pool_long import LongPoolBackward, LongPoolForward
 
-    cdt = cutlass_dtype(dtype)
+    cdt, cols = cutlass_dtype(dtype), ratio * coff * head_dim
+    long, wide = tuning.long_window(coff * ratio), tuning.dape_has_wide(cols)
     if direction in ("dape", "dape_wide"):
-        return DapeReduce(ratio * coff * head_dim, wide=direction == "dape_wide", tuning=tuning)
-    if tuning.long_window(coff * ratio):
+        if direction == "dape_wide" and not wide:
+            return None
+        return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
+    if long:
         if direction == "fwd":
             return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning)
-        return LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning)
+        return LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning) if direction == "bwd" else None
     if direction == "fwd":
         return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
-    return PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=direction == "bwd_large",
-                        tuning=tuning)
+    default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
+    if direction == "bwd":
+        return default
+    return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning)
+            if default.has_large_variant else None)
 
 
 def _fake(dtype, shape, align):
