@@ -24,10 +24,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
-from .segments import start_walk, walk_rows, walk_window
+from .segments import Pack, start_walk, walk_rows, walk_window
 from .softmax import p_times_dp, softmax_grads, softmax_row
 from .backward_grid import BackwardGrid
-from .staging import WindowSlots, smem_footprint
+from .staging import Tiles, WindowSlots, smem_footprint
 
 
 class PoolBackward(BackwardGrid, WindowSlots):
@@ -129,23 +129,22 @@ class PoolBackward(BackwardGrid, WindowSlots):
         return 0
 
     @cute.jit
-    def issue_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, walk, row, stage, thr, chunk,
-                  num_rows, num_tokens, num_seqs):
+    def issue_row(self, tt: Tiles, pk: Pack, walk, row, stage):
         """Start the cp.async copies of row ``row``'s window and grad_out vector into
         ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
-        walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
-        if (row < num_rows) & self.real(walk, num_seqs) & ok:
-            self.stage_row(gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev, stage, thr,
-                           chunk)
+        walk = walk_rows(pk.cu, pk.cuc, walk, row, pk.num_seqs)
+        t0, has_prev, ok = walk_window(walk, row, pk.num_seqs, pk.num_tokens, self.ratio,
+                                       self.coff)
+        if (row < pk.num_rows) & self.real(walk, pk.num_seqs) & ok:
+            self.stage_row(tt, row, t0, has_prev, stage)
         return walk
 
     @cute.jit
-    def stage_row(self, gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev, stage, thr, chunk):
+    def stage_row(self, tt: Tiles, row, t0, has_prev, stage):
         """The cp.async copies of row ``row``'s grad_out vector and window (first token t0)."""
-        self.copy_vec(atom[0], gGrad[(None, (row, chunk))].iterator,
-                      sG[(None, thr, stage)].iterator)
-        self.stage_window(gKV, gSc, sS, sV, atom[1], t0, has_prev, stage, thr, chunk)
+        self.copy_vec(tt.grad_atom, tt.grad[(None, (row, tt.chunk))].iterator,
+                      tt.sG[(None, tt.thr, stage)].iterator)
+        self.stage_window(tt, t0, has_prev, stage)
 
     @cute.jit
     def real(self, walk, num_seqs):
@@ -196,24 +195,23 @@ class PoolBackward(BackwardGrid, WindowSlots):
                 smem = cutlass.memory.SmemAllocator()
                 # this thread's rows: row0, row0 + row_lanes, ... below bx*rows_per_cta + rows_per_cta
                 mine = (rows_per_cta - ty + self.row_lanes - 1) // self.row_lanes
+                tt = Tiles(gKV, gSc, gApe, chunk, grad=gGrad)
+                pk = Pack(mCu, mCuc, num_rows, num_tokens, num_seqs)
                 if cutlass.const_expr(self.staged):
                     P = self.stages
-                    sS, sV = self.alloc_staging(smem, P)
-                    sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
-                    atom = (self.copy_atom(), self.window_atom())  # (grad_out, window)
-                    thr = ty * self.lanes + tid
+                    tt.sS, tt.sV = self.alloc_staging(smem, P)
+                    tt.sG = smem.allocate_tensor(self.dtype, cute.make_layout((vec, self.threads, P)), 16)
+                    tt.grad_atom, tt.atom = self.copy_atom(), self.window_atom()
+                    tt.thr = ty * self.lanes + tid
                 if cutlass.const_expr(self.guess_first):
                     def stage_row(row, t0, has_prev, stage):
-                        self.stage_row(gKV, gSc, gGrad, sS, sV, sG, atom, row, t0, has_prev,
-                                       stage, thr, chunk)
+                        self.stage_row(tt, row, t0, has_prev, stage)
 
                     t0g, okg = self.stage_guess(stage_row, row0, mine, num_rows, num_tokens)
                     walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
                 if cutlass.const_expr(self.staged):
                     def issue(w, row, stage):
-                        return self.issue_row(gKV, gSc, gGrad, sS, sV, sG, atom, mCu, mCuc, w,
-                                              row, stage, thr, chunk, num_rows, num_tokens,
-                                              num_seqs)
+                        return self.issue_row(tt, pk, w, row, stage)
 
                     if cutlass.const_expr(self.guess_first):
                         t1, prev1, ok1 = walk_window(walk, row0, num_seqs, num_tokens, ratio,
@@ -223,16 +221,15 @@ class PoolBackward(BackwardGrid, WindowSlots):
                         walk_in = self.prime_stages(issue, walk, row0, mine, 1)
                     else:
                         walk_in = self.prime_stages(issue, walk, row0, mine)
-                apef = None  # unstaged: APE loaded by load_slots
-                if cutlass.const_expr(self.staged):
-                    apef = cute.make_rmem_tensor((CH, vec), Float32)
+                if cutlass.const_expr(self.staged):  # unstaged: APE loaded by load_slots
+                    tt.apef = cute.make_rmem_tensor((CH, vec), Float32)
                 for i in cutlass.range(mine):
                     row = row0 + i * self.row_lanes
                     if cutlass.const_expr(self.staged):
                         # The row's APE loads go out before the stage's wait, so their
                         # latency hides behind it; held for the whole walk instead they
                         # spill at d=512.
-                        self.load_ape(gApe, apef, chunk)
+                        self.load_ape(tt)
                         walk_in = self.advance_stages(issue, walk_in, row0, i, mine)
                     walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
                     t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio,
@@ -240,12 +237,11 @@ class PoolBackward(BackwardGrid, WindowSlots):
                     if (row < num_rows) & self.real(walk, num_seqs) & ok:
                         if cutlass.const_expr(self.staged):
                             stage = i % self.stages
-                            gv.store(sG[(None, thr, stage)].load().to(Float32))
-                            self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk,
-                                             apef)
+                            gv.store(tt.sG[(None, tt.thr, stage)].load().to(Float32))
+                            self.read_staged(tt, sf, vf, t0, has_prev, stage)
                         else:
                             gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
-                            self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                            self.load_slots(tt, sf, vf, Int32(0), t0, has_prev)
                         softmax_row(sf, vec, CH)
                         for e in cutlass.range_constexpr(vec):
                             g = gv[e]

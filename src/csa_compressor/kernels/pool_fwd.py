@@ -28,10 +28,10 @@ from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
 from .ptx import mul_rn
-from .segments import start_walk, walk_rows, walk_window
+from .segments import Pack, start_walk, walk_rows, walk_window
 from ..softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_sum_lanes_by_rows
 from .softmax import softmax_row
-from .staging import WindowSlots
+from .staging import Tiles, WindowSlots
 
 
 class PoolForward(WindowSlots):
@@ -98,34 +98,35 @@ class PoolForward(WindowSlots):
             preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
     @cute.jit
-    def issue_row(self, gKV, gSc, sS, sV, atom, mCu, mCuc, walk, row, stage, thr, chunk, num_rows,
-                  num_tokens, num_seqs):
+    def issue_row(self, tt: Tiles, pk: Pack, walk, row, stage):
         """Start the cp.async copies of row ``row``'s window into ``stage``; returns the
         issuing walk. Rows that compute nothing copy nothing."""
-        walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-        t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
-        if (row < num_rows) & ok:
-            self.stage_window(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+        walk = walk_rows(pk.cu, pk.cuc, walk, row, pk.num_seqs)
+        t0, has_prev, ok = walk_window(walk, row, pk.num_seqs, pk.num_tokens, self.ratio,
+                                       self.coff)
+        if (row < pk.num_rows) & ok:
+            self.stage_window(tt, t0, has_prev, stage)
         return walk
 
     @cute.jit
-    def output_row(self, gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row, stage,
-                   thr, chunk, num_rows, num_tokens, num_seqs):
+    def output_row(self, tt: Tiles, pk: Pack, gOut, regs, walk, row, stage):
         """Row ``row``'s output (``walk`` at the row): its window read back from ``stage``
-        (staged; ``sS`` None: loaded from global memory), pooled and stored; zeros where the
-        window leaves the tokens."""
-        if row < num_rows:
-            t0, has_prev, ok = walk_window(walk, row, num_seqs, num_tokens, self.ratio, self.coff)
+        (staged; ``tt.sS`` None: loaded from global memory), pooled and stored; zeros where
+        the window leaves the tokens. ``regs``: the thread's (sf, vf, acc, res)."""
+        sf, vf, acc, res = regs
+        if row < pk.num_rows:
+            t0, has_prev, ok = walk_window(walk, row, pk.num_seqs, pk.num_tokens, self.ratio,
+                                           self.coff)
             for e in cutlass.range_constexpr(self.vec):
                 acc[e] = Float32(0.0)
             if ok:
-                if cutlass.const_expr(sS is not None):
-                    self.read_staged(gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef)
+                if cutlass.const_expr(tt.sS is not None):
+                    self.read_staged(tt, sf, vf, t0, has_prev, stage)
                 else:
-                    self.load_slots(gKV, gSc, gApe, sf, vf, Int32(0), t0, has_prev, chunk)
+                    self.load_slots(tt, sf, vf, Int32(0), t0, has_prev)
                 self.pool_row(sf, vf, acc)
             res.store(acc.load().to(self.dtype))
-            gOut[(None, (row, chunk))].store(res.load())
+            gOut[(None, (row, tt.chunk))].store(res.load())
 
     @cute.jit
     def pool_row(self, sf, vf, acc):
@@ -158,17 +159,18 @@ class PoolForward(WindowSlots):
         row0 = bx * rows_per_thread * self.row_lanes + ty
         if chunk < self.cpr:
             walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
-            sS = sV = apef = None  # unstaged: output_row loads the window from global memory
+            pk = Pack(mCu, mCuc, num_rows, num_tokens, num_seqs)
+            # unstaged: output_row loads the window from global memory
+            tt = Tiles(gKV, gSc, gApe, chunk, thr)
             if cutlass.const_expr(self.staged):
                 smem = cutlass.memory.SmemAllocator()
-                sS, sV = self.alloc_staging(smem, P)
-                atom = self.window_atom()
-                apef = cute.make_rmem_tensor((CH, vec), Float32)
-                self.load_ape(gApe, apef, chunk)
+                tt.sS, tt.sV = self.alloc_staging(smem, P)
+                tt.atom = self.window_atom()
+                tt.apef = cute.make_rmem_tensor((CH, vec), Float32)
+                self.load_ape(tt)
 
                 def issue(w, row, stage):
-                    return self.issue_row(gKV, gSc, sS, sV, atom, mCu, mCuc, w, row, stage, thr,
-                                          chunk, num_rows, num_tokens, num_seqs)
+                    return self.issue_row(tt, pk, w, row, stage)
 
                 walk_in = self.prime_stages(issue, walk, row0, rows_per_thread)
             for i in cutlass.range(rows_per_thread):
@@ -176,5 +178,4 @@ class PoolForward(WindowSlots):
                     walk_in = self.advance_stages(issue, walk_in, row0, i, rows_per_thread)
                 row = row0 + i * self.row_lanes
                 walk = walk_rows(mCu, mCuc, walk, row, num_seqs)
-                self.output_row(gKV, gSc, gApe, sS, sV, gOut, sf, vf, acc, res, apef, walk, row,
-                                i % P, thr, chunk, num_rows, num_tokens, num_seqs)
+                self.output_row(tt, pk, gOut, (sf, vf, acc, res), walk, row, i % P)

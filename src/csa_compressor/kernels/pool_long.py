@@ -21,7 +21,7 @@ from .tuning import Tuning, current
 from .ptx import max_nan, mul_rn
 from .segments import advance_segment, row_window
 from .softmax import divide_column, p_times_dp, softmax_grads
-from .staging import WindowSlots, smem_footprint
+from .staging import Tiles, WindowSlots, smem_footprint
 from .backward_grid import BackwardGrid
 
 
@@ -192,7 +192,7 @@ class LongPoolForward(LongWindow, WindowSlots):
                     sf[kk, e] = -Float32.inf
                     vf[kk, e] = Float32(0.0)
             if active:
-                self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev, chunk)
+                self.load_slots(Tiles(gKV, gSc, gApe, chunk), sf, vf, g * CH, t0, has_prev)
             self.softmax_den(sf, buf, gmax, stat, tid, g)
             for e in cutlass.range_constexpr(vec):
                 divide_column(sf, e, CH, stat[self.col(tid, e), 0])
@@ -243,17 +243,17 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
         return smem_footprint(self.chunk_slots * self.threads * self.vec * self.dtype.width // 8)
 
     @cute.jit
-    def load_scores_copy_values(self, gKV, gSc, gApe, sf, sV, atom, c0, t0, has_prev, chunk,
-                                thr):
-        """load_slots with the values sent to this thread's part of ``sV`` by cp.async
-        (one commit group; read back by staged_vector after cp.async.wait_group)."""
+    def load_scores_copy_values(self, tt: Tiles, sf, c0, t0, has_prev):
+        """load_slots with the values sent to this thread's part of ``tt.sV`` by cp.async
+        with ``tt.atom`` (one commit group; read back by staged_vector after
+        cp.async.wait_group)."""
         for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, tt.chunk)
             if valid:
-                self.copy_vec(atom, gKV[(None, (tok, colc))].iterator,
-                              sV[(None, thr, kk, 0)].iterator)
-                s32 = gSc[(None, (tok, colc))].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
+                self.copy_vec(tt.atom, tt.kv[(None, (tok, colc))].iterator,
+                              tt.sV[(None, tt.thr, kk, 0)].iterator)
+                s32 = tt.score[(None, (tok, colc))].load().to(Float32)
+                a32 = tt.ape[(None, (arow, colc))].load()
                 for e in cutlass.range_constexpr(self.vec):
                     sf[kk, e] = s32[e] + a32[e]
         cute.arch.cp_async_commit_group()
@@ -345,10 +345,12 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
             smem = cutlass.memory.SmemAllocator()
             buf, gmax, stat = self.alloc_shared(smem)
             sf, vf, gv, dacc = self.backward_registers()
+            tt = Tiles(gKV, gSc, gApe, chunk)
             if cutlass.const_expr(self.shared_values):
                 sV = smem.allocate_tensor(self.dtype,
                                           cute.make_layout((vec, self.threads, CH, 1)), 16)
                 thr = g * self.lanes + tid
+                tt.sV, tt.thr, tt.atom = sV, thr, self.copy_atom()
             row0 = bx * rows_per_cta
             s = self.search(mCuc, row0, num_seqs)
             for r in cutlass.range(rows_per_cta):
@@ -365,12 +367,9 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                     if active:
                         gv.store(gGrad[(None, (row, chunk))].load().to(Float32))
                         if cutlass.const_expr(self.shared_values):
-                            self.load_scores_copy_values(gKV, gSc, gApe, sf, sV,
-                                                         self.copy_atom(), g * CH, t0,
-                                                         has_prev, chunk, thr)
+                            self.load_scores_copy_values(tt, sf, g * CH, t0, has_prev)
                         else:
-                            self.load_slots(gKV, gSc, gApe, sf, vf, g * CH, t0, has_prev,
-                                            chunk)
+                            self.load_slots(tt, sf, vf, g * CH, t0, has_prev)
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
                     if cutlass.const_expr(self.shared_values):
                         self.gradients_shared_values(gDKV, gDSc, buf, stat, sV, sf, gv, dacc,

@@ -7,6 +7,19 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
+class Pack:
+    """A launch's pack on the device: the offsets ``cu`` (tokens) and ``cuc`` (rows), the
+    row count (output rows: padding rows included), token count and segment count. Plain
+    trace-time Python, as flash-attention's SeqlenInfo: one argument where the row walks
+    and window checks took five."""
+
+    __slots__ = ("cu", "cuc", "num_rows", "num_tokens", "num_seqs")
+
+    def __init__(self, cu, cuc, num_rows, num_tokens, num_seqs):
+        self.cu, self.cuc = cu, cuc
+        self.num_rows, self.num_tokens, self.num_seqs = num_rows, num_tokens, num_seqs
+
+
 @cute.jit
 def find_segment(cu: cute.Tensor, x: Int32, num_seqs: Int32) -> Int32:
     """Largest s in [0, B] with cu[s] <= x (upper bound - 1) over the non-decreasing offsets;

@@ -21,6 +21,24 @@ def smem_footprint(*sizes: int) -> int:
     return sum(-(-n // 16) * 16 for n in sizes)
 
 
+class Tiles:
+    """What one thread reads a window from: the global tiles of ``kv``, ``score`` and
+    ``ape`` (``(vec) x (rows, chunks)`` zipped divides), its column ``chunk``, and where the
+    kernel stages, its index ``thr`` in the CTA, the shared ``sS`` / ``sV`` stages with
+    their copy ``atom``, and ``apef``, the APE in registers (None: read with each slot). A
+    backward adds its grad_out tile, stages and atom. Plain trace-time Python: the code is
+    what passing each apart generated."""
+
+    __slots__ = ("kv", "score", "ape", "chunk", "thr", "sS", "sV", "atom", "apef", "grad", "sG",
+                 "grad_atom")
+
+    def __init__(self, kv, score, ape, chunk, thr=None, sS=None, sV=None, atom=None, apef=None,
+                 grad=None, sG=None, grad_atom=None):
+        self.kv, self.score, self.ape, self.chunk, self.thr = kv, score, ape, chunk, thr
+        self.sS, self.sV, self.atom, self.apef = sS, sV, atom, apef
+        self.grad, self.sG, self.grad_atom = grad, sG, grad_atom
+
+
 class WindowSlots:
     """Slot geometry, loading and cp.async staging shared by the kernels: needs ``dtype``,
     ``ratio``, ``coff``, ``cpr`` (column chunks per row), ``vec``, ``chunk_slots`` (slots
@@ -143,26 +161,27 @@ class WindowSlots:
         return self.coop_atom() if self.coop else self.copy_atom()
 
     @cute.jit
-    def stage_window(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
+    def stage_window(self, tt: Tiles, t0, has_prev, stage):
         """Start the cp.async copies of a window's non-empty slots into ``stage``, with
-        ``atom`` = window_atom(): the warp's together where ``coop`` (stage_window_warp),
+        ``tt.atom`` = window_atom(): the warp's together where ``coop`` (stage_window_warp),
         else each thread's own vectors."""
         if cutlass.const_expr(self.coop):
-            self.stage_window_warp(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            self.stage_window_warp(tt, t0, has_prev, stage)
         else:
-            self.stage_window_own(gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk)
+            self.stage_window_own(tt, t0, has_prev, stage)
 
     @cute.jit
-    def stage_window_own(self, gKV, gSc, sS, sV, atom, t0, has_prev, stage, thr, chunk):
+    def stage_window_own(self, tt: Tiles, t0, has_prev, stage):
         """stage_window, one ``vec`` copy a thread and slot."""
-        bS = self.window_base(gSc, t0, chunk)
-        bV = self.window_base(gKV, t0, chunk)
+        bS = self.window_base(tt.score, t0, tt.chunk)
+        bV = self.window_base(tt.kv, t0, tt.chunk)
         for k in cutlass.range_constexpr(self.slots):
-            _, _, _, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            _, _, _, valid = self.slot_coords(Int32(k), t0, has_prev, tt.chunk)
             if valid:
-                dS, dV = sS[(None, thr, k, stage)].iterator, sV[(None, thr, k, stage)].iterator
-                self.copy_vec(atom, bS + self.slot_offset(k), dS)
-                self.copy_vec(atom, bV + self.slot_offset(k), dV)
+                dS = tt.sS[(None, tt.thr, k, stage)].iterator
+                dV = tt.sV[(None, tt.thr, k, stage)].iterator
+                self.copy_vec(tt.atom, bS + self.slot_offset(k), dS)
+                self.copy_vec(tt.atom, bV + self.slot_offset(k), dV)
 
     def coop_stageable(self) -> bool:
         """The window can be staged by warp-cooperative 16-byte copies (stage_window_warp):
@@ -179,7 +198,7 @@ class WindowSlots:
         return cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
 
     @cute.jit
-    def stage_window_warp(self, gKV, gSc, sS, sV, atom16, t0, has_prev, stage, thr, chunk):
+    def stage_window_warp(self, tt: Tiles, t0, has_prev, stage):
         """stage_window with the warp's copies shared out: a slot's 32 vectors are one
         contiguous run in global memory and in the staging buffer, so the lanes copy it
         in 16-byte pieces, several slots an instruction (4 for 4-byte vectors: 8 copies a
@@ -192,6 +211,7 @@ class WindowSlots:
         eb = self.dtype.width // 8
         n16 = 16 // eb  # elements in a 16-byte piece
         vl = cute.make_layout(((n16,), 1))
+        thr, chunk = tt.thr, tt.chunk
         lpt = (32 * self.vec * eb) // 16  # lanes per slot run
         spi = 32 // lpt  # slots an instruction
         lane = cute.arch.lane_idx()
@@ -226,10 +246,10 @@ class WindowSlots:
                 # their width.
                 g = cute.assume(grow + goff, divby=n16)
                 sm = cute.assume(srow + k0 * (self.threads * self.vec), divby=n16)
-                cute.copy(atom16, cute.make_tensor(gSc.iterator + g, vl),
-                          cute.make_tensor(sS.iterator + sm, vl))
-                cute.copy(atom16, cute.make_tensor(gKV.iterator + g, vl),
-                          cute.make_tensor(sV.iterator + sm, vl))
+                cute.copy(tt.atom, cute.make_tensor(tt.score.iterator + g, vl),
+                          cute.make_tensor(tt.sS.iterator + sm, vl))
+                cute.copy(tt.atom, cute.make_tensor(tt.kv.iterator + g, vl),
+                          cute.make_tensor(tt.sV.iterator + sm, vl))
 
     @cute.jit
     def stage_guess(self, stage_row, row0, count, num_rows, num_tokens):
@@ -290,33 +310,34 @@ class WindowSlots:
         return walk
 
     @cute.jit
-    def load_ape(self, gApe, apef, chunk):
-        """The thread's APE values of every slot into registers ``apef`` (slots, vec): they
-        are the same for every row the thread walks."""
+    def load_ape(self, tt: Tiles):
+        """The thread's APE values of every slot into registers ``tt.apef`` (slots, vec):
+        they are the same for every row the thread walks."""
         for k in cutlass.range_constexpr(self.slots):
-            _, colc, arow, _ = self.slot_coords(Int32(k), Int32(0), True, chunk)
-            a32 = gApe[(None, (arow, colc))].load()
+            _, colc, arow, _ = self.slot_coords(Int32(k), Int32(0), True, tt.chunk)
+            a32 = tt.ape[(None, (arow, colc))].load()
             for e in cutlass.range_constexpr(self.vec):
-                apef[k, e] = a32[e]
+                tt.apef[k, e] = a32[e]
 
     @cute.jit
-    def read_staged(self, gApe, sS, sV, sf, vf, t0, has_prev, stage, thr, chunk, apef=None):
+    def read_staged(self, tt: Tiles, sf, vf, t0, has_prev, stage):
         """The staged window into fp32 registers (score + ape, value); empty slots get
-        -inf / 0 (what load_slots gives). APE from registers ``apef`` when given."""
+        -inf / 0 (what load_slots gives). APE from registers ``tt.apef`` when there."""
         for k in cutlass.range_constexpr(self.slots):
-            _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, chunk)
+            _, colc, arow, valid = self.slot_coords(Int32(k), t0, has_prev, tt.chunk)
             if valid:
-                self.read_staged_slot(gApe, sS, sV, sf, vf, k, colc, arow, stage, thr, apef)
+                self.read_staged_slot(tt, sf, vf, k, colc, arow, stage)
             else:
                 self.empty_slot(sf, vf, k)
 
     @cute.jit
-    def read_staged_slot(self, gApe, sS, sV, sf, vf, k: int, colc, arow, stage, thr, apef):
+    def read_staged_slot(self, tt: Tiles, sf, vf, k: int, colc, arow, stage):
         """Slot ``k`` of the staged window into ``sf`` (score + ape) and ``vf`` (value)."""
-        s32 = self.staged_vector(sS, k, stage, thr)
-        v32 = self.staged_vector(sV, k, stage, thr)
+        s32 = self.staged_vector(tt.sS, k, stage, tt.thr)
+        v32 = self.staged_vector(tt.sV, k, stage, tt.thr)
+        apef = tt.apef
         if cutlass.const_expr(apef is None):
-            a32 = gApe[(None, (arow, colc))].load()
+            a32 = tt.ape[(None, (arow, colc))].load()
             for e in cutlass.range_constexpr(self.vec):
                 sf[k, e] = s32[e] + a32[e]
         else:
@@ -353,13 +374,15 @@ class WindowSlots:
             return t0 + k, chunk, k, k >= 0
 
     @cute.jit
-    def load_slots(self, gKV, gSc, gApe, sf, vf, c0, t0, has_prev, chunk):
+    def load_slots(self, tt: Tiles, sf, vf, c0, t0, has_prev):
+        """Slots ``c0 ..`` (chunk_slots of them) of the window from global memory into fp32
+        registers (score + ape, value); empty slots get -inf / 0."""
         for kk in cutlass.range_constexpr(self.chunk_slots):
-            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, chunk)
+            tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, tt.chunk)
             if valid:
-                s32 = gSc[(None, (tok, colc))].load().to(Float32)
-                a32 = gApe[(None, (arow, colc))].load()
-                v32 = gKV[(None, (tok, colc))].load().to(Float32)
+                s32 = tt.score[(None, (tok, colc))].load().to(Float32)
+                a32 = tt.ape[(None, (arow, colc))].load()
+                v32 = tt.kv[(None, (tok, colc))].load().to(Float32)
                 for e in cutlass.range_constexpr(self.vec):
                     sf[kk, e] = s32[e] + a32[e]
                     vf[kk, e] = v32[e]
