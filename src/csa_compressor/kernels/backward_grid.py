@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .segments import advance_segment
+from .segments import Pack, advance_segment
 
 
 class BackwardGrid:
@@ -57,19 +57,19 @@ class BackwardGrid:
         return bx, by
 
     @cute.jit
-    def segment_span(self, mCu, mCuc, s, num_seqs):
+    def segment_span(self, pk: Pack, s):
         """(first token, end token, blocks, first row) of segment ``s``; past the last
         segment an endless span with no blocks (nothing there is read)."""
         start, end, nb, rowb = Int32(0), Int32(2**31 - 1), Int32(0), Int32(0)
-        if s < num_seqs:
-            start = mCu[s]
-            end = mCu[s + 1]
+        if s < pk.num_seqs:
+            start = pk.cu[s]
+            end = pk.cu[s + 1]
             nb = (end - start) // self.ratio
-            rowb = mCuc[s]
+            rowb = pk.cuc[s]
         return start, end, nb, rowb
 
     @cute.jit
-    def zero_unread(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs):
+    def zero_unread(self, pk: Pack, gDKV, gDSc, t0, chunk):
         """Zeros for the elements of tokens t0 .. t0 + ZERO_TOKENS_PER_THREAD - 1 that no
         computed row reads. One segment search, then the segment's span stays in registers
         until a token crosses its end (a search per token made this pass a chain of
@@ -78,16 +78,15 @@ class BackwardGrid:
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
-        s = self.search(mCu, cutlass.min(t0, num_tokens), num_seqs)
-        start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
+        s = self.search(pk.cu, cutlass.min(t0, pk.num_tokens), pk.num_seqs)
+        start, end, nb, rowb = self.segment_span(pk, s)
         # The walk starts at the segment's first unread block (tuning log, "Zero-fill walks
         # from the first unread block"); a thread whose tokens are all read (almost every
         # zero CTA in a pack of full sequences) walks none (-1.1 us fwd+bwd at 1x8192/128
         # and 3x8192/128 when that shortcut came in).
         j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
-                               num_rows)
-        self.zero_tokens(gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
-                         own_col, s, start, end, nb, rowb, j0)
+                               pk.num_rows)
+        self.zero_tokens(pk, gDKV, gDSc, t0, chunk, zero, own_col, s, (start, end, nb, rowb), j0)
 
     @cute.jit
     def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
@@ -111,16 +110,17 @@ class BackwardGrid:
         return (blk < nb) & (row < num_rows)
 
     @cute.jit
-    def zero_tokens(self, gDKV, gDSc, mCu, mCuc, t0, chunk, num_rows, num_tokens, num_seqs, zero,
-                    own_col, s, start, end, nb, rowb, j0):
-        """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s span."""
-        ratio = self.ratio
+    def zero_tokens(self, pk: Pack, gDKV, gDSc, t0, chunk, zero, own_col, s, span, j0):
+        """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s ``span``
+        (segment_span's)."""
+        ratio, num_rows = self.ratio, pk.num_rows
+        start, end, nb, rowb = span
         for j in cutlass.range(j0, self.t.ZERO_TOKENS_PER_THREAD):
             t = t0 + j
-            if t < num_tokens:
+            if t < pk.num_tokens:
                 if t >= end:
-                    s = advance_segment(mCu, s, t, num_seqs)
-                    start, end, nb, rowb = self.segment_span(mCu, mCuc, s, num_seqs)
+                    s = advance_segment(pk.cu, s, t, pk.num_seqs)
+                    start, end, nb, rowb = self.segment_span(pk, s)
                 blk = (t - start) // ratio
                 row = rowb + blk
                 own_read = self.block_read(blk, row, nb, num_rows)

@@ -273,4 +273,5 @@ class PoolBackward(BackwardGrid, WindowSlots):
                         gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
             else:
                 t = ((bx - num_row_ctas) * self.row_lanes + ty) * self.t.ZERO_TOKENS_PER_THREAD
-                self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
+                self.zero_unread(Pack(mCu, mCuc, num_rows, num_tokens, num_seqs), gDKV, gDSc, t,
+                                 chunk)

@@ -19,7 +19,7 @@ from ..softmax_order import (SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes,
                              torch_sum_lanes_by_rows)
 from .tuning import Tuning, current
 from .ptx import max_nan, mul_rn
-from .segments import advance_segment, row_window
+from .segments import Pack, advance_segment, row_window
 from .softmax import divide_column, p_times_dp, softmax_grads
 from .staging import Tiles, WindowSlots, smem_footprint
 from .backward_grid import BackwardGrid
@@ -390,4 +390,5 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                 # Same token split as the short-window zero CTAs (backward_schedule counts
                 # row_lanes = groups lanes of ZERO_TOKENS_PER_THREAD tokens each).
                 t = ((bx - num_row_ctas) * self.groups + g) * self.t.ZERO_TOKENS_PER_THREAD
-                self.zero_unread(gDKV, gDSc, mCu, mCuc, t, chunk, num_rows, num_tokens, num_seqs)
+                self.zero_unread(Pack(mCu, mCuc, num_rows, num_tokens, num_seqs), gDKV, gDSc, t,
+                                 chunk)
