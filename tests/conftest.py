@@ -45,6 +45,9 @@ def fused_on_cpu(monkeypatch):
     def validate_any_device(*a, for_kernel=False, **k):
         return validation.validate(*a, **k)
 
+    def validate_packed_any_device(*a, for_kernel=False, **k):
+        return validation.validate_packed(*a, **k)
+
     launched = []
 
     def launch(p):
@@ -54,5 +57,6 @@ def fused_on_cpu(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "validate", validate_any_device)
+    monkeypatch.setattr(dispatch, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(ops, "fused_from_problem", launch)
     yield launched

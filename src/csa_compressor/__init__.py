@@ -1,7 +1,8 @@
 """Fused gated softmax pooling of the DeepSeek-V4-style Compressor over packed sequences.
 
 Public surface:
-- ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs).
+- ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs);
+  ``compress_thd_fused_packed`` the same on ``[kv | score]`` as one tensor (one projection).
 - ``compress_grouped``: the same on rows already packed in groups (context parallel).
 - ``pool_forward`` / ``pool_backward`` / ``backward_workspace_shape``: kernel-level API
   with caller-provided buffers.
@@ -23,7 +24,7 @@ _WHERE = {
     "Compressor": "module",
     "backward_workspace_shape": "kernels", "pool_backward": "kernels",
     "pool_forward": "kernels", "precompile": "kernels",
-    "compress_thd_fused": "ops", "compress_grouped": "grouped",
+    "compress_thd_fused": "ops", "compress_thd_fused_packed": "ops", "compress_grouped": "grouped",
     "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
     "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
 }

@@ -9,7 +9,7 @@ import torch
 
 from .kernels.compile import dsl_import_error
 from .validation import (check_flag, check_offset_contents, env_flag, offsets_check_requested,
-                         validate)
+                         validate, validate_packed)
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -45,8 +45,10 @@ def _kill_switch_reason():
     return None
 
 
-def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled):
-    """(reason or None, the validated problem where there is no reason)."""
+def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
+                 packed=False):
+    """(reason or None, the validated problem where there is no reason). ``packed``: ``kv``
+    is the packed ``kvs`` of validate_packed and ``score`` is None."""
     check_flag("enabled", enabled)
     reason = _kill_switch_reason()
     if reason:
@@ -59,8 +61,12 @@ def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
         if reason:
             return reason, None
     try:
-        p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                     coff=coff, for_kernel=True, contents=False)
+        if packed:
+            p = validate_packed(kv, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                                coff=coff, for_kernel=True, contents=False)
+        else:
+            p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                         coff=coff, for_kernel=True, contents=False)
     except (TypeError, ValueError) as exc:
         return f"unsupported input: {exc}", None
     return None, p
@@ -96,6 +102,19 @@ def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, 
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
         validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
                  check_offsets=True)
+    return None, reason
+
+
+def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                           enabled: bool = True, check_offsets: bool = False):
+    """fused_or_reason for ``[kv | score]`` as one tensor (compress_thd_fused_packed)."""
+    reason, p = _unavailable(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+                             coff, enabled, packed=True)
+    if reason is None:
+        return fused_from_validated(p, check_offsets), None
+    if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
+        validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
+                        check_offsets=True)
     return None, reason
 
 

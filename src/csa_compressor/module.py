@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .dispatch import fused_or_reason
+from .dispatch import fused_or_reason, fused_packed_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
@@ -171,6 +171,26 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.ape = nn.Parameter(0.02 * torch.randn(ratio, width, dtype=torch.float32, device=device))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
+        # THD inputs take one projection GEMM into [kv | score] (one GEMM backward, no add of
+        # two input gradients) where the kernels can read its halves in place.
+        self.one_projection = (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
+
+    def project(self, x):
+        """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``."""
+        return nn.functional.linear(x, torch.cat((self.wkv.weight, self.wgate.weight)))
+
+    def pool_packed(self, kvs, cu, cuc, total_comp):
+        """pool() of project()'s output, its halves read in place."""
+        if self.pooling != "reference":
+            out, reason = fused_packed_or_reason(kvs, self.ape, cu, cuc, total_comp,
+                                                 ratio=self.ratio, coff=self.coff)
+            if reason is None:
+                return out
+            if self.pooling == "fused":
+                raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
+        w = kvs.shape[-1] // 2
+        return reference.compress_thd(kvs[:, :w], kvs[:, w:], self.ape, cu, cuc, total_comp,
+                                      ratio=self.ratio, coff=self.coff, mode="fp32")
 
     def pool(self, kv, score, cu, cuc, total_comp):
         args = (kv, score, self.ape, cu, cuc, total_comp)
@@ -224,8 +244,11 @@ class Compressor(nn.Module):
                 total_comp = int(cuc[-1])
         if total_comp == 0 and self.megatron_layout:
             return None, cuc
-        kv, score = self.wkv(x), self.wgate(x)
-        pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
+        if self.one_projection:
+            pooled = self.pool_packed(self.project(x), cu_seqlens, cuc, total_comp)
+        else:
+            kv, score = self.wkv(x), self.wgate(x)
+            pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
         pos = rope_positions(cuc, total_comp, self.ratio, None if max_seqlen is None else int(max_seqlen))
         out = self._finish(pooled, pos)
         return (out.unsqueeze(1) if self.megatron_layout else out), cuc

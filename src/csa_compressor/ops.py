@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import launch_backward, launch_forward
-from .validation import Problem, validate
+from .validation import Problem, validate, validate_packed
 
 
 def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
@@ -88,6 +88,96 @@ class _PoolFn(torch.autograd.Function):
         return dkv, dscore, dape, None, None, None, None, None, None
 
 
+# The packed layout: kv and score as the column halves of one tensor kvs (T, 2*coff*d), as
+# one projection GEMM writes them; the backward writes both gradients into one (T, 2*coff*d)
+# tensor of the same layout, so the GEMM's backward takes it as it is (no copies, no add).
+
+def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff):
+    """The Problem of arguments already validated by validate_packed (kvs 2-D)."""
+    w = kvs.shape[1] // 2
+    return Problem(kvs[:, :w], kvs[:, w:], ape, cu, cuc, total_comp, ratio, coff, w // coff,
+                   kvs.shape[1], kvs)
+
+
+def _backward_packed(grad, p: Problem):
+    grad = grad.contiguous()
+    if grad.data_ptr() % 16:
+        grad = grad.clone()
+    dkvs = torch.empty_like(p.kvs)
+    w = p.kvs.shape[1] // 2
+    dape = torch.empty_like(p.ape)
+    launch_backward(p, grad, dkvs[:, :w], dkvs[:, w:], dape)
+    return dkvs, dape
+
+
+def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff):
+    return validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
+
+
+@torch.library.custom_op("csa_compressor::pool_fwd_packed", mutates_args=())
+def pool_fwd_packed_op(kvs: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
+                       cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
+                       coff: int) -> torch.Tensor:
+    return _forward(_packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
+
+
+@pool_fwd_packed_op.register_fake
+def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    return kvs.new_empty((total_comp, kvs.shape[-1] // (2 * coff)))
+
+
+@torch.library.custom_op("csa_compressor::pool_bwd_packed", mutates_args=())
+def pool_bwd_packed_op(grad: torch.Tensor, kvs: torch.Tensor, ape: torch.Tensor,
+                       cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
+                       coff: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_packed(grad, _packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp,
+                                                  grad.shape[0], ratio, coff))
+
+
+@pool_bwd_packed_op.register_fake
+def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    return torch.empty_like(kvs), torch.empty_like(ape)
+
+
+def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff):
+    if torch.compiler.is_compiling():
+        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff)
+    return _forward(_packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff))
+
+
+def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff):
+    if torch.compiler.is_compiling():
+        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff)
+    return _backward_packed(grad, _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff))
+
+
+class _PackedFn(torch.autograd.Function):
+    """The packed op's one autograd path (eager and compiled)."""
+
+    @staticmethod
+    def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff):
+        ctx.save_for_backward(kvs, ape, cu, cuc)
+        ctx.meta = (total_comp, ratio, coff)
+        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dkvs, dape = _bwd_packed(grad, *ctx.saved_tensors, *ctx.meta)
+        return dkvs, dape, None, None, None, None, None
+
+
+def compress_thd_fused_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                              check_offsets: bool = False):
+    """compress_thd_fused with ``kv`` and ``score`` as the column halves of one tensor
+    ``kvs`` ``(T, 2*coff*d)`` (``[kv | score]``, one projection's output): ``(total_comp,
+    head_dim)``, differentiable in ``kvs`` (one gradient of its layout) and ``ape``. Needs
+    ``coff*d*element size`` a multiple of 16 bytes. Results are bitwise those of
+    compress_thd_fused on the two halves."""
+    p = validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                        coff=coff, for_kernel=True, check_offsets=check_offsets)
+    return fused_from_problem(p)
+
+
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                        deterministic=None, check_offsets: bool = False):
     """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
@@ -107,8 +197,15 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
 
 
 def fused_from_problem(p: Problem):
-    """compress_thd_fused on arguments already validated for the kernels (the dispatch and
-    the module validate once and come here)."""
+    """compress_thd_fused (or its packed form, where the problem came from validate_packed)
+    on arguments already validated for the kernels (the dispatch and the module validate
+    once and come here)."""
+    if p.kvs is not None:
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                p.kvs.requires_grad or p.ape.requires_grad)):
+            return _PackedFn.apply(p.kvs, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
+                                   p.ratio, p.coff)
+        return _forward(p)
     args = (p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, p.ratio, p.coff,
             p.head_dim)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (

@@ -39,6 +39,10 @@ class Problem:
     ratio: int
     coff: int
     head_dim: int
+    # kv and score as the column halves of one (T, 2*coff*d) tensor ``kvs`` (validate_packed):
+    # their rows are row_stride = 2*coff*d apart; 0 and None otherwise.
+    row_stride: int = 0
+    kvs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -190,7 +194,7 @@ def check_offset_contents(p: "Problem") -> None:
 
 def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
              for_kernel: bool = False, check_offsets: bool = False,
-             contents: bool = True) -> Problem:
+             contents: bool = True, _packed=None) -> Problem:
     """Check every argument of a THD call and return 2-D views and sizes.
 
     ``for_kernel`` adds what the fused kernels need beyond the math: a CUDA device,
@@ -236,8 +240,10 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
                          ("cu_seqlens_comp", cuc)))
         )
     head_dim = width // coff
-    if kv.shape[0] * width > INT32_MAX:
-        raise ValueError(f"kv: T*coff*d = {kv.shape[0] * width} overflows int32 offsets (max {INT32_MAX})")
+    row_stride = 0 if _packed is None else _packed.shape[1]
+    if kv.shape[0] * (row_stride or width) > INT32_MAX:
+        raise ValueError(f"kv: T*coff*d = {kv.shape[0] * (row_stride or width)} overflows int32 "
+                         f"offsets (max {INT32_MAX})")
     if total_comp * head_dim > INT32_MAX:
         raise ValueError(f"total_comp: N*d = {total_comp * head_dim} overflows int32 offsets (max {INT32_MAX})")
     if for_kernel:
@@ -246,7 +252,8 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
         # Fake tensors (torch.compile tracing) have no storage; the op checks again at run time.
         real = not torch.compiler.is_compiling()
         for name, t in (("kv", kv), ("score", score), ("ape", ape)):
-            if not t.is_contiguous():
+            # kvs' halves are strided views of it; validate_packed checked kvs itself
+            if not t.is_contiguous() and not (row_stride and name != "ape"):
                 raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
             if real and t.data_ptr() % KERNEL_ALIGN_BYTES:
                 raise ValueError(
@@ -261,10 +268,35 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
         cu = cu.to(torch.int32).contiguous()
     if cuc.dtype != torch.int32 or not cuc.is_contiguous():
         cuc = cuc.to(torch.int32).contiguous()
-    p = Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
+    p = Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, row_stride, _packed)
     if check_contents:
         check_offset_contents(p)
     return p
+
+
+def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
+                    for_kernel: bool = False, check_offsets: bool = False,
+                    contents: bool = True) -> Problem:
+    """validate for ``kv`` and ``score`` given as the column halves of one tensor ``kvs``
+    ``(T, 2*coff*d)`` (or ``(T, 1, 2*coff*d)``): ``[kv | score]``, as one projection GEMM
+    writes them. For the kernels, ``kvs`` contiguous and each half's rows 16-byte aligned."""
+    kvs = _as_2d("kvs", _check_tensor("kvs", kvs))
+    check_ratio_coff(ratio, coff)
+    width2 = kvs.shape[1]
+    if width2 == 0 or width2 % (2 * coff):
+        raise ValueError(f"kvs: last dimension must be 2*coff*d (kv then score columns), a "
+                         f"positive multiple of {2 * coff}, got {width2}")
+    w = width2 // 2
+    if for_kernel:
+        if not kvs.is_contiguous():
+            raise ValueError(f"kvs: expected contiguous storage, got strides {kvs.stride()}")
+        if (w * kvs.element_size()) % KERNEL_ALIGN_BYTES:
+            raise ValueError(f"kvs: the score half starts {w * kvs.element_size()} bytes into each "
+                             f"row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES} "
+                             "(coff*d*element size)")
+    return validate(kvs[:, :w], kvs[:, w:], ape, cu_seqlens, cu_seqlens_comp, total_comp,
+                    ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
+                    contents=contents, _packed=kvs)
 
 
 def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -53,7 +53,8 @@ def launch_forward(p, out):
         return out
     dev = p.kv.device
     with _on_device(dev):
-        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim), dev)
+        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
+                                   row_stride=p.row_stride), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
@@ -82,11 +83,11 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
     return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
-def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
+def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0):
     """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant where
     the kernel has one (pool_bwd ``large``), from BWD_LARGE_PACK_ROWS rows, or from
     BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess."""
-    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim), device)
+    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride), device)
     t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
@@ -96,10 +97,10 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp):
     return c
 
 
-def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens):
+def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch."""
-    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp)
+    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride)
     schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio, coff * head_dim)
 
@@ -151,7 +152,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         grad_ape.zero_()
         return grad_kv, grad_score, grad_ape
     with _on_device(dev):
-        c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T)
+        c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
+                                                                      p.row_stride)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:

@@ -35,19 +35,24 @@ class KernelSpec:
     coff: int
     head_dim: int
     tuning: Tuning
+    # Elements between token rows of kv / score and of dkv / dscore; 0: packed rows of
+    # coff * head_dim (kv and score column halves of one tensor: 2 * coff * head_dim).
+    row_stride: int = 0
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
         # each time.
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning))
+            h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
+                      self.row_stride))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __str__(self):
+        rows = f", row_stride={self.row_stride}" if self.row_stride else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
-                f"coff={self.coff}, head_dim={self.head_dim}")
+                f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
 
 @dataclass(frozen=True)
@@ -64,22 +69,24 @@ _SPECS: dict = {}
 
 
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-         tuning: Tuning | None = None) -> KernelSpec:
+         tuning: Tuning | None = None, row_stride: int = 0) -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
     cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
     id cannot be reused."""
     t = tuning or current()
-    key = (direction, dtype, ratio, coff, head_dim, id(t))
+    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
     if direction in ("dape", "dape_wide"):
-        dtype = torch.float32  # the partials are fp32 whatever the inputs are
-    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen())
+        dtype, row_stride = torch.float32, 0  # the partials are fp32 whatever the inputs are
+    if row_stride == coff * head_dim:
+        row_stride = 0  # packed rows: one spec, one kernel
+    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -90,7 +97,8 @@ def family(s: KernelSpec) -> tuple:
     """``s`` and the specs compiled with it, ``s`` first: a backward's dape sums (both
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
-    sums = tuple(replace(s, direction=d, dtype=torch.float32) for d in ("dape", "dape_wide"))
+    sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0)
+                 for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)
     if s.direction == "bwd_large":
@@ -102,14 +110,15 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     """The Units compiled for ``s``, its own first (family() less the kernels this
     specialisation does not have)."""
     specs = family(s)
-    args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim) for f in specs]
-    kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning)
-               for f in specs]
+    args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride)
+            for f in specs]
+    kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
+                          f.row_stride) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-               arch_major: int, tuning):
+               arch_major: int, tuning, row_stride: int = 0):
     """The kernel object of one specialisation, None where it has none: windows of more
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
@@ -128,15 +137,18 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
     if long:
         if direction == "fwd":
-            return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning)
-        return LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning) if direction == "bwd" else None
+            return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride)
+        return (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride)
+                if direction == "bwd" else None)
     if direction == "fwd":
-        return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
-    default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning)
+        return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                           row_stride=row_stride)
+    default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                           row_stride=row_stride)
     if direction == "bwd":
         return default
-    return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning)
-            if default.has_large_variant else None)
+    return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning,
+                         row_stride=row_stride) if default.has_large_variant else None)
 
 
 def _fake(dtype, shape, align):
@@ -146,9 +158,11 @@ def _fake(dtype, shape, align):
     return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
 
-def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int) -> tuple:
+def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+                 row_stride: int = 0) -> tuple:
     """Symbolic arguments of a direction's launch: token, row, batch and partial-row counts
-    stay symbolic, so packs change without recompiling."""
+    stay symbolic, so packs change without recompiling; ``row_stride`` (0: packed rows) is
+    the token rows' static stride in kv, score, dkv and dscore."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -160,13 +174,19 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
         return (_fake(cutlass.Float32, (P, ratio * W), 16),
                 _fake(cutlass.Float32, (1, ratio * W), 16), stream)
     cdt = cutlass_dtype(dtype)
-    kv, score = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
+
+    def rows():  # kv, score, dkv, dscore
+        if row_stride:
+            return cute.runtime.make_fake_tensor(cdt, (T, W), (row_stride, 1), assumed_align=16)
+        return _fake(cdt, (T, W), 16)
+
+    kv, score = rows(), rows()
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     if direction == "fwd":
         return kv, score, ape, cu, cuc, _fake(cdt, (N, head_dim), 16), Int32(1), stream
     grad = _fake(cdt, (N, head_dim), 16)
-    dkv, dscore = _fake(cdt, (T, W), 16), _fake(cdt, (T, W), 16)
+    dkv, dscore = rows(), rows()
     work = _fake(cutlass.Float32, (P, W), 16)
     return (kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1), Int32(1), Int32(1),
             stream)

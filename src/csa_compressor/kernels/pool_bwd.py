@@ -36,12 +36,13 @@ class PoolBackward(BackwardGrid, WindowSlots):
     # previous kernel's tail (-0.3 to -0.6 us a step at d=128).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 large: bool = False, tuning: Tuning | None = None):
+                 large: bool = False, tuning: Tuning | None = None, row_stride: int = 0):
         self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
+        self.set_rows(row_stride)
         self.vec = t.vector_elems(head_dim, dtype.width // 8, self.t.BWD_VEC_BYTES)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio

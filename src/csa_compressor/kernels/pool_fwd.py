@@ -36,12 +36,13 @@ from .staging import Tiles, WindowSlots
 
 class PoolForward(WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 tuning: Tuning | None = None):
+                 tuning: Tuning | None = None, row_stride: int = 0):
         self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
+        self.set_rows(row_stride)
         elem_bytes = dtype.width // 8
         self.vec = t.forward_vector_elems(head_dim, elem_bytes, coff * ratio)
         self.cpr = head_dim // self.vec  # column chunks per output row

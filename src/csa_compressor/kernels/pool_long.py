@@ -38,8 +38,9 @@ class LongWindow:
     """The slot-parallel geometry and the window sums shared by the long forward and backward."""
 
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
-               pad: bool):
+               pad: bool, row_stride: int):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
+        self.set_rows(row_stride)
         self.vec = self.t.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
@@ -143,13 +144,14 @@ class LongWindow:
 
 
 class LongPoolForward(LongWindow, WindowSlots):
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
+                 row_stride: int = 0):
         self.t = tuning or current()
         most = self.t.LONG_SLOTS_PER_THREAD
         if coff * ratio < self.t.LONG_WIDE_MIN_SLOTS:
             most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # tuning log, "LONG_WIDE_MIN_SLOTS"
         self._setup(dtype, ratio, coff, head_dim, self.t.LONG_CTA_THREADS, self.t.LONG_VEC_BYTES,
-                    most, pad=False)
+                    most, pad=False, row_stride=row_stride)
         # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (self.t.LONG_*). Its values
         # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
@@ -213,13 +215,14 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
     them as the CTA's partial (every partial entry has exactly one owner thread). The grid
     and its zero-fill CTAs are BackwardGrid's, as in the short-window backward."""
 
-    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
+                 row_stride: int = 0):
         self.t = tuning or current()
         # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
         # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count.
         for most in (self.t.LONG_BWD_SLOTS_PER_THREAD, self.t.LONG_NARROW_SLOTS_PER_THREAD):
             self._setup(dtype, ratio, coff, head_dim, self.t.LONG_BWD_CTA_THREADS,
-                              self.t.LONG_BWD_VEC_BYTES, most, pad=True)
+                              self.t.LONG_BWD_VEC_BYTES, most, pad=True, row_stride=row_stride)
             if (self.slots >= self.t.LONG_WIDE_MIN_SLOTS
                     and self.col_groups >= self.t.LONG_BWD_MIN_COL_GROUPS):
                 break

@@ -53,6 +53,12 @@ class WindowSlots:
     synchronisation needed."""
 
     coop = False  # warp-cooperative staging (coop_stageable), set by the kernels that use it
+    row_stride = None  # elements between token rows of kv / score (and dkv / dscore): set_rows
+
+    def set_rows(self, row_stride: int):
+        """Token rows ``row_stride`` elements apart (0: packed, ``coff * head_dim``); a
+        constant of the compiled code, so the slots stay immediate offsets of one base."""
+        self.row_stride = row_stride or self.coff * self.d
 
     def specialise(self):
         """Code choices that follow from the geometry, made once at construction (after
@@ -140,7 +146,7 @@ class WindowSlots:
     def slot_offset(self, k: int) -> int:
         """Elements from window slot 0's vector to slot k's, same column chunk: a constant."""
         own = self.coff == 2 and k >= self.ratio
-        return k * self.coff * self.d + (self.d if own else 0)
+        return k * self.row_stride + (self.d if own else 0)
 
     @cute.jit
     def window_base(self, g: cute.Tensor, t0, chunk):
@@ -153,7 +159,7 @@ class WindowSlots:
         if cutlass.const_expr(self.coff == 2):
             first = t0 - self.ratio
         # Every term is a multiple of vec: say so, or the copies lose their alignment.
-        off = cute.assume(first * (self.coff * self.d) + chunk * self.vec, divby=self.vec)
+        off = cute.assume(first * self.row_stride + chunk * self.vec, divby=self.vec)
         return g.iterator + off
 
     def window_atom(self):
@@ -191,7 +197,7 @@ class WindowSlots:
         eb = self.dtype.width // 8
         wb = 32 * self.vec * eb
         return (self.staged and self.lanes % 32 == 0 and self.cpr % self.lanes == 0
-                and (self.coff * self.d * eb) % 16 == 0 and (self.d * eb) % 16 == 0
+                and (self.row_stride * eb) % 16 == 0 and (self.d * eb) % 16 == 0
                 and wb % 16 == 0 and 32 % (wb // 16) == 0)
 
     def coop_atom(self):
@@ -217,7 +223,7 @@ class WindowSlots:
         lane = cute.arch.lane_idx()
         piece = lane % lpt
         sub = lane // lpt
-        W = self.coff * self.d
+        W = self.row_stride
         first = t0
         if cutlass.const_expr(self.coff == 2):
             first = t0 - self.ratio

@@ -1,0 +1,109 @@
+"""The packed layout, ``[kv | score]`` as one tensor (compress_thd_fused_packed, the
+module's one projection), on the CPU: its validation, its op and autograd routing (the
+launches replaced by the fp32 reference, as in test_ops_cpu), and the module's one GEMM
+against two. The kernels on it: tests/test_packed_gpu.py."""
+
+import pytest
+import torch
+
+from csa_compressor import Compressor, ops, reference, validation
+from packs import make_pack
+
+
+def test_packed_validation_names_what_is_wrong():
+    kv, score, ape, cu, cuc, N = make_pack([9, 13], 8, 4, 2)
+    kvs = torch.cat((kv, score), dim=1)
+    p = validation.validate_packed(kvs, ape, cu, cuc, N, ratio=4, coff=2)
+    assert p.row_stride == 32 and p.kvs is not None and p.head_dim == 8
+    assert torch.equal(p.kv, kv) and torch.equal(p.score, score)
+    with pytest.raises(ValueError, match="kvs: last dimension must be 2\\*coff\\*d"):
+        validation.validate_packed(kvs[:, :30], ape, cu, cuc, N, ratio=4, coff=2)
+    with pytest.raises(ValueError, match="ape: expected shape"):
+        validation.validate_packed(kvs, ape[:, :8], cu, cuc, N, ratio=4, coff=2)
+    with pytest.raises(ValueError, match="kvs: expected contiguous"):
+        validation.validate_packed(torch.cat((kvs, kvs), 1)[:, ::2], ape, cu, cuc, N, ratio=4,
+                                   coff=2, for_kernel=True)
+    odd = torch.zeros(22, 2 * 65, dtype=torch.bfloat16)  # score half at 130 bytes
+    with pytest.raises(ValueError, match="kvs: the score half starts 130 bytes"):
+        validation.validate_packed(odd, torch.zeros(4, 65), cu, None, 5, ratio=4, coff=1,
+                                   for_kernel=True)
+
+
+def _fake_launches(monkeypatch, grads):
+    calls = {"fwd": 0, "bwd": 0}
+
+    def fake_forward(p):
+        calls["fwd"] += 1
+        return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
+                                      p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
+                                      mode="fp32")
+
+    def fake_backward_packed(grad, p):
+        calls["bwd"] += 1
+        assert torch.equal(grad, grads["g"]) and p.kvs.shape == grads["dkvs"].shape
+        return grads["dkvs"].clone(), grads["dape"].clone()
+
+    monkeypatch.setattr(ops, "validate_packed",
+                        lambda *a, for_kernel=False, **k: validation.validate_packed(*a, **k))
+    monkeypatch.setattr(ops, "_forward", fake_forward)
+    monkeypatch.setattr(ops, "_backward_packed", fake_backward_packed)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_packed_op_gives_one_gradient_in_its_layout(monkeypatch, compiled):
+    """Eager and torch.compile(fullgraph) reach the packed op's bodies once a direction, and
+    the gradient arrives as one (T, 2*coff*d) tensor: the halves' reference gradients side
+    by side."""
+    import torch._dynamo
+
+    kv, score, ape, cu, cuc, N = make_pack([9, 0, 13, 4], 8, 4, 2)
+    g = torch.randn(N, 8, generator=torch.Generator().manual_seed(5))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    ref = reference.compress_thd(*leaves, cu, cuc, N, ratio=4, coff=2, mode="fp32")
+    dkv, dscore, dape = torch.autograd.grad(ref, leaves, g)
+    grads = {"g": g, "dkvs": torch.cat((dkv, dscore), 1), "dape": dape}
+    calls = _fake_launches(monkeypatch, grads)
+    fn = ops.compress_thd_fused_packed
+    if compiled:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    a = ape.clone().requires_grad_(True)
+    out = fn(kvs, a, cu, cuc, N, ratio=4, coff=2)
+    out.backward(g)
+    assert calls == {"fwd": 1, "bwd": 1}, calls
+    assert torch.equal(out.detach(), ref.detach())
+    assert kvs.grad.shape == kvs.shape and torch.equal(kvs.grad, grads["dkvs"])
+    assert torch.equal(a.grad, dape)
+    if compiled:
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("d,one", [(32, True), (33, False)])
+def test_the_module_projects_once_where_the_kernels_can_read_the_halves(d, one):
+    """One GEMM into [kv | score] (fp32 rows of coff*d*4 bytes, a multiple of 16), else two
+    projections as before; output and every gradient as the two-projection computation."""
+    torch.manual_seed(0)
+    m = Compressor(48, d, 4, rope_dim=16, dtype=torch.float32, pooling="reference")
+    assert m.one_projection == one
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)
+    x = torch.randn(100, 48, requires_grad=True)
+    out, cuc = m(x, cu)
+    g = torch.randn(out.shape)
+    out.backward(g)
+    got = [out.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    kv, score = m.wkv(x2), m.wgate(x2)
+    pooled = reference.compress_thd(kv, score, m.ape, cu, cuc, out.shape[0], ratio=4, coff=2,
+                                    mode="fp32")
+    from csa_compressor.module import rope_positions
+
+    want_out = m._finish(pooled, rope_positions(cuc, out.shape[0], 4))
+    want_out.backward(g)
+    want = [want_out.detach(), x2.grad] + [p.grad for p in m.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
