@@ -20,6 +20,7 @@
 #                        compute-sanitizer memcheck: the reliability figure
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
+#   module_bench         python -m csa_compressor bench --module (the Compressor module's step)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -71,6 +72,7 @@ cmd_of() {
         fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
+        module_bench) echo "python3 -m csa_compressor bench --module" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;

@@ -61,6 +61,13 @@ def cmd_bench(args) -> int:
         return _no_gpu("bench")
     from . import bench
 
+    if args.module:
+        from . import module_bench
+
+        rows = module_bench.run(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(module_bench.header(bench.environment(), rows))
+        print(module_bench.table(rows))
+        return 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     result = bench.run(args.shape_list, dtype, args.impl_list, compile_all=args.compile_all,
                        progress=lambda m: print(m, file=sys.stderr, flush=True),
@@ -113,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="all 20 calls of a graph on the same inputs (L2-warm where a pack fits) "
                         "instead of rotating over inputs of twice the L2")
     b.add_argument("--out", help="write results.json, results.md and PNG plots here")
+    b.add_argument("--module", action="store_true",
+                   help="the whole Compressor module's training step instead (one projection "
+                        "against two, and the projection GEMMs alone)")
     c = sub.add_parser("check", help="the numerics gate (CUDA GPU): exit 1 on a failing clause")
     c.add_argument("--dtypes", default=",".join(DTYPE_NAMES), help="from bf16, fp16, fp32")
     p = sub.add_parser("report", help="results.md and PNG plots from a results.json")

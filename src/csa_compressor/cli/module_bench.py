@@ -1,0 +1,106 @@
+"""`python -m csa_compressor bench --module`: the whole Compressor's training step.
+
+The ``Compressor`` module forward + backward (THD, static capacity, hidden 4096, bf16) at
+3x8192 tokens in three configurations, each timed as the op bench times (CUDA graphs of
+calls over inputs rotated past the L2): the module with one projection GEMM into
+``[kv | score]`` (the packed op) and with two (the plain op on two projections, the
+layout before), and the projection GEMMs alone (forward and input + weight gradients of
+one GEMM of both weights) as the floor the issue of the whole step is measured against.
+Kernel launches a step from torch.profiler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .bench import CALLS_PER_GRAPH, input_sets, time_graph
+
+HIDDEN = 4096
+# (name, head_dim, ratio, rotate)
+CONFIGS = (("d512 r4", 512, 4, False), ("d128 r4 rotate", 128, 4, True),
+           ("d512 r128", 512, 128, False))
+
+
+def _launches(step) -> float:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(0)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
+    from ..module import Compressor
+
+    dev = torch.device("cuda")
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    n_sets = input_sets(T * HIDDEN * 2, l2)
+    xs = [torch.randn(T, HIDDEN, device=dev).to(torch.bfloat16).requires_grad_(True)
+          for _ in range(n_sets)]
+    rows = []
+    for name, d, ratio, rotate in configs:
+        torch.manual_seed(0)
+        m = Compressor(HIDDEN, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev,
+                       pooling="fused")
+        params = list(m.parameters())
+        out, _ = m(xs[0], cu, max_seqlen=max(lens))
+        g = torch.randn_like(out)
+        weight = torch.cat((m.wkv.weight, m.wgate.weight)).detach().requires_grad_(True)
+
+        def module_step(i):
+            out, _ = m(xs[i], cu, max_seqlen=max(lens))
+            return torch.autograd.grad(out, [xs[i]] + params, g)
+
+        gk = torch.randn(T, weight.shape[0], device=dev).to(torch.bfloat16)
+
+        def gemm_step(i):
+            kvs = torch.nn.functional.linear(xs[i], weight)
+            return torch.autograd.grad(kvs, [xs[i], weight], gk)
+
+        row = {"config": name, "tokens": T, "hidden": HIDDEN}
+        for key, step, one in (("one_projection", module_step, True),
+                               ("two_projections", module_step, False),
+                               ("gemms", gemm_step, None)):
+            progress(f"{name} {key} ...")
+            if one is not None:
+                m.one_projection = one
+            try:
+                row[f"{key}_us"] = time_graph(step, n_sets)
+                row[f"{key}_launches"] = _launches(step)
+            except Exception as exc:  # report, never hide
+                row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+        del m
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows) -> str:
+    def cell(r, key):
+        if f"{key}_error" in r:
+            return r[f"{key}_error"]
+        return f"{r[f'{key}_us']:.0f} ({r[f'{key}_launches']:.0f})"
+
+    lines = ["| config | module, one projection µs (kernels) | module, two projections µs "
+             "(kernels) | projection GEMMs alone µs (kernels) | step / GEMMs |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = (f"{r['one_projection_us'] / r['gemms_us']:.2f}x"
+                 if "one_projection_us" in r and "gemms_us" in r else "-")
+        lines.append(f"| {r['config']} | {cell(r, 'one_projection')} | "
+                     f"{cell(r, 'two_projections')} | {cell(r, 'gemms')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def header(env, rows) -> str:
+    T = rows[0]["tokens"] if rows else 0
+    return (f"GPU {env.get('gpu')}, driver {env.get('driver')}, torch {env['torch']}, CuTe DSL "
+            f"{env['cutlass_dsl']}, commit {env['commit']}, {env['date']}; Compressor forward + "
+            f"backward, {T} tokens (3 sequences), hidden {HIDDEN}, bf16; {CALLS_PER_GRAPH} steps "
+            "per CUDA graph over inputs rotated past the L2")

@@ -1,0 +1,86 @@
+"""The packed layout on the GPU: compress_thd_fused_packed reads kv and score as the column
+halves of one tensor and writes their gradients into one tensor of that layout, bitwise
+what compress_thd_fused gives on the halves (the same kernels, compiled for the longer row
+stride), under torch.compile too; the module's one projection through it."""
+
+import pytest
+import torch
+
+import csa_compressor as C
+from packs import make_pack
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (lens, d, ratio, coff, dtype)
+    ([100, 0, 3, 61, 256], 128, 4, 2, torch.bfloat16),
+    ([8192, 8192], 128, 4, 2, torch.bfloat16),  # the large-pack backward
+    ([300, 0, 257, 9], 512, 4, 2, torch.bfloat16),
+    ([300, 0, 127, 520], 512, 128, 1, torch.bfloat16),
+    ([37, 5, 64], 64, 4, 1, torch.float16),
+    ([70, 33], 64, 16, 2, torch.float32),
+    ([50, 1, 77], 96, 3, 2, torch.bfloat16),
+]
+
+
+def _steps(kv, score, ape, cu, cuc, N, ratio, coff, g, packed_fn=C.compress_thd_fused_packed):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+    out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=ratio, coff=coff)
+    want = [out.detach(), *torch.autograd.grad(out, leaves, g)]
+    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    a = ape.detach().clone().requires_grad_(True)
+    out = packed_fn(kvs, a, cu, cuc, N, ratio=ratio, coff=coff)
+    dkvs, dape = torch.autograd.grad(out, (kvs, a), g)
+    w = kv.shape[1]
+    return want, [out.detach(), dkvs[:, :w], dkvs[:, w:], dape]
+
+
+@pytest.mark.parametrize("lens,d,ratio,coff,dtype", CASES)
+def test_packed_is_the_plain_op_bitwise(lens, d, ratio, coff, dtype):
+    kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=dtype, device="cuda",
+                                           extra_rows=3)
+    g = torch.randn(N, d, device="cuda").to(dtype)
+    want, got = _steps(kv, score, ape, cu, cuc, N, ratio, coff, g)
+    for name, a, b in zip(("out", "dkv", "dscore", "dape"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_packed_under_torch_compile_fullgraph_bitwise():
+    import torch._dynamo
+
+    kv, score, ape, cu, cuc, N = make_pack([100, 0, 3, 61, 256], 128, 4, 2, dtype=torch.bfloat16,
+                                           device="cuda", extra_rows=2)
+    g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(C.compress_thd_fused_packed, fullgraph=True)
+    want, got = _steps(kv, score, ape, cu, cuc, N, 4, 2, g, packed_fn=compiled)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    for name, a, b in zip(("out", "dkv", "dscore", "dape"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_the_module_projects_once_through_the_packed_kernels(monkeypatch):
+    """Compressor's THD step on the GPU takes the packed op (one GEMM), and gives the
+    reference pooling's output and gradients within bf16 rounding."""
+    from csa_compressor import dispatch
+
+    torch.manual_seed(0)
+    m = C.Compressor(256, 128, 4, dtype=torch.bfloat16, device="cuda")
+    r = C.Compressor(256, 128, 4, dtype=torch.bfloat16, device="cuda", pooling="reference")
+    r.load_state_dict(m.state_dict())
+    assert m.one_projection
+    launched, fused = [], dispatch.fused_from_validated
+    monkeypatch.setattr(dispatch, "fused_from_validated",
+                        lambda p, *a: launched.append(p.row_stride) or fused(p, *a))
+    cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
+    x = torch.randn(1030, 256, device="cuda").to(torch.bfloat16)
+    res = []
+    for mod in (m, r):
+        xi = x.clone().requires_grad_(True)
+        out, _ = mod(xi, cu, max_seqlen=730)
+        out.float().square().sum().backward()
+        res.append([out.float(), xi.grad.float()] + [p.grad.float() for p in mod.parameters()])
+    assert launched == [2 * 256]
+    for a, b in zip(*res):
+        scale = b.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=2e-2)
