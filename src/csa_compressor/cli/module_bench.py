@@ -33,6 +33,20 @@ def _launches(step) -> float:
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
+def _loop_us(step, n=10) -> float:
+    """µs a step outside graphs: CUDA events around ``n`` back-to-back steps (host time
+    included where it exceeds the GPU's)."""
+    step(0)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        step(0)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
 def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
     from ..module import Compressor
 
@@ -43,48 +57,50 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
     n_sets = input_sets(T * HIDDEN * 2, l2)
     xs = [torch.randn(T, HIDDEN, device=dev).to(torch.bfloat16).requires_grad_(True)
           for _ in range(n_sets)]
+    # Every module is built (its random initialisation drawn) before any graph is captured.
+    torch.manual_seed(0)
+    modules = [Compressor(HIDDEN, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev,
+                          pooling="fused") for _, d, ratio, rotate in configs]
     rows = []
-    for name, d, ratio, rotate in configs:
-        torch.manual_seed(0)
-        m = Compressor(HIDDEN, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev,
-                       pooling="fused")
+    for (name, d, ratio, rotate), m in zip(configs, modules):
         params = list(m.parameters())
-        out, _ = m(xs[0], cu, max_seqlen=max(lens))
-        g = torch.randn_like(out)
+        with torch.no_grad():
+            rows_out = m(xs[0], cu, max_seqlen=max(lens))[0].shape
+        # drawn on the host: a failed capture would leave the device generator unusable
+        g = torch.randn(rows_out).to(torch.bfloat16).to(dev)
         weight = torch.cat((m.wkv.weight, m.wgate.weight)).detach().requires_grad_(True)
+        gk = torch.randn(T, weight.shape[0]).to(torch.bfloat16).to(dev)
 
         def module_step(i):
             out, _ = m(xs[i], cu, max_seqlen=max(lens))
             return torch.autograd.grad(out, [xs[i]] + params, g)
-
-        gk = torch.randn(T, weight.shape[0], device=dev).to(torch.bfloat16)
 
         def gemm_step(i):
             kvs = torch.nn.functional.linear(xs[i], weight)
             return torch.autograd.grad(kvs, [xs[i], weight], gk)
 
         row = {"config": name, "tokens": T, "hidden": HIDDEN}
-        for key, step, one in (("one_projection", module_step, True),
-                               ("two_projections", module_step, False),
-                               ("gemms", gemm_step, None)):
+        for key, step, one in (("gemms", gemm_step, None), ("one_projection", module_step, True),
+                               ("two_projections", module_step, False)):
             progress(f"{name} {key} ...")
             if one is not None:
                 m.one_projection = one
             try:
-                row[f"{key}_us"] = time_graph(step, n_sets)
+                row[f"{key}_loop_us"] = _loop_us(step)
                 row[f"{key}_launches"] = _launches(step)
+                row[f"{key}_us"] = time_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        progress(str(row))
         rows.append(row)
-        del m
-        torch.cuda.empty_cache()
     return rows
 
 
 def table(rows) -> str:
     def cell(r, key):
-        if f"{key}_error" in r:
-            return r[f"{key}_error"]
+        if f"{key}_us" not in r:
+            loop = f"{r[f'{key}_loop_us']:.0f} outside graphs, " if f"{key}_loop_us" in r else ""
+            return loop + r.get(f"{key}_error", "-")
         return f"{r[f'{key}_us']:.0f} ({r[f'{key}_launches']:.0f})"
 
     lines = ["| config | module, one projection µs (kernels) | module, two projections µs "
