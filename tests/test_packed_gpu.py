@@ -84,3 +84,26 @@ def test_the_module_projects_once_through_the_packed_kernels(monkeypatch):
     for a, b in zip(*res):
         scale = b.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=2e-2)
+
+
+def test_precompile_packed_then_capture_forward_and_backward():
+    """precompile(packed=True) covers the packed kernels: a first packed step inside CUDA-graph
+    capture compiles nothing, and the replay gives the eager step's results."""
+    kv, score, ape, cu, cuc, N = make_pack([64, 9, 130], 80, 2, 2, dtype=torch.bfloat16,
+                                           device="cuda", extra_rows=2)
+    C.precompile(torch.bfloat16, 2, 2, 80, packed=True)
+    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    a = ape.clone().requires_grad_(True)
+    g = torch.randn(N, 80, device="cuda").to(torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        out = C.compress_thd_fused_packed(kvs, a, cu, cuc, N, ratio=2, coff=2)
+        dkvs, dape = torch.autograd.grad(out, (kvs, a), g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = C.compress_thd_fused_packed(kvs, a, cu, cuc, N, ratio=2, coff=2)
+    wkvs, wdape = torch.autograd.grad(want, (kvs, a), g)
+    assert torch.equal(out, want) and torch.equal(dkvs, wkvs) and torch.equal(dape, wdape)

@@ -220,14 +220,18 @@ def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
 
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
-               directions=("fwd", "bwd")) -> None:
+               directions=("fwd", "bwd"), packed: bool = False) -> None:
     """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
-    its large-pack variant."""
-    from ..validation import check_cuda_device, check_specialisation
+    its large-pack variant. ``packed``: also the kernels of the packed layout
+    (compress_thd_fused_packed, the Compressor module's THD path)."""
+    from ..validation import check_cuda_device, check_flag, check_specialisation
 
     check_specialisation(dtype, ratio, coff, head_dim)
-    device = check_cuda_device(device)
+    check_flag("packed", packed)
     if isinstance(directions, str) or not set(directions) <= {"fwd", "bwd"} or not directions:
         raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
-    for direction in directions:
-        get_kernel(direction, device, dtype, ratio, coff, head_dim)
+    device = check_cuda_device(device)
+    for row_stride in ((0, 2 * coff * head_dim) if packed else (0,)):
+        for direction in directions:
+            compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, row_stride=row_stride),
+                         device)
