@@ -98,6 +98,9 @@ def test_precompile_packed_then_capture_forward_and_backward():
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm the side stream up on the plain op's step
+        leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+        torch.autograd.grad(C.compress_thd_fused(*leaves, cu, cuc, N, ratio=2, coff=2), leaves, g)
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
         out = C.compress_thd_fused_packed(kvs, a, cu, cuc, N, ratio=2, coff=2)
         dkvs, dape = torch.autograd.grad(out, (kvs, a), g)
