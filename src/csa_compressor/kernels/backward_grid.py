@@ -40,9 +40,8 @@ class BackwardGrid:
         """``ctas`` row and zero CTAs for each column group. Where there are several groups
         (d=512 bf16: 2), they are the fastest-varying index of a 1-D grid, so every row CTA
         of every group is dispatched before any zero CTA. With the groups on grid.y, group
-        1's row CTAs queued behind group 0's zero CTAs. With BWD_TARGET_CTAS_PER_SM = 6
-        (all row CTAs resident at once), 3x8192/512 fwd+bwd went 121.8-123.5 -> 109.4 µs
-        (H200)."""
+        1's row CTAs queued behind group 0's zero CTAs (docs/lab/perf-notes.md has the
+        measurement)."""
         if self.interleave:
             return [ctas * self.col_groups, 1, 1]
         return [ctas, self.col_groups, 1]
@@ -82,8 +81,7 @@ class BackwardGrid:
         start, end, nb, rowb = self.segment_span(pk, s)
         # The walk starts at the segment's first unread block (tuning log, "Zero-fill walks
         # from the first unread block"); a thread whose tokens are all read (almost every
-        # zero CTA in a pack of full sequences) walks none (-1.1 us fwd+bwd at 1x8192/128
-        # and 3x8192/128 when that shortcut came in).
+        # zero CTA in a pack of full sequences) walks none.
         j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
                                pk.num_rows)
         self.zero_tokens(pk, gDKV, gDSc, t0, chunk, zero, own_col, s, (start, end, nb, rowb), j0)

@@ -168,8 +168,8 @@ def build(spec: plan.KernelSpec, device: torch.device | None = None) -> Compiled
 
 def _direct(fn):
     """The compiled function's ``tvm_ffi.Function`` (the TVM-FFI conversion protocol,
-    ``__tvm_ffi_object__``), called without the DSL's keyword-argument wrapper: 5.5 against
-    8.1 us a launch on the H200 host (tools/perf_probe.py host). Our launches
+    ``__tvm_ffi_object__``), called without the DSL's keyword-argument wrapper, which costs
+    host time on every launch (tools/perf_probe.py host). Our launches
     pass positional tensors and ints only, which is all the wrapper would forward. Falls
     back to ``fn`` where there is no such function (e.g. compiled without a GPU)."""
     conv = getattr(fn, "__tvm_ffi_object__", None)

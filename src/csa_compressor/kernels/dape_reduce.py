@@ -1,9 +1,8 @@
 """Fixed-order sum of the backward's per-CTA dape partials: (P, C) fp32 -> (1, C) fp32.
 
 ``torch.sum`` over dim 0 of the partials ran one thread per column, each walking all P
-rows one dependent load after another: 8 CTAs and 15.0 us at 1x8192/128, 32 CTAs and 12.5
-us at 3x8192/512 (ncu, H200), longer than the backward kernel itself at the
-small shape. Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
+rows one dependent load after another, in a handful of CTAs: longer than the backward
+kernel itself at small shapes (docs/lab/perf-notes.md). Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
 lane y sums rows y, y + row_lanes, ... (independent loads, unrolled, so many are in
 flight), then row lane 0 adds the lanes' sums in lane order from shared memory. The order
 depends only on P, C and the tuning, so the result is bitwise
@@ -35,9 +34,8 @@ class DapeReduce:
         # Programmatic dependent launch: the backward lets this grid be scheduled early
         # (griddepcontrol.launch_dependents), and this kernel waits for the backward's end
         # and memory flush (griddepcontrol.wait) before it reads the partials, so its launch
-        # latency overlaps the backward's tail. Measured -0.5 to -0.7 us a backward at
-        # d=128 (H200: 1x8192/128 fwd+bwd 20.3 -> 19.6, ragged 15.8 -> 15.1).
-        # Launched on its own (the tests) it simply waits for nothing.
+        # latency overlaps the backward's tail. Launched on its own (the tests) it simply
+        # waits for nothing.
 
     @cute.jit
     def __call__(self, mWork: cute.Tensor, mOut: cute.Tensor, stream):

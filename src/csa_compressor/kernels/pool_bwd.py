@@ -33,7 +33,7 @@ from .staging import Tiles, WindowSlots, smem_footprint
 class PoolBackward(BackwardGrid, WindowSlots):
     # Launched as a programmatic dependent whose first statement is griddepcontrol.wait
     # (kernel(), and pool_long.LongPoolBackward's): the launch and CTA start-up overlap the
-    # previous kernel's tail (-0.3 to -0.6 us a step at d=128).
+    # previous kernel's tail (docs/lab/tuning-log.md).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False, tuning: Tuning | None = None, row_stride: int = 0):
@@ -72,8 +72,8 @@ class PoolBackward(BackwardGrid, WindowSlots):
         staging = (self.staging_bytes(self.stages) + smem_footprint(grad_bytes)
                    if self.staged else 0)
         self.smem_bytes = staging + smem_footprint(self.red_bytes)
-        # Size the grid for the CTAs whose shared memory fits an SM: at d=128 only 3 do, and
-        # a grid sized for 4 ran 1.3 waves (1x8192/128 fwd+bwd 27.9 -> 24.6 us).
+        # Size the grid for the CTAs whose shared memory fits an SM (at d=128 only 3 do): a
+        # grid sized for more runs a partial second wave.
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         default_ctas = self.target_ctas_per_sm
         large_ctas = self.large_pack_ctas(default_ctas)

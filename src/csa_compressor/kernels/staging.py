@@ -64,12 +64,11 @@ class WindowSlots:
         """Code choices that follow from the geometry, made once at construction (after
         dtype, vec, cpr and lanes are set)."""
         # A search whose key depends only on the row lane (or the CTA) runs as a 32-ary warp
-        # search where every warp is 32 active column lanes of one row lane: 2048x64
-        # forward 59.4 -> 57.2 us (H200).
+        # search where every warp is 32 active column lanes of one row lane (fewer dependent
+        # loads a search).
         self.warp_search = self.lanes % 32 == 0 and self.cpr % self.lanes == 0
         # bf16 -> fp32 as a shift or a mask of the 32-bit word: one instruction an element
-        # instead of three a pair (with the static slot offsets of window_base, 3x8192/512
-        # forward 40.0 -> 37.0 us).
+        # instead of three a pair.
         self.bf16_bits = self.dtype is cutlass.BFloat16 and self.vec % 2 == 0
 
     @cute.jit

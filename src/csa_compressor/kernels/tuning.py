@@ -57,7 +57,7 @@ class Tuning:
     LONG_SLOTS_PER_THREAD: int = 16  # forward slots a thread for windows of LONG_WIDE_MIN_SLOTS or more
     LONG_VEC_BYTES: int = 4  # 4-byte vectors: 48-80 registers, 3-5 CTAs an SM
     LONG_WIDE_MIN_SLOTS: int = 64  # narrower windows take LONG_NARROW_SLOTS_PER_THREAD
-    LONG_NARROW_SLOTS_PER_THREAD: int = 8  # ratio 16 coff 2 forward 16.0 -> 14.0 us
+    LONG_NARROW_SLOTS_PER_THREAD: int = 8  # more slot groups a row: faster at ratio 16 coff 2
     LONG_BWD_CTA_THREADS: int = 256
     LONG_BWD_SLOTS_PER_THREAD: int = 16  # wide rows (>= LONG_BWD_MIN_COL_GROUPS CTAs a row)
     LONG_BWD_MIN_COL_GROUPS: int = 4  # fewer column groups: the narrow slot count
