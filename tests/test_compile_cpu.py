@@ -132,6 +132,22 @@ def test_compiles_without_spills_and_with_pinned_rounding(arch, cfg):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [("fwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
+                                 ("bwd", "bfloat16", 128, 1, 512)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_the_packed_layout_compiles_to_the_same_resources(arch, cfg):
+    """kv and score as the halves of one [kv | score] tensor (rows 2*coff*d apart, a
+    compile-time stride): the same registers, no spills, the same copies and grid as the
+    packed rows' kernel."""
+    plain = probe(arch, cfg)
+    packed = probe(arch, (*cfg, 2 * cfg[3] * cfg[4]))
+    assert all(s == 0 for s in packed["spills"]) and packed["local"] == 0, packed
+    for key in ("regs", "coop", "async_copies_by_bytes", "loads_by_bytes", "target_ctas",
+                "min_ctas", "smem_asked", "mul_rn", "pdl_wait_first"):
+        assert packed[key] == plain[key], (key, packed[key], plain[key])
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("layout,ratio,coff,d", [("dape", 4, 2, 512), ("dape_wide", 128, 1, 512)])
 def test_dape_reduction_compiles_with_wide_loads(arch, layout, ratio, coff, d):
     """The partials' reduction in both layouts: no spills, and 16-byte loads, unrolled."""
