@@ -107,3 +107,22 @@ def test_the_module_projects_once_where_the_kernels_can_read_the_halves(d, one):
     want = [want_out.detach(), x2.grad] + [p.grad for p in m.parameters()]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_module_sbhd_path_projects_once_too():
+    """SBHD inputs: one GEMM and one transposed copy into the packed THD layout; output and
+    every gradient as the two-projection path's."""
+    torch.manual_seed(2)
+    m = Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32, pooling="reference")
+    x = torch.randn(18, 3, 32)
+    res = []
+    for one in (True, False):
+        m.one_projection = one
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.square().sum().backward()
+        res.append([y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()])
+    assert res[0][0].shape == (4, 3, 16)
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

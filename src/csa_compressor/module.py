@@ -222,12 +222,16 @@ class Compressor(nn.Module):
             S, B, _ = x.shape
             if S < self.ratio:
                 return None
-            kv = self.wkv(x).transpose(0, 1).reshape(B * S, -1)
-            score = self.wgate(x).transpose(0, 1).reshape(B * S, -1)
             cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * S
             n = S // self.ratio
             cuc = torch.arange(B + 1, device=x.device, dtype=torch.int32) * n
-            pooled = self.pool(kv, score, cu, cuc, B * n)
+            if self.one_projection:  # one GEMM, one transposed copy into the packed THD layout
+                kvs = self.project(x).transpose(0, 1).reshape(B * S, -1)
+                pooled = self.pool_packed(kvs, cu, cuc, B * n)
+            else:
+                kv = self.wkv(x).transpose(0, 1).reshape(B * S, -1)
+                score = self.wgate(x).transpose(0, 1).reshape(B * S, -1)
+                pooled = self.pool(kv, score, cu, cuc, B * n)
             pos = (torch.arange(n, device=x.device) * self.ratio).repeat(B)
             return self._finish(pooled, pos).view(B, n, -1).transpose(0, 1)
         if x.dim() == 3:
