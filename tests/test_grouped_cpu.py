@@ -104,3 +104,27 @@ def test_kernel_level_grouped_entries_check_their_arguments():
                               ratio=4, coff=2)
     with pytest.raises(ValueError, match="CUDA"):  # the kernels need CUDA tensors
         pool_forward_grouped(kv, score, ape, torch.tensor([0, 1]), torch.empty(2, 4), ratio=4, coff=2)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_group_ids_give_valid_offsets(seed):
+    """Whatever the ids hold (huge, negative, repeated zeros, int64 extremes), the THD pack
+    built from them is well formed: starts at 0, non-decreasing, ends at G*ratio tokens,
+    its row offsets compressed_cu_seqlens of it. So malformed ids can only mislabel rows,
+    never hand the kernels offsets outside the buffers."""
+    from csa_compressor.grouped import grouped_offsets
+    from csa_compressor.validation import check_offset_contents, validate
+
+    gen = torch.Generator().manual_seed(seed)
+    G, ratio = int(torch.randint(1, 40, (1,), generator=gen)), [1, 4, 128][seed % 3]
+    pick = torch.randint(0, 4, (G,), generator=gen)
+    ids = torch.where(pick == 0, torch.zeros(G, dtype=torch.int64),
+                      torch.where(pick == 1, -torch.randint(1, 2**62, (G,), generator=gen),
+                                  torch.randint(1, 2**62, (G,), generator=gen)))
+    if seed % 2:
+        ids = ids.to(torch.int32)
+    cu, cuc = grouped_offsets(ids, ratio)
+    assert int(cu[-1]) == G * ratio
+    kv = torch.zeros(G * ratio, 2)
+    p = validate(kv, kv, torch.zeros(ratio, 2), cu, cuc, G, ratio=ratio, coff=1)
+    check_offset_contents(p)  # raises on any malformed offset
