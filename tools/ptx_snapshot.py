@@ -28,27 +28,18 @@ GRID = ([("bfloat16", r, c, d) for r in (1, 2, 3, 4, 5, 8) for c in (1, 2) for d
            ("float32", 4, 2, 512), ("float32", 3, 2, 65)])
 
 
-def build(direction, dtype, ratio, coff, d, arch) -> bool:
+# The packed layout ([kv | score] in one tensor: rows 2*coff*d apart, compress_thd_fused_packed
+# and the Compressor module's path): the production configurations and an odd neighbour.
+PACKED = [("bfloat16", 4, 2, 128), ("bfloat16", 4, 2, 512), ("bfloat16", 128, 1, 512),
+          ("bfloat16", 4, 1, 64), ("float32", 8, 2, 64), ("float16", 3, 2, 96)]
+
+
+def build(direction, dtype, ratio, coff, d, arch, row_stride=0) -> bool:
     """Compile one kernel (its PTX lands in CUTE_DSL_DUMP_DIR); False where the
     specialisation has no such kernel (a large-pack backward, a wide dape layout)."""
-    import cutlass
-
     from csa_compressor.kernels import compile as cc, plan
-    from csa_compressor.kernels.pool_bwd import PoolBackward
-    from csa_compressor.kernels.tuning import current
 
-    config = current()
-
-    if direction == "bwd_large":
-        cdt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-               "float32": cutlass.Float32}[str(dtype)[6:]]
-        if config.long_window(coff * ratio) or not PoolBackward(
-                cdt, ratio, coff, d, int(arch[3:-1]) // 10).has_large_variant:
-            return False
-    if direction == "dape_wide" and not config.dape_has_wide(ratio * coff * d):
-        return False
-    cc.build(plan.spec(direction, dtype, ratio, coff, d))
-    return True
+    return cc.build(plan.spec(direction, dtype, ratio, coff, d, row_stride=row_stride)) is not None
 
 
 def _worker(arch, out, cases):
@@ -60,13 +51,13 @@ def _worker(arch, out, cases):
 import os, sys, tempfile, torch
 sys.path.insert(0, {HERE!r})
 from ptx_snapshot import build
-for direction, dtype, ratio, coff, d in {cases!r}:
+for direction, dtype, ratio, coff, d, rs in {cases!r}:
     dump = tempfile.mkdtemp()
     os.environ["CUTE_DSL_DUMP_DIR"] = dump
-    if not build(direction, getattr(torch, dtype), ratio, coff, d, {arch!r}):
+    if not build(direction, getattr(torch, dtype), ratio, coff, d, {arch!r}, rs):
         continue
     ptx = "".join(open(os.path.join(dump, f)).read() for f in sorted(os.listdir(dump)) if f.endswith(".ptx"))
-    name = f"{arch}-{{direction}}-{{dtype}}-r{{ratio}}-c{{coff}}-d{{d}}.ptx"
+    name = f"{arch}-{{direction}}-{{dtype}}-r{{ratio}}-c{{coff}}-d{{d}}" + ("-packed" if rs else "") + ".ptx"
     open(os.path.join({out!r}, name), "w").write(ptx)
     print(name, flush=True)
 """
@@ -78,8 +69,10 @@ for direction, dtype, ratio, coff, d in {cases!r}:
 
 def write(out, archs, jobs):
     os.makedirs(out, exist_ok=True)
-    cases = [(direction, *cfg) for cfg in GRID
-             for direction in ("fwd", "bwd", "bwd_large", "dape", "dape_wide")]
+    cases = ([(direction, *cfg, 0) for cfg in GRID
+              for direction in ("fwd", "bwd", "bwd_large", "dape", "dape_wide")]
+             + [(direction, *cfg, 2 * cfg[2] * cfg[3]) for cfg in PACKED
+                for direction in ("fwd", "bwd", "bwd_large")])
     per = max(1, jobs // len(archs))
     chunks = [(arch, cases[i::per]) for arch in archs for i in range(per)]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
