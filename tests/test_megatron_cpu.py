@@ -286,3 +286,34 @@ def test_grouped_calls_megatron_cannot_fuse_keep_its_eager_region(megatron_csa):
         got = comp._forward_thd(x, cu, max_seqlen_q=12, compressed_group_ids=ids)[0]
     assert torch.equal(got, want)
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
+
+
+def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_csa, fused_on_cpu):
+    """Megatron's own fused path refuses deterministic mode and torch.compile; installed,
+    ours takes both (its backward is bitwise reproducible without atomics): the fused
+    pooling runs, and the compiled step gives the eager step's output and gradients."""
+    import torch._dynamo
+
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)
+    x = torch.randn(104, 1, 64, generator=torch.Generator().manual_seed(2))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with megatron.installed():
+            want = thd_step(comp, x, cu, 63)
+            assert fused_on_cpu, megatron.fallback_reasons()
+            launched = len(fused_on_cpu)
+            torch._dynamo.reset()
+            compiled = torch.compile(comp, backend="aot_eager")
+            got = thd_step(compiled, x, cu, 63)
+            assert len(fused_on_cpu) > launched  # the compiled step pooled through the hook too
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    grads = {n.removeprefix("_orig_mod."): g for n, g in got[2].items()}  # the compiled wrapper's
+    assert set(grads) == set(want[2])
+    for name in want[2]:
+        torch.testing.assert_close(grads[name], want[2][name], rtol=1e-6, atol=1e-6, msg=name)
