@@ -34,6 +34,17 @@ def bank_stride(cols: int, step: int, lanes: int) -> int:
     return next((s for s in range(cols, cols + 32) if step * s % 32 == lanes), cols)
 
 
+class SlotGroup:
+    """A thread's place in a slot-parallel CTA: its column lane ``tid``, its slot group
+    ``g``, whether its column chunk is in the row (``active``), and the CTA's shared row
+    sums ``buf`` / ``stat``. Plain trace-time Python, as staging.Tiles."""
+
+    __slots__ = ("tid", "g", "active", "buf", "stat")
+
+    def __init__(self, tid, g, active, buf, stat):
+        self.tid, self.g, self.active, self.buf, self.stat = tid, g, active, buf, stat
+
+
 class LongWindow:
     """The slot-parallel geometry and the window sums shared by the long forward and backward."""
 
@@ -262,14 +273,15 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def gradients_shared_values(self, gDKV, gDSc, buf, stat, sV, sf, gv, dacc, tid, g, thr, t0,
-                                has_prev, chunk, active):
+    def gradients_shared_values(self, tt: Tiles, sg: "SlotGroup", gDKV, gDSc, sf, gv, dacc, t0,
+                                has_prev):
         """A row's gradients with its window's values in shared memory (tuning log, "The
         long backward's values in shared memory"): each slot's values read at its
         products, p*dp kept only in ``buf`` (where the serial sum reads it), dscore and dkv
         computed and stored a slot at a time. gradients_register_values' operations in its
         order."""
         vec, CH = self.vec, self.chunk_slots
+        buf, stat, tid, g, chunk, active = sg.buf, sg.stat, sg.tid, sg.g, tt.chunk, sg.active
         for e in cutlass.range_constexpr(vec):
             divide_column(sf, e, CH, stat[self.col(tid, e), 0])
         cute.arch.cp_async_wait_group(0)
@@ -279,7 +291,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
             for e in cutlass.range_constexpr(vec):
                 vv[e] = Float32(0.0)  # an empty slot's value (load_slots')
             if active & valid:
-                v32 = self.staged_vector(sV, k, 0, thr)
+                v32 = self.staged_vector(tt.sV, k, 0, tt.thr)
                 for e in cutlass.range_constexpr(vec):
                     vv[e] = v32[e]
             for e in cutlass.range_constexpr(vec):
@@ -301,11 +313,12 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
 
     @cute.jit
-    def gradients_register_values(self, gDKV, gDSc, buf, stat, sf, vf, gv, dacc, tid, g, t0,
-                                  has_prev, chunk, active):
+    def gradients_register_values(self, tt: Tiles, sg: "SlotGroup", gDKV, gDSc, sf, vf, gv, dacc,
+                                  t0, has_prev):
         """gradients_shared_values for vectors cp.async cannot copy (odd head_dim): the
         window's values, then p*dp, held in registers ``vf``."""
         vec, CH = self.vec, self.chunk_slots
+        buf, stat, tid, g, chunk, active = sg.buf, sg.stat, sg.tid, sg.g, tt.chunk, sg.active
         for e in cutlass.range_constexpr(vec):
             divide_column(sf, e, CH, stat[self.col(tid, e), 0])
             for k in cutlass.range_constexpr(CH):
@@ -349,6 +362,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
             buf, gmax, stat = self.alloc_shared(smem)
             sf, vf, gv, dacc = self.backward_registers()
             tt = Tiles(gKV, gSc, gApe, chunk)
+            sg = SlotGroup(tid, g, active, buf, stat)
             if cutlass.const_expr(self.shared_values):
                 sV = smem.allocate_tensor(self.dtype,
                                           cute.make_layout((vec, self.threads, CH, 1)), 16)
@@ -375,11 +389,11 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                             self.load_slots(tt, sf, vf, g * CH, t0, has_prev)
                     self.softmax_den(sf, buf, gmax, stat, tid, g)
                     if cutlass.const_expr(self.shared_values):
-                        self.gradients_shared_values(gDKV, gDSc, buf, stat, sV, sf, gv, dacc,
-                                                     tid, g, thr, t0, has_prev, chunk, active)
+                        self.gradients_shared_values(tt, sg, gDKV, gDSc, sf, gv, dacc, t0,
+                                                     has_prev)
                     else:
-                        self.gradients_register_values(gDKV, gDSc, buf, stat, sf, vf, gv, dacc,
-                                                       tid, g, t0, has_prev, chunk, active)
+                        self.gradients_register_values(tt, sg, gDKV, gDSc, sf, vf, gv, dacc, t0,
+                                                       has_prev)
                     # stat and buf are rewritten by the next row
                     cute.arch.barrier()
             if active:
