@@ -95,26 +95,31 @@ def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, 
     """(the fused pooling, None) or (None, the reason): validation runs once. The offsets'
     contents are checked when asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS) on either
     path, raising on bad ones."""
-    reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                             coff, enabled)
-    if reason is None:
-        return fused_from_validated(p, check_offsets), None
-    if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
-        validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
-                 check_offsets=True)
-    return None, reason
+    return _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                            enabled, check_offsets)
 
 
 def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                            enabled: bool = True, check_offsets: bool = False):
     """fused_or_reason for ``[kv | score]`` as one tensor (compress_thd_fused_packed)."""
-    reason, p = _unavailable(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                             coff, enabled, packed=True)
+    return _fused_or_reason(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                            enabled, check_offsets, packed=True)
+
+
+def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
+                     check_offsets, packed=False):
+    reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+                             coff, enabled, packed)
     if reason is None:
         return fused_from_validated(p, check_offsets), None
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
-        validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
-                        check_offsets=True)
+        # the fallback would compute the same wrong rows: the contents are checked either way
+        if packed:
+            validate_packed(kv, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                            coff=coff, check_offsets=True)
+        else:
+            validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                     coff=coff, check_offsets=True)
     return None, reason
 
 

@@ -108,20 +108,25 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     return fused_from_validated(p)
 
 
+def _method_reason(comp, x):
+    """Why a replaced Compressor method keeps Megatron's own code, or None: its ``enabled``
+    flag where install(respect_enabled=True) asked for it, then the device."""
+    from .dispatch import _device_reason
+
+    if _state["respect_enabled"] and not getattr(comp, "use_fused_compressor", False):
+        return _DISABLED
+    return _device_reason(x.device)
+
+
 def _forward_sbhd(self, x):
     """Megatron's ``Compressor._forward_sbhd`` with the pooling fused: ``x`` is
     ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
-    from .dispatch import _device_reason
-
     original, mod = _state["sbhd"], _state["module"]
     ratio = self.compress_ratio
     sq, b = x.size(0), x.size(1)
     if sq < ratio:
         return original(self, x)
-    if _state["respect_enabled"] and not getattr(self, "use_fused_compressor", False):
-        _fallback(_DISABLED)
-        return original(self, x)
-    reason = _device_reason(x.device)
+    reason = _method_reason(self, x)
     if reason is not None:
         _fallback(reason)
         return original(self, x)
@@ -152,17 +157,18 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
                  fixed_total_comp=None):
     """Megatron's ``Compressor._forward_thd``; its pre-grouped (context-parallel) calls with
     the pooling fused: ``x`` ``(G * ratio, 1, hidden)``, returns ``((G, 1, head_dim), None)``."""
-    from .dispatch import _device_reason
     from .grouped import grouped_offsets
 
-    original, mod = _state["thd"], _state["module"]
+    mod = _state["module"]
+
+    def eager():  # Megatron's own method, unchanged
+        return _state["thd"](self, x, cu_seqlens, max_seqlen_q, compressed_group_ids,
+                             fixed_total_comp)
+
     ids = compressed_group_ids
     if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
-        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
-    if _state["respect_enabled"] and not getattr(self, "use_fused_compressor", False):
-        _fallback(_DISABLED)
-        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
-    reason = _device_reason(x.device)
+        return eager()
+    reason = _method_reason(self, x)
     if reason is None and ids.dtype not in (torch.int32, torch.int64):
         reason = f"compressed_group_ids: expected int32 or int64, got {ids.dtype}"
     if reason is None and x.shape[0] != ids.numel() * self.compress_ratio:
@@ -170,7 +176,7 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
                   f"{x.shape[0]}")
     if reason is not None:
         _fallback(reason)
-        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+        return eager()
     ratio, G = self.compress_ratio, ids.numel()
     kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
     score, _ = self.linear_wgate(x)
@@ -180,7 +186,7 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
     pooled = _fused_or_fallback(kv.view(G * ratio, -1), score.view(G * ratio, -1), self.ape,
                                 cu, cuc, G, ratio, self.coff)
     if pooled is None:
-        return original(self, x, cu_seqlens, max_seqlen_q, compressed_group_ids, fixed_total_comp)
+        return eager()
     out = self.norm(pooled.unsqueeze(1).to(x.dtype))
     rope_dim = self.qk_pos_emb_head_dim
     position_ids = ids.clamp_min(0) * ratio

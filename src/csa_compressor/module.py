@@ -181,21 +181,19 @@ class Compressor(nn.Module):
 
     def pool_packed(self, kvs, cu, cuc, total_comp):
         """pool() of project()'s output, its halves read in place."""
-        if self.pooling != "reference":
-            out, reason = fused_packed_or_reason(kvs, self.ape, cu, cuc, total_comp,
-                                                 ratio=self.ratio, coff=self.coff)
-            if reason is None:
-                return out
-            if self.pooling == "fused":
-                raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
         w = kvs.shape[-1] // 2
-        return reference.compress_thd(kvs[:, :w], kvs[:, w:], self.ape, cu, cuc, total_comp,
-                                      ratio=self.ratio, coff=self.coff, mode="fp32")
+        return self.pool(kvs[:, :w], kvs[:, w:], cu, cuc, total_comp, packed=kvs)
 
-    def pool(self, kv, score, cu, cuc, total_comp):
+    def pool(self, kv, score, cu, cuc, total_comp, packed=None):
+        """The pooled rows: fused where it can run (on ``packed``, kv and score's one tensor,
+        where given), else the fp32 reference."""
         args = (kv, score, self.ape, cu, cuc, total_comp)
         if self.pooling != "reference":
-            out, reason = fused_or_reason(*args, ratio=self.ratio, coff=self.coff)
+            if packed is None:
+                out, reason = fused_or_reason(*args, ratio=self.ratio, coff=self.coff)
+            else:
+                out, reason = fused_packed_or_reason(packed, *args[2:], ratio=self.ratio,
+                                                     coff=self.coff)
             if reason is None:
                 return out
             if self.pooling == "fused":
