@@ -62,6 +62,14 @@ def test_importing_the_package_never_imports_megatron():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def _assert_parameter_grads_close(got, want, **tol):
+    """Every parameter's gradient (ape among them), each relative to its largest element."""
+    assert set(got) == set(want) and "ape" in got
+    for name in want:
+        scale = want[name].abs().max()
+        torch.testing.assert_close(got[name] / scale, want[name] / scale, **tol, msg=name)
+
+
 def _thd(T=104, d=32, coff=2, ratio=4, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(T, 1, coff * d, generator=gen).to(dtype)
@@ -130,10 +138,7 @@ def test_megatrons_compressor_through_the_hook(megatron_csa, fused_on_cpu, ratio
     assert fused_on_cpu, "the hook was not called"
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], **tol)
-    assert set(got[2]) == set(want[2]) and "ape" in got[2]
-    for name in want[2]:
-        scale = want[2][name].abs().max()
-        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, **tol, msg=name)
+    _assert_parameter_grads_close(got[2], want[2], **tol)
 
 
 def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa):
@@ -221,11 +226,7 @@ def test_megatrons_sbhd_compressor_through_the_adapter(megatron_csa, fused_on_cp
     assert got[0].shape == (sq // ratio, 3, head_dim)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    assert set(got[2]) == set(want[2]) and "ape" in got[2]
-    for name in want[2]:
-        scale = want[2][name].abs().max()
-        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, rtol=1e-5,
-                                   atol=1e-5, msg=name)
+    _assert_parameter_grads_close(got[2], want[2], rtol=1e-5, atol=1e-5)
 
 
 def _grouped_step(comp, x, ids, max_seqlen, skip_row0):
@@ -269,11 +270,7 @@ def test_megatrons_grouped_compressor_through_the_adapter(megatron_csa, fused_on
     if halo:  # the halo row itself: a first block here, not Megatron's rolled one
         assert not torch.allclose(got[0][0], want[0][0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-    assert set(got[2]) == set(want[2]) and "ape" in got[2]
-    for name in want[2]:
-        scale = want[2][name].abs().max()
-        torch.testing.assert_close(got[2][name] / scale, want[2][name] / scale, rtol=1e-5,
-                                   atol=1e-5, msg=name)
+    _assert_parameter_grads_close(got[2], want[2], rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_calls_megatron_cannot_fuse_keep_its_eager_region(megatron_csa):

@@ -12,6 +12,17 @@ from megatron_env import build_compressor, thd_step
 pytestmark = pytest.mark.gpu
 
 
+def _installed_step(step, monkeypatch):
+    """``step()`` with the adapter installed, and the row counts the fused pooling ran on."""
+    from csa_compressor import dispatch
+
+    fused, launched = dispatch.fused_from_validated, []
+    monkeypatch.setattr(dispatch, "fused_from_validated",
+                        lambda p: launched.append(p.total_comp) or fused(p))
+    with megatron.installed():
+        return step(), launched
+
+
 @pytest.mark.parametrize("ratio,head_dim", [(4, 128), (4, 512), (128, 512), (128, 128)])
 def test_megatrons_compressor_on_the_fused_kernels(megatron_csa, ratio, head_dim):
     comp = build_compressor(megatron_csa, hidden=256, head_dim=head_dim, ratio=ratio, rope_dim=64,
@@ -57,13 +68,7 @@ def test_megatrons_sbhd_compressor_on_the_fused_kernels(megatron_csa, monkeypatc
         return [out.float(), xi.grad.float()] + [p.grad.float() for p in comp.parameters()]
 
     want = step()
-    from csa_compressor import dispatch
-
-    fused, launched = dispatch.fused_from_validated, []
-    monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p: launched.append(p.total_comp) or fused(p))
-    with megatron.installed():
-        got = step()
+    got, launched = _installed_step(step, monkeypatch)
     assert launched == [2 * (sq // ratio)], megatron.fallback_reasons()
     assert got[0].shape == (sq // ratio, 2, head_dim)
     for a, b in zip(got, want):
@@ -98,13 +103,7 @@ def test_megatrons_grouped_compressor_on_the_fused_kernels(megatron_csa, monkeyp
         return [out[1:].float(), xi.grad.float()] + [p.grad.float() for p in comp.parameters()]
 
     want = step()
-    from csa_compressor import dispatch
-
-    fused, launched = dispatch.fused_from_validated, []
-    monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p: launched.append(p.total_comp) or fused(p))
-    with megatron.installed():
-        got = step()
+    got, launched = _installed_step(step, monkeypatch)
     assert launched == [ids.numel()], megatron.fallback_reasons()
     for a, b in zip(got, want):
         scale = b.abs().max().clamp_min(1e-6)

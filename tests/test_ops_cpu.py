@@ -4,7 +4,7 @@ reference): autograd only when something needs a gradient."""
 import torch
 
 from csa_compressor import ops, reference, validation
-from packs import make_pack
+from packs import make_pack, reference_of
 
 
 def _cpu_forward(monkeypatch):
@@ -15,9 +15,7 @@ def _cpu_forward(monkeypatch):
 
     def fake_forward(p):
         calls.append(p)
-        return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
-                                      p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
-                                      mode="fp32")
+        return reference_of(p)
 
     monkeypatch.setattr(ops, "validate", fake_validate)
     monkeypatch.setattr(ops, "_forward", fake_forward)
@@ -86,9 +84,7 @@ def _cpu_launches(monkeypatch, grads):
 
     def fake_forward(p):
         calls["fwd"] += 1
-        return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
-                                      p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
-                                      mode="fp32")
+        return reference_of(p)
 
     def fake_backward(grad, p):
         calls["bwd"] += 1

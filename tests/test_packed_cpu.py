@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csa_compressor import Compressor, ops, reference, validation
-from packs import make_pack
+from packs import make_pack, reference_of
 
 
 def test_packed_validation_names_what_is_wrong():
@@ -34,9 +34,7 @@ def _fake_launches(monkeypatch, grads):
 
     def fake_forward(p):
         calls["fwd"] += 1
-        return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
-                                      p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
-                                      mode="fp32")
+        return reference_of(p)
 
     def fake_backward_packed(grad, p):
         calls["bwd"] += 1
