@@ -23,6 +23,8 @@ import tempfile
 
 import torch
 
+from csa_compressor.cli.module_bench import profile_steps, steps_us
+
 HIDDEN, ROPE_DIM = 4096, 64
 CONFIGS = (("d512 r4", 512, 4, False), ("d128 r4 rotate", 128, 4, True), ("d512 r128", 512, 128, False))
 
@@ -36,37 +38,12 @@ def _csa():
     return csa
 
 
-def _wall_us(step, n=10, repeats=5):
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return sorted(times)[len(times) // 2]
-
-
-def _gpu_us_and_launches(step, n=3):
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(e.self_device_time_total for e in evs) / n, len(evs) / n
-
-
 def _measure(step):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    wall = _wall_us(step)
-    gpu, launches = _gpu_us_and_launches(step)
+    wall = steps_us(step)
+    gpu, launches = profile_steps(step)
     return {"wall_us": wall, "gpu_us": gpu, "launches": launches}
 
 

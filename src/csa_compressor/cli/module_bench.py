@@ -21,30 +21,33 @@ CONFIGS = (("d512 r4", 512, 4, False), ("d128 r4 rotate", 128, 4, True),
            ("d512 r128", 512, 128, False))
 
 
-def _launches(step) -> float:
+def steps_us(step, n=10, repeats=5) -> float:
+    """µs a step outside graphs: the median over ``repeats`` of CUDA events around ``n``
+    back-to-back calls of ``step()`` (host time included where it exceeds the GPU's)."""
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_steps(step, n=3) -> tuple:
+    """(GPU µs, kernel and memory-op launches) a call of ``step()``: torch.profiler's device
+    events over ``n`` calls."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    step(0)
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(0)
+        for _ in range(n):
+            step()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
-
-
-def _loop_us(step, n=10) -> float:
-    """µs a step outside graphs: CUDA events around ``n`` back-to-back steps (host time
-    included where it exceeds the GPU's)."""
-    step(0)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        step(0)
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / n
+    evs = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in evs) / n, len(evs) / n
 
 
 def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
@@ -86,8 +89,10 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
             if one is not None:
                 m.one_projection = one
             try:
-                row[f"{key}_loop_us"] = _loop_us(step)
-                row[f"{key}_launches"] = _launches(step)
+                step(0)  # warm-up
+                torch.cuda.synchronize()
+                row[f"{key}_loop_us"] = steps_us(lambda: step(0))
+                row[f"{key}_launches"] = profile_steps(lambda: step(0), 1)[1]
                 row[f"{key}_us"] = time_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
