@@ -158,9 +158,9 @@ def _records(units, device) -> dict:
 
 
 def build(spec: plan.KernelSpec, device: torch.device | None = None) -> Compiled | None:
-    """The kernel of ``spec`` alone, compiled now (no in-process cache; the disk cache
-    where it is on), or None where the specialisation has no such kernel: the probes'
-    entry point."""
+    """The kernel of ``spec`` alone, compiled now and not kept in the in-process cache (the
+    disk cache serves it where it is on), or None where the specialisation has no such
+    kernel: the probes' entry point."""
     device = device or torch.device("cpu")
     units = [u for u in plan.lower(spec, hardware.target_major()) if u.spec == spec]
     return _records(units, device)[spec] if units else None

@@ -6,7 +6,7 @@ or ``cc``) beside a small JSON record (ptxas' registers a thread). A later proce
 the library instead of tracing and compiling. The entry's name hashes everything the code
 depends on: the DSL and TVM-FFI versions, the package's kernel sources, the target
 architecture and the spec (direction, dtype, ratio, coff, head_dim, the tuning's
-code-generating values). Entries are written to a temporary name and renamed into place,
+code-generating values, the row stride). Entries are written to a temporary name and renamed into place,
 the record last, so processes sharing the directory only ever see complete entries. Any
 failure to store or load is logged once and the kernel compiles as without the cache.
 """
