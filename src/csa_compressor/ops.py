@@ -27,15 +27,11 @@ def _forward(p: Problem):
     return launch_forward(p, out)
 
 
-def _aligned(grad):
-    """The incoming gradient as the kernels read it: contiguous, 16-byte aligned."""
-    grad = grad.contiguous()
-    return grad.clone() if grad.data_ptr() % 16 else grad
-
-
 def _backward(grad, p: Problem):
     # The output buffers are fresh allocations of the right shape: no need to check them.
-    grad = _aligned(grad)
+    grad = grad.contiguous()
+    if grad.data_ptr() % 16:
+        grad = grad.clone()
     dkv = torch.empty_like(p.kv)
     dscore = torch.empty_like(p.score)
     dape = torch.empty_like(p.ape)
@@ -104,7 +100,9 @@ def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff):
 
 
 def _backward_packed(grad, p: Problem):
-    grad = _aligned(grad)
+    grad = grad.contiguous()
+    if grad.data_ptr() % 16:
+        grad = grad.clone()
     dkvs = torch.empty_like(p.kvs)
     w = p.kvs.shape[1] // 2
     dape = torch.empty_like(p.ape)
@@ -201,15 +199,18 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
 def fused_from_problem(p: Problem):
     """compress_thd_fused (or its packed form, where the problem came from validate_packed)
     on arguments already validated for the kernels (the dispatch and the module validate
-    once and come here). kv and score of a packed problem are views of kvs: they require
-    grad exactly when it does."""
-    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
-            p.kv.requires_grad or p.score.requires_grad or p.ape.requires_grad)):
-        # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the
-        # CPU dev machine, a tenth of that for the check).
-        return _forward(p)
+    once and come here)."""
     if p.kvs is not None:
-        return _PackedFn.apply(p.kvs, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
-                               p.ratio, p.coff)
-    return _PoolFn.apply(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
-                         p.ratio, p.coff, p.head_dim)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                p.kvs.requires_grad or p.ape.requires_grad)):
+            return _PackedFn.apply(p.kvs, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
+                                   p.ratio, p.coff)
+        return _forward(p)
+    args = (p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, p.ratio, p.coff,
+            p.head_dim)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            p.kv.requires_grad or p.score.requires_grad or p.ape.requires_grad)):
+        return _PoolFn.apply(*args)
+    # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
+    # dev machine, a tenth of that for the check).
+    return _forward(p)
