@@ -13,6 +13,7 @@ import torch
 
 direction, dtype, ratio, coff, d = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 row_stride = int(sys.argv[6]) if len(sys.argv) > 6 else 0  # 0: packed rows
+batch = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # SBHD sequences (0: THD)
 dump = tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
@@ -52,7 +53,7 @@ SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
-                               row_stride=row_stride))
+                               row_stride=row_stride, batch=batch))
 if built is None:  # the specialisation has no such kernel (plan.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)

@@ -48,9 +48,17 @@ def fused_on_cpu(monkeypatch):
     def validate_packed_any_device(*a, for_kernel=False, **k):
         return validation.validate_packed(*a, **k)
 
+    def validate_sbhd_any_device(*a, for_kernel=False, **k):
+        return validation.validate_sbhd(*a, **k)
+
     launched = []
 
     def launch(p):
+        if p.batch:  # SBHD: the caller's (S, B, ...) tensors
+            launched.append(p.total_comp * p.batch)
+            w = p.kv.shape[1]
+            kv, score = p.full or (p.kvs[..., :w], p.kvs[..., w:])
+            return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff)
         launched.append(p.total_comp)
         return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
                                       p.total_comp, ratio=p.ratio, coff=p.coff)
@@ -58,5 +66,29 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "validate", validate_any_device)
     monkeypatch.setattr(dispatch, "validate_packed", validate_packed_any_device)
+    monkeypatch.setattr(dispatch, "validate_sbhd", validate_sbhd_any_device)
     monkeypatch.setattr(ops, "fused_from_problem", launch)
     yield launched
+
+
+@pytest.fixture
+def hadamard_standin(megatron_csa, monkeypatch):
+    """Megatron's ``rotate_activation`` (rotate=True) calls fast_hadamard_transform, a CUDA
+    package on no machine here: the same transform in plain torch (unnormalised Walsh-
+    Hadamard times ``scale``, fp32 math, the input's dtype out, differentiable) stands in,
+    the same for Megatron's eager code and the installed adapter."""
+    import importlib
+    import math
+
+    from csa_compressor.module import hadamard
+
+    dsa = importlib.import_module(megatron_csa.__name__.rsplit(".", 1)[0] + ".dsa")
+
+    calls = []
+
+    def transform(x, scale=1.0):
+        calls.append(tuple(x.shape))
+        return (hadamard(x) * (math.sqrt(x.shape[-1]) * scale)).to(x.dtype)
+
+    monkeypatch.setattr(dsa, "hadamard_transform", transform)
+    return calls

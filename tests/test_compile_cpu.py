@@ -291,3 +291,22 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=900)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [("fwd", "bfloat16", 4, 2, 512, 3), ("bwd", "bfloat16", 4, 2, 512, 3),
+                                 ("fwd", "bfloat16", 4, 2, 128, 3), ("bwd", "bfloat16", 128, 1, 512, 2)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_the_sbhd_kernels_compile_spill_free_with_the_thd_copies(arch, cfg):
+    """SBHD inputs (B sequences interleaved token by token, one a grid.z index): the token
+    rows B*coff*d apart, the output rows B*d apart; no spills or local memory, the same
+    copies, staging and designed CTAs as the THD kernel, one grid.z index a sequence."""
+    *thd, batch = cfg
+    plain = probe(arch, thd)
+    sbhd = probe(arch, (*thd, batch * cfg[3] * cfg[4], batch))
+    assert all(s == 0 for s in sbhd["spills"]) and sbhd["local"] == 0, sbhd
+    for key in ("coop", "async_copies_by_bytes", "target_ctas", "smem_asked", "mul_rn",
+                "pdl_wait_first"):
+        assert sbhd[key] == plain[key], (key, sbhd[key], plain[key])
+    assert sbhd["min_ctas"] == [], sbhd  # unbounded: the grid follows its registers
+    assert sbhd["grid_ctas"] * sbhd["threads"] * (-(-max(sbhd["regs"]) // 8) * 8) <= 65536

@@ -314,3 +314,36 @@ def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_cs
     assert set(grads) == set(want[2])
     for name in want[2]:
         torch.testing.assert_close(grads[name], want[2][name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_megatrons_rotating_compressor_through_the_adapter(megatron_csa, fused_on_cpu,
+                                                          hadamard_standin, path):
+    """rotate=True (the indexer's Compressor: head_dim 128, ratio 4, Hadamard after RoPE;
+    Megatron's rotation takes bf16 only): THD, SBHD and pre-grouped calls installed, the
+    fused pooling standing in as the fp32 reference, against Megatron's eager code within
+    bf16 rounding, output and every gradient."""
+    tol = dict(rtol=2e-2, atol=2e-2)
+    comp = build_compressor(megatron_csa, hidden=64, head_dim=128, ratio=4, rope_dim=16,
+                            rotate=True, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    if path == "thd":
+        lens = [37, 0, 3, 63, 9]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(int(cu[-1]) + 4, 1, 64, generator=gen).to(torch.bfloat16)
+        step = lambda: thd_step(comp, x, cu, max(lens))  # noqa: E731
+    elif path == "sbhd":
+        x = torch.randn(37, 3, 64, generator=gen).to(torch.bfloat16)
+        step = lambda: _sbhd_step(comp, x)  # noqa: E731
+    else:
+        ids = torch.tensor([0, 1, 2, 0, 1, -1], dtype=torch.int32)
+        x = torch.randn(ids.numel() * 4, 1, 64, generator=gen).to(torch.bfloat16)
+        step = lambda: _grouped_step(comp, x, ids, 12, False)  # noqa: E731
+    want = step()
+    with megatron.installed():
+        got = step()
+    assert fused_on_cpu, "the fused pooling was not called"
+    assert len(hadamard_standin) == 2, "each step rotates once"
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    _assert_parameter_grads_close(got[2], want[2], **tol)

@@ -13,12 +13,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _installed_step(step, monkeypatch):
-    """``step()`` with the adapter installed, and the row counts the fused pooling ran on."""
+    """``step()`` with the adapter installed, and the row counts the fused pooling ran on
+    (an SBHD launch's: every sequence's)."""
     from csa_compressor import dispatch
 
     fused, launched = dispatch.fused_from_validated, []
     monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p: launched.append(p.total_comp) or fused(p))
+                        lambda p: launched.append(p.total_comp * max(p.batch, 1)) or fused(p))
     with megatron.installed():
         return step(), launched
 
@@ -105,6 +106,58 @@ def test_megatrons_grouped_compressor_on_the_fused_kernels(megatron_csa, monkeyp
     want = step()
     got, launched = _installed_step(step, monkeypatch)
     assert launched == [ids.numel()], megatron.fallback_reasons()
+    for a, b in zip(got, want):
+        scale = b.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_megatrons_rotating_compressor_on_the_fused_kernels(megatron_csa, monkeypatch,
+                                                            hadamard_standin, path):
+    """rotate=True at head_dim 128, ratio 4 (fast_hadamard_transform stood in by plain
+    torch, tests/conftest.py): THD, SBHD and pre-grouped calls through the fused kernels,
+    within bf16 rounding of Megatron's eager code."""
+    comp = build_compressor(megatron_csa, hidden=256, head_dim=128, ratio=4, rope_dim=64,
+                            rotate=True, dtype=torch.bfloat16).cuda()
+    if path == "thd":
+        lens = [37, 0, 3, 640, 129, 1]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        x = torch.randn(int(cu[-1]) + 5, 1, 256, device="cuda").to(torch.bfloat16)
+        rows = sum(n // 4 for n in lens)
+        step = lambda: thd_step(comp, x, cu, max(lens))  # noqa: E731
+    else:
+        if path == "sbhd":
+            x = torch.randn(1030, 2, 256, device="cuda").to(torch.bfloat16)
+            rows = 2 * (1030 // 4)
+        else:
+            ids = torch.tensor([0, 1, 2, 0] + list(range(100)) + [-1] * 4, dtype=torch.int32,
+                               device="cuda")
+            x = torch.randn(ids.numel() * 4, 1, 256, device="cuda").to(torch.bfloat16)
+            cu = torch.tensor([0, x.shape[0]], dtype=torch.int32, device="cuda")
+            rows = ids.numel()
+
+        def step():
+            comp.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            if path == "sbhd":
+                out = comp(xi)
+                out = out[0] if isinstance(out, tuple) else out
+            else:
+                out, _ = comp._forward_thd(xi, cu, max_seqlen_q=x.shape[0],
+                                           compressed_group_ids=ids)
+            g = torch.randn(out.shape, device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))
+            out.backward(g.to(out.dtype))
+            return [out.float(), xi.grad.float()] + [p.grad.float() for p in comp.parameters()]
+
+    want = step()
+    got, launched = _installed_step(step, monkeypatch)
+    assert launched == [rows], megatron.fallback_reasons()
+    assert len(hadamard_standin) == 2
+    if path == "thd":
+        got = [got[0], got[1]] + list(got[2].values())
+        want = [want[0], want[1]] + list(want[2].values())
     for a, b in zip(got, want):
         scale = b.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)

@@ -21,6 +21,7 @@
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
 #   module_bench         python -m csa_compressor bench --module (the Compressor module's step)
+#   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -73,6 +74,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         module_bench) echo "python3 -m csa_compressor bench --module" ;;
+        sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;

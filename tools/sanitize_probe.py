@@ -66,3 +66,44 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
                             ratio=ratio, coff=coff)
         torch.cuda.synchronize()
         print("corrupt offsets", ratio, coff, d, "done")
+
+    # SBHD: B sequences read in place (one a grid.z index), tails, S < ratio, the packed
+    # [kv | score] form, the slot-parallel kernels.
+    for S, B, d, ratio, coff, dtype in ((37, 3, 128, 4, 2, bf16), (1030, 2, 512, 4, 2, bf16),
+                                        (300, 3, 512, 128, 1, bf16), (70, 5, 64, 16, 2, fp32),
+                                        (50, 4, 96, 3, 2, fp16), (3, 2, 128, 4, 2, bf16)):
+        W = coff * d
+        kv = torch.randn(S, B, W, device="cuda").to(dtype)
+        score = torch.randn_like(kv)
+        leaves = [kv.requires_grad_(True), score.requires_grad_(True),
+                  torch.randn(ratio, W, device="cuda").requires_grad_(True)]
+        out = C.compress_sbhd_fused(*leaves, ratio=ratio, coff=coff)
+        out.backward(torch.randn_like(out))
+        kvs = torch.cat((kv.detach(), score.detach()), 2).requires_grad_(True)
+        out = C.compress_sbhd_fused_packed(kvs, leaves[2], ratio=ratio, coff=coff)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print("sbhd", S, B, d, ratio, coff, dtype, "ok", bool(torch.isfinite(kvs.grad).all()))
+
+    # Malformed context-parallel group ids through the Megatron adapter's pooling (its
+    # pre-grouped path: grouped_offsets, then megatron._fused_or_fallback) and
+    # compress_grouped: huge, negative, int32 extremes, unsorted.
+    from csa_compressor import megatron
+    from csa_compressor.grouped import grouped_offsets
+
+    for ratio, coff, d in ((4, 2, 128), (128, 1, 64)):
+        for ids_l in ([0, 2**31 - 1, -2**31, 5, 5, -1], [7, 3, 2**30, -5, 0, 1],
+                      [-1, -1, -1, -1, -1, -1], [2**31 - 1] * 6):
+            ids = torch.tensor(ids_l, dtype=torch.int32, device="cuda")
+            G, W = ids.numel(), coff * d
+            kv = torch.randn(G * ratio, W, device="cuda").to(torch.bfloat16).requires_grad_(True)
+            score = torch.randn_like(kv).requires_grad_(True)
+            ape = torch.randn(ratio, W, device="cuda").requires_grad_(True)
+            cu, cuc = grouped_offsets(ids, ratio)
+            out = megatron._fused_or_fallback(kv, score, ape, cu, cuc, G, ratio, coff)
+            assert out is not None, megatron.fallback_reasons()
+            out.backward(torch.randn_like(out))
+            out = C.compress_grouped(kv, score, ape, ids, ratio=ratio, coff=coff)
+            out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print("malformed group ids", ratio, coff, d, "done")

@@ -3,6 +3,8 @@
 Public surface:
 - ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs);
   ``compress_thd_fused_packed`` the same on ``[kv | score]`` as one tensor (one projection).
+- ``compress_sbhd_fused`` / ``compress_sbhd_fused_packed``: the same on ``(S, B, ...)``
+  inputs, read in place.
 - ``compress_grouped``: the same on rows already packed in groups (context parallel).
 - ``pool_forward`` / ``pool_backward`` / ``backward_workspace_shape``: kernel-level API
   with caller-provided buffers.
@@ -25,6 +27,7 @@ _WHERE = {
     "backward_workspace_shape": "kernels", "pool_backward": "kernels",
     "pool_forward": "kernels", "precompile": "kernels",
     "compress_thd_fused": "ops", "compress_thd_fused_packed": "ops", "compress_grouped": "grouped",
+    "compress_sbhd_fused": "ops", "compress_sbhd_fused_packed": "ops",
     "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
     "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
 }

@@ -9,7 +9,7 @@ import torch
 
 from .kernels.compile import dsl_import_error
 from .validation import (check_flag, check_offset_contents, env_flag, offsets_check_requested,
-                         validate, validate_packed)
+                         validate, validate_packed, validate_sbhd)
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -46,9 +46,10 @@ def _kill_switch_reason():
 
 
 def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
-                 packed=False):
+                 packed=False, sbhd=False):
     """(reason or None, the validated problem where there is no reason). ``packed``: ``kv``
-    is the packed ``kvs`` of validate_packed and ``score`` is None."""
+    is the packed ``kvs`` of validate_packed and ``score`` is None; ``sbhd``: the inputs are
+    validate_sbhd's (the offsets and total_comp unused)."""
     check_flag("enabled", enabled)
     reason = _kill_switch_reason()
     if reason:
@@ -61,7 +62,10 @@ def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
         if reason:
             return reason, None
     try:
-        if packed:
+        if sbhd:
+            p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, for_kernel=True,
+                              packed=packed)
+        elif packed:
             p = validate_packed(kv, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
                                 coff=coff, for_kernel=True, contents=False)
         else:
@@ -104,6 +108,18 @@ def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *,
     """fused_or_reason for ``[kv | score]`` as one tensor (compress_thd_fused_packed)."""
     return _fused_or_reason(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
                             enabled, check_offsets, packed=True)
+
+
+def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
+                         enabled: bool = True):
+    """(the fused SBHD pooling ``(S // ratio, B, d)``, None) or (None, the reason): for
+    compress_sbhd_fused's inputs, or compress_sbhd_fused_packed's where ``packed`` (``kv``
+    is ``kvs`` and ``score`` None)."""
+    from .ops import fused_from_problem
+
+    reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
+                             sbhd=True)
+    return (fused_from_problem(p), None) if reason is None else (None, reason)
 
 
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,

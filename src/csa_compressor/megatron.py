@@ -18,8 +18,8 @@ DSA kernel backend is configured) is ignored by default: ``install()`` is the op
 SBHD inputs (``Compressor._forward_sbhd``, which has no hook) are routed too: ``install()``
 replaces that method with one that runs Megatron's own projections, norm, rotary
 embedding and rotation around the fused pooling of the ``b`` sequences of ``sq`` tokens
-(one transposed copy of ``kv`` and ``score`` into the packed layout), and calls
-Megatron's method unchanged wherever the fused pooling cannot run.
+(the projections' ``(sq, b, coff*d)`` outputs read in place: compress_sbhd_fused), and
+calls Megatron's method unchanged wherever the fused pooling cannot run.
 
 The context-parallel path (``Compressor._forward_thd(..., compressed_group_ids=ids)``,
 rows already packed in groups of ``ratio`` tokens, which skips the hook) is routed too:
@@ -94,13 +94,14 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
-    """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
-    once, the problem going on to the launch."""
+    """The fused pooling ``(total_comp, d)`` (SBHD where the offsets are None: ``kv`` and
+    ``score`` ``(S, B, coff*d)`` read in place, ``(S // ratio, B, d)``), or None with the
+    reason recorded; validated once, the problem going on to the launch."""
     from .dispatch import _unavailable, fused_from_validated
 
     try:
         reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                                 coff, True)
+                                 coff, True, sbhd=cu_seqlens is None)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
@@ -134,16 +135,9 @@ def _forward_sbhd(self, x):
         kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
         score, _ = self.linear_wgate(x)
     n = sq // ratio
-    width = kv.shape[-1]
-    # The b sequences packed one after another: (b * n * ratio, coff * head_dim).
-    kv2 = kv[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
-    score2 = score[: n * ratio].transpose(0, 1).reshape(b * n * ratio, width)
-    steps = torch.arange(b + 1, device=x.device, dtype=torch.int32)
-    pooled = _fused_or_fallback(kv2, score2, self.ape, steps * (n * ratio), steps * n, b * n,
-                                ratio, self.coff)
+    pooled = _fused_or_fallback(kv, score, self.ape, None, None, n, ratio, self.coff)
     if pooled is None:
         return original(self, x)
-    pooled = pooled.view(b, n, self.head_dim).transpose(0, 1)
     kv = self.norm(pooled.to(x.dtype))
     kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,
                          self.rotary_pos_emb, self.config, n, ratio=ratio,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .dispatch import fused_or_reason, fused_packed_or_reason
+from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
@@ -188,17 +188,38 @@ class Compressor(nn.Module):
         """The pooled rows: fused where it can run (on ``packed``, kv and score's one tensor,
         where given), else the fp32 reference."""
         args = (kv, score, self.ape, cu, cuc, total_comp)
+        kw = dict(ratio=self.ratio, coff=self.coff)
+        return self._pooled(
+            lambda: (fused_or_reason(*args, **kw) if packed is None
+                     else fused_packed_or_reason(packed, *args[2:], **kw)),
+            lambda: reference.compress_thd(*args, **kw, mode="fp32"))
+
+    def pool_sbhd(self, x):
+        """The pooled ``(S // ratio, B, head_dim)`` rows of ``x`` ``(S, B, hidden)``: the
+        projections' output read in place by the fused kernels (one GEMM where
+        ``one_projection``), else the fp32 reference."""
+        kw = dict(ratio=self.ratio, coff=self.coff)
+        if self.one_projection:
+            kvs = self.project(x)
+            w = kvs.shape[-1] // 2
+            kv, score = kvs[..., :w], kvs[..., w:]
+            fused = lambda: fused_sbhd_or_reason(kvs, None, self.ape, packed=True, **kw)  # noqa: E731
+        else:
+            kv, score = self.wkv(x), self.wgate(x)
+            fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw)  # noqa: E731
+        return self._pooled(fused, lambda: reference.compress_sbhd(kv, score, self.ape, **kw,
+                                                                   mode="fp32"))
+
+    def _pooled(self, fused, fallback):
+        """``fused()``'s rows where the fused path runs (``pooling`` not "reference"), else
+        ``fallback()``'s; ``pooling="fused"`` raises with the reason instead."""
         if self.pooling != "reference":
-            if packed is None:
-                out, reason = fused_or_reason(*args, ratio=self.ratio, coff=self.coff)
-            else:
-                out, reason = fused_packed_or_reason(packed, *args[2:], ratio=self.ratio,
-                                                     coff=self.coff)
+            out, reason = fused()
             if reason is None:
                 return out
             if self.pooling == "fused":
                 raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
-        return reference.compress_thd(*args, ratio=self.ratio, coff=self.coff, mode="fp32")
+        return fallback()
 
     def _finish(self, pooled, pos):
         x = pooled.float()
@@ -220,18 +241,10 @@ class Compressor(nn.Module):
             S, B, _ = x.shape
             if S < self.ratio:
                 return None
-            cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * S
-            n = S // self.ratio
-            cuc = torch.arange(B + 1, device=x.device, dtype=torch.int32) * n
-            if self.one_projection:  # one GEMM, one transposed copy into the packed THD layout
-                kvs = self.project(x).transpose(0, 1).reshape(B * S, -1)
-                pooled = self.pool_packed(kvs, cu, cuc, B * n)
-            else:
-                kv = self.wkv(x).transpose(0, 1).reshape(B * S, -1)
-                score = self.wgate(x).transpose(0, 1).reshape(B * S, -1)
-                pooled = self.pool(kv, score, cu, cuc, B * n)
-            pos = (torch.arange(n, device=x.device) * self.ratio).repeat(B)
-            return self._finish(pooled, pos).view(B, n, -1).transpose(0, 1)
+            pooled = self.pool_sbhd(x)  # (n, B, head_dim)
+            n = pooled.shape[0]
+            pos = (torch.arange(n, device=x.device) * self.ratio).repeat_interleave(B)
+            return self._finish(pooled.reshape(n * B, -1), pos).view(n, B, -1)
         if x.dim() == 3:
             if x.shape[1] != 1:
                 raise ValueError(f"x: a 3-D THD input must be (T, 1, hidden), got {tuple(x.shape)}")

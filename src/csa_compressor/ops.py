@@ -7,7 +7,9 @@ validated (a custom-op dispatch costs tens of microseconds of host time), under
 torch.compile they call the op. One ``autograd.Function`` calls them in both modes, so
 eager and compiled runs share the autograd path and the launches, and give bitwise
 identical results; inputs are validated once per call either way (by the caller in eager
-mode, by the op's body when compiled).
+mode, by the op's body when compiled). The same ops take SBHD inputs ``(S, B, ...)`` where
+the offsets are None: one segment of S tokens a sequence, the sequences one grid index of
+the kernels (validation.validate_sbhd).
 """
 
 from __future__ import annotations
@@ -15,45 +17,71 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import launch_backward, launch_forward
-from .validation import Problem, validate, validate_packed
+from .validation import Problem, validate, validate_packed, validate_sbhd
 
 
 def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
+    """The op body's validation: SBHD where the offsets are None (``kv`` (S, B, coff*d))."""
+    if cu is None:
+        return validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, for_kernel=True)
     return validate(kv, score, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
 
 
+def _rows(p: Problem, t):
+    """What the kernels take of a caller-shaped tensor: SBHD sequence 0's view."""
+    return t[:, 0] if p.batch else t
+
+
 def _forward(p: Problem):
-    out = torch.empty((p.total_comp, p.head_dim), dtype=p.kv.dtype, device=p.kv.device)
-    return launch_forward(p, out)
+    shape = ((p.total_comp, p.batch, p.head_dim) if p.batch else (p.total_comp, p.head_dim))
+    out = torch.empty(shape, dtype=p.kv.dtype, device=p.kv.device)
+    launch_forward(p, _rows(p, out))
+    return out
+
+
+def _aligned(grad):
+    """The incoming gradient as the kernels read it: contiguous, 16-byte aligned."""
+    grad = grad.contiguous()
+    return grad.clone() if grad.data_ptr() % 16 else grad
+
+
+def _launch_backward(grad, p: Problem, grads):
+    """The backward into fresh ``grads`` (caller-shaped dkv and dscore, or the packed
+    tensor's two halves) and a fresh dape: no need to check them."""
+    dape = torch.empty_like(p.ape)
+    if p.batch and (p.total_comp == 0 or p.num_tokens == 0):
+        for g in grads:  # no rows: the launch would zero sequence 0's views only
+            g.zero_()
+        return dape.zero_()
+    launch_backward(p, _rows(p, _aligned(grad)), *(_rows(p, g) for g in grads), dape)
+    return dape
 
 
 def _backward(grad, p: Problem):
-    # The output buffers are fresh allocations of the right shape: no need to check them.
-    grad = grad.contiguous()
-    if grad.data_ptr() % 16:
-        grad = grad.clone()
-    dkv = torch.empty_like(p.kv)
-    dscore = torch.empty_like(p.score)
-    dape = torch.empty_like(p.ape)
-    return launch_backward(p, grad, dkv, dscore, dape)
+    dkv, dscore = (torch.empty_like(t) for t in (p.full or (p.kv, p.score)))
+    return dkv, dscore, _launch_backward(grad, p, (dkv, dscore))
 
 
 @torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=())
-def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
-                cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, coff: int) -> torch.Tensor:
+def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
+                total_comp: int, ratio: int, coff: int) -> torch.Tensor:
     return _forward(_problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
 
 
 @pool_fwd_op.register_fake
 def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
-    return kv.new_empty((total_comp, kv.shape[1] // coff))
+    if cu_seqlens is None:
+        return kv.new_empty((total_comp, kv.shape[1], kv.shape[2] // coff))
+    return kv.new_empty((total_comp, kv.shape[-1] // coff))
 
 
 @torch.library.custom_op("csa_compressor::pool_bwd", mutates_args=())
 def pool_bwd_op(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
-                cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
+                cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None, ratio: int,
                 coff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(grad, _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad.shape[0], ratio, coff))
+    return _backward(grad, _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad.shape[0],
+                                    ratio, coff))
 
 
 @pool_bwd_op.register_fake
@@ -64,12 +92,16 @@ def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
 def _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
     if torch.compiler.is_compiling():
         return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff)
+    if cu is None:
+        return _forward(_problem(kv, score, ape, cu, cuc, total_comp, ratio, coff))
     return _forward(Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
 
 
 def _bwd(grad, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
     if torch.compiler.is_compiling():
         return pool_bwd_op(grad, kv, score, ape, cu, cuc, ratio, coff)
+    if cu is None:
+        return _backward(grad, _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff))
     return _backward(grad, Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
 
 
@@ -91,6 +123,7 @@ class _PoolFn(torch.autograd.Function):
 # The packed layout: kv and score as the column halves of one tensor kvs (T, 2*coff*d), as
 # one projection GEMM writes them; the backward writes both gradients into one (T, 2*coff*d)
 # tensor of the same layout, so the GEMM's backward takes it as it is (no copies, no add).
+# SBHD where the offsets are None: kvs (S, B, 2*coff*d).
 
 def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff):
     """The Problem of arguments already validated by validate_packed (kvs 2-D)."""
@@ -100,36 +133,35 @@ def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff):
 
 
 def _backward_packed(grad, p: Problem):
-    grad = grad.contiguous()
-    if grad.data_ptr() % 16:
-        grad = grad.clone()
     dkvs = torch.empty_like(p.kvs)
-    w = p.kvs.shape[1] // 2
-    dape = torch.empty_like(p.ape)
-    launch_backward(p, grad, dkvs[:, :w], dkvs[:, w:], dape)
-    return dkvs, dape
+    w = p.kvs.shape[-1] // 2
+    return dkvs, _launch_backward(grad, p, (dkvs[..., :w], dkvs[..., w:]))
 
 
 def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff):
+    if cu is None:
+        return validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff, for_kernel=True, packed=True)
     return validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
 
 
 @torch.library.custom_op("csa_compressor::pool_fwd_packed", mutates_args=())
-def pool_fwd_packed_op(kvs: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
-                       cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
+def pool_fwd_packed_op(kvs: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                       cu_seqlens_comp: torch.Tensor | None, total_comp: int, ratio: int,
                        coff: int) -> torch.Tensor:
     return _forward(_packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
 
 
 @pool_fwd_packed_op.register_fake
 def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    if cu_seqlens is None:
+        return kvs.new_empty((total_comp, kvs.shape[1], kvs.shape[2] // (2 * coff)))
     return kvs.new_empty((total_comp, kvs.shape[-1] // (2 * coff)))
 
 
 @torch.library.custom_op("csa_compressor::pool_bwd_packed", mutates_args=())
 def pool_bwd_packed_op(grad: torch.Tensor, kvs: torch.Tensor, ape: torch.Tensor,
-                       cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, ratio: int,
-                       coff: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
+                       ratio: int, coff: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_packed(grad, _packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp,
                                                   grad.shape[0], ratio, coff))
 
@@ -139,16 +171,22 @@ def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
     return torch.empty_like(kvs), torch.empty_like(ape)
 
 
+def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff):
+    if cu is None:
+        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff)
+    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff)
+
+
 def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff):
     if torch.compiler.is_compiling():
         return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff)
-    return _forward(_packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff))
+    return _forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff))
 
 
 def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff):
     if torch.compiler.is_compiling():
         return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff)
-    return _backward_packed(grad, _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff))
+    return _backward_packed(grad, _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff))
 
 
 class _PackedFn(torch.autograd.Function):
@@ -196,21 +234,38 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     return fused_from_problem(p)
 
 
+def compress_sbhd_fused(kv, score, ape, *, ratio, coff):
+    """Fused gated pooling of ``B`` sequences of ``S`` tokens in the SBHD layout: ``kv`` and
+    ``score`` ``(S, B, coff*d)`` -> ``(S // ratio, B, head_dim)`` (no rows where S < ratio).
+    The kernels read the strided token rows in place (no transposed copy); results are
+    bitwise those of compress_thd_fused on the sequences packed one after another.
+    Differentiable in ``kv``, ``score`` and ``ape``; needs ``coff*d*element size`` and
+    ``d*element size`` multiples of 16 bytes."""
+    return fused_from_problem(validate_sbhd(kv, score, ape, ratio=ratio, coff=coff,
+                                            for_kernel=True))
+
+
+def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff):
+    """compress_sbhd_fused with ``kv`` and ``score`` as the column halves of one tensor
+    ``kvs`` ``(S, B, 2*coff*d)`` (one projection's output), its gradient one tensor of that
+    layout."""
+    return fused_from_problem(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff,
+                                            for_kernel=True, packed=True))
+
+
 def fused_from_problem(p: Problem):
-    """compress_thd_fused (or its packed form, where the problem came from validate_packed)
-    on arguments already validated for the kernels (the dispatch and the module validate
-    once and come here)."""
-    if p.kvs is not None:
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-                p.kvs.requires_grad or p.ape.requires_grad)):
-            return _PackedFn.apply(p.kvs, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp,
-                                   p.ratio, p.coff)
-        return _forward(p)
-    args = (p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, p.ratio, p.coff,
-            p.head_dim)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            p.kv.requires_grad or p.score.requires_grad or p.ape.requires_grad)):
-        return _PoolFn.apply(*args)
+    """The fused op on arguments already validated for the kernels (validate,
+    validate_packed or validate_sbhd: the dispatch and the module validate once and come
+    here): the caller's tensors go through autograd where a gradient is wanted."""
+    packed = p.kvs is not None
+    inputs = (p.kvs,) if packed else (p.full or (p.kv, p.score))
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in inputs + (p.ape,))):
+        # SBHD: no offsets (the op body derives the one-segment pack again)
+        cu, cuc = (None, None) if p.batch else (p.cu_seqlens, p.cu_seqlens_comp)
+        if packed:
+            return _PackedFn.apply(p.kvs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff)
+        return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff, p.head_dim)
     # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
     # dev machine, a tenth of that for the check).
     return _forward(p)

@@ -43,6 +43,12 @@ class Problem:
     # their rows are row_stride = 2*coff*d apart; 0 and None otherwise.
     row_stride: int = 0
     kvs: torch.Tensor | None = None
+    # SBHD (validate_sbhd): B sequences of S tokens interleaved token by token; kv and score
+    # are sequence 0's (S, coff*d) views, the pack one segment of S tokens and S // ratio
+    # rows, and ``full`` the caller's (S, B, coff*d) kv and score (None where ``kvs``, the
+    # (S, B, 2*coff*d) packed tensor, holds both). batch 0: a THD pack.
+    batch: int = 0
+    full: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -194,7 +200,7 @@ def check_offset_contents(p: "Problem") -> None:
 
 def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
              for_kernel: bool = False, check_offsets: bool = False,
-             contents: bool = True, _packed=None) -> Problem:
+             contents: bool = True, _packed=None, _row_stride: int = 0) -> Problem:
     """Check every argument of a THD call and return 2-D views and sizes.
 
     ``for_kernel`` adds what the fused kernels need beyond the math: a CUDA device,
@@ -240,7 +246,7 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
                          ("cu_seqlens_comp", cuc)))
         )
     head_dim = width // coff
-    row_stride = 0 if _packed is None else _packed.shape[1]
+    row_stride = _row_stride or (0 if _packed is None else _packed.shape[1])
     if kv.shape[0] * (row_stride or width) > INT32_MAX:
         raise ValueError(f"kv: T*coff*d = {kv.shape[0] * (row_stride or width)} overflows int32 "
                          f"offsets (max {INT32_MAX})")
@@ -252,7 +258,8 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
         # Fake tensors (torch.compile tracing) have no storage; the op checks again at run time.
         real = not torch.compiler.is_compiling()
         for name, t in (("kv", kv), ("score", score), ("ape", ape)):
-            # kvs' halves are strided views of it; validate_packed checked kvs itself
+            # kvs' halves and SBHD sequences are strided views; their callers checked the
+            # tensors they are views of
             if not t.is_contiguous() and not (row_stride and name != "ape"):
                 raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
             if real and t.data_ptr() % KERNEL_ALIGN_BYTES:
@@ -297,6 +304,78 @@ def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio,
     return validate(kvs[:, :w], kvs[:, w:], ape, cu_seqlens, cu_seqlens_comp, total_comp,
                     ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
                     contents=contents, _packed=kvs)
+
+
+_SBHD_OFFSETS: dict = {}
+
+
+def sbhd_offsets(S: int, n: int, device: torch.device):
+    """(cu_seqlens, cu_seqlens_comp) of one segment of ``S`` tokens and ``n`` rows on
+    ``device``, made once (device-side arithmetic: no copy from the host, so a first call
+    inside CUDA-graph capture makes them too)."""
+    key = (S, n, device)
+    hit = _SBHD_OFFSETS.get(key)
+    if hit is None:
+        if len(_SBHD_OFFSETS) > 1024:
+            _SBHD_OFFSETS.clear()
+        steps = torch.arange(2, dtype=torch.int32, device=device)
+        hit = _SBHD_OFFSETS[key] = (steps * S, steps * n)
+    return hit
+
+
+def _as_sbhd(name: str, t) -> torch.Tensor:
+    _check_tensor(name, t)
+    if t.dim() != 3:
+        raise ValueError(f"{name}: expected shape (S, B, width), got {tuple(t.shape)}")
+    return t
+
+
+def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
+                  packed: bool = False) -> Problem:
+    """Check an SBHD call, ``kv`` and ``score`` ``(S, B, coff*d)`` (``packed``: ``kv`` is
+    ``kvs`` ``(S, B, 2*coff*d)``, ``[kv | score]`` in one tensor, and ``score`` is None),
+    and return the Problem the kernels run: sequence 0's views, one segment of S tokens.
+    For the kernels, the caller's tensors contiguous and every sequence's rows 16-byte
+    aligned: ``width * element size`` and ``d * element size`` multiples of 16."""
+    check_ratio_coff(ratio, coff)
+    if packed:
+        kvs = _as_sbhd("kvs", kv)
+        width2 = kvs.shape[2]
+        if width2 == 0 or width2 % (2 * coff):
+            raise ValueError(f"kvs: last dimension must be 2*coff*d (kv then score columns), a "
+                             f"positive multiple of {2 * coff}, got {width2}")
+        w = width2 // 2
+        kv, score, full, stride = kvs[..., :w], kvs[..., w:], None, width2
+    else:
+        kv, score, kvs = _as_sbhd("kv", kv), _as_sbhd("score", score), None
+        if score.shape != kv.shape:
+            raise ValueError(f"score: expected the shape of kv {tuple(kv.shape)}, got "
+                             f"{tuple(score.shape)}")
+        full, stride = (kv, score), kv.shape[2]
+    S, B, width = kv.shape
+    if B == 0:
+        raise ValueError(f"{'kvs' if packed else 'kv'}: expected B >= 1 sequences, got shape "
+                         f"{tuple((kvs if packed else kv).shape)}")
+    if for_kernel:
+        eb = kv.element_size()
+        tensors = (("kvs", kvs),) if packed else (("kv", kv), ("score", score))
+        for name, t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
+        if (width * eb) % KERNEL_ALIGN_BYTES or ((width // max(coff, 1)) * eb) % KERNEL_ALIGN_BYTES:
+            raise ValueError(f"kv: the fused SBHD kernels need coff*d*element size and d*element size "
+                             f"multiples of {KERNEL_ALIGN_BYTES} bytes (each sequence's rows "
+                             f"aligned), got coff*d = {width} of {eb}-byte elements")
+        if S * B * stride > INT32_MAX:
+            raise ValueError(f"kv: S*B*width = {S * B * stride} overflows int32 offsets "
+                             f"(max {INT32_MAX})")
+    n = S // ratio  # S < ratio: no rows (Megatron's Compressor returns None there)
+    cu, cuc = sbhd_offsets(S, n, kv.device)
+    p = validate(kv[:, 0], score[:, 0], ape, cu, cuc, n, ratio=ratio, coff=coff,
+                 for_kernel=for_kernel, contents=False, _packed=kvs,
+                 _row_stride=B * stride)
+    p.batch, p.full = B, full
+    return p
 
 
 def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

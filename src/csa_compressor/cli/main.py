@@ -68,6 +68,13 @@ def cmd_bench(args) -> int:
         print(module_bench.header(bench.environment(), rows))
         print(module_bench.table(rows))
         return 0
+    if args.sbhd:
+        from . import sbhd_bench
+
+        rows = sbhd_bench.run(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(sbhd_bench.header(bench.environment()))
+        print(sbhd_bench.table(rows))
+        return 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     result = bench.run(args.shape_list, dtype, args.impl_list, compile_all=args.compile_all,
                        progress=lambda m: print(m, file=sys.stderr, flush=True),
@@ -123,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--module", action="store_true",
                    help="the whole Compressor module's training step instead (one projection "
                         "against two, and the projection GEMMs alone)")
+    b.add_argument("--sbhd", action="store_true",
+                   help="SBHD inputs instead: the kernels reading (S, B, ...) in place against a "
+                        "transposed copy into THD, and the eager region")
     c = sub.add_parser("check", help="the numerics gate (CUDA GPU): exit 1 on a failing clause")
     c.add_argument("--dtypes", default=",".join(DTYPE_NAMES), help="from bf16, fp16, fp32")
     p = sub.add_parser("report", help="results.md and PNG plots from a results.json")

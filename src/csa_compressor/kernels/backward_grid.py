@@ -43,8 +43,8 @@ class BackwardGrid:
         1's row CTAs queued behind group 0's zero CTAs (docs/lab/perf-notes.md has the
         measurement)."""
         if self.interleave:
-            return [ctas * self.col_groups, 1, 1]
-        return [ctas, self.col_groups, 1]
+            return [ctas * self.col_groups, 1, self.grid_z()]
+        return [ctas, self.col_groups, self.grid_z()]
 
     @cute.jit
     def cta_coords(self):

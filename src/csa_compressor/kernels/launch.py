@@ -54,7 +54,7 @@ def launch_forward(p, out):
     dev = p.kv.device
     with _on_device(dev):
         c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
-                                   row_stride=p.row_stride), dev)
+                                   row_stride=p.row_stride, batch=p.batch), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
@@ -74,35 +74,40 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
 
 def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device,
                       ctas_per_sm: int | None = None):
-    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch, its row CTAs
-    one wave of ``ctas_per_sm`` an SM (the compiled kernel's; the design's without one)."""
+    """(rows per row-CTA, row CTAs, zero-fill CTAs) for one backward launch (a sequence's,
+    for each grid.z one of an SBHD launch), its row CTAs one wave of ``ctas_per_sm`` an SM
+    (the compiled kernel's; the design's without one)."""
     ctas = ctas_per_sm or kernel.target_ctas_per_sm
-    target = max(1, sm_count(device.index) * ctas // kernel.col_groups)
+    target = max(1, sm_count(device.index) * ctas // (kernel.col_groups * kernel.grid_z()))
     rows_per_cta = max(kernel.min_rows_per_cta, math.ceil(total_comp / target))
     tokens_per_cta = kernel.row_lanes * kernel.t.ZERO_TOKENS_PER_THREAD
     return (rows_per_cta, math.ceil(total_comp / rows_per_cta), math.ceil(num_tokens / tokens_per_cta))
 
 
-def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0):
-    """The compiled backward for a pack of ``total_comp`` rows: the large-pack variant where
-    the kernel has one (pool_bwd ``large``), from BWD_LARGE_PACK_ROWS rows, or from
-    BWD_LARGE_GUESS_PACK_ROWS where that variant copies its first row at a guess."""
-    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride), device)
+def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
+                    batch: int = 0):
+    """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
+    sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
+    BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
+    copies its first row at a guess."""
+    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride,
+                               batch=batch), device)
     t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
         rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
-    if c.large is not None and total_comp >= rows:
+    if c.large is not None and total_comp * max(batch, 1) >= rows:
         return c.large
     return c
 
 
-def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0):
+def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
+                  batch: int = 0):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch."""
-    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride)
+    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch)
     schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
-    return c, schedule, (schedule[1] * ratio, coff * head_dim)
+    return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
 
 def dape_sum(c, rows: int):
@@ -143,7 +148,8 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
 
 
 def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
-    """Backward launch on a validated problem into checked buffers."""
+    """Backward launch on a validated problem into checked buffers (an SBHD problem's:
+    sequence 0's views of them, rows and tokens present; ops.py zero-fills the rest)."""
     dev, dt, N, T, d, ratio, coff = (p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens,
                                      p.head_dim, p.ratio, p.coff)
     if N == 0 or T == 0:
@@ -153,7 +159,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         return grad_kv, grad_score, grad_ape
     with _on_device(dev):
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
-                                                                      p.row_stride)
+                                                                      p.row_stride, p.batch)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:
@@ -163,5 +169,6 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows.
         C = ratio * coff * d
-        dape_sum(c, row_ctas)(workspace.view(row_ctas, C), grad_ape.view(1, C))
+        rows = row_ctas * c.kernel.grid_z()
+        dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape

@@ -38,6 +38,9 @@ class KernelSpec:
     # Elements between token rows of kv / score and of dkv / dscore; 0: packed rows of
     # coff * head_dim (kv and score column halves of one tensor: 2 * coff * head_dim).
     row_stride: int = 0
+    # SBHD: this many sequences interleaved token by token, one a grid.z index (rows of a
+    # sequence row_stride apart, output rows batch * head_dim apart); 0: a THD pack.
+    batch: int = 0
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
@@ -45,12 +48,13 @@ class KernelSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
-                      self.row_stride))
+                      self.row_stride, self.batch))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __str__(self):
         rows = f", row_stride={self.row_stride}" if self.row_stride else ""
+        rows += f", batch={self.batch}" if self.batch else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
@@ -69,24 +73,27 @@ _SPECS: dict = {}
 
 
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-         tuning: Tuning | None = None, row_stride: int = 0) -> KernelSpec:
+         tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0) -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
     cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
     id cannot be reused."""
     t = tuning or current()
-    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride)
+    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
     if direction in ("dape", "dape_wide"):
-        dtype, row_stride = torch.float32, 0  # the partials are fp32 whatever the inputs are
-    if row_stride == coff * head_dim:
+        # the partials are fp32 whatever the inputs are, in one layout
+        dtype, row_stride, batch = torch.float32, 0, 0
+    if batch == 1:
+        batch = 0  # one SBHD sequence is a one-segment pack
+    if row_stride == coff * head_dim and not batch:
         row_stride = 0  # packed rows: one spec, one kernel
-    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride)
+    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -97,7 +104,7 @@ def family(s: KernelSpec) -> tuple:
     """``s`` and the specs compiled with it, ``s`` first: a backward's dape sums (both
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
-    sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0)
+    sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0)
                  for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)
@@ -110,15 +117,15 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     """The Units compiled for ``s``, its own first (family() less the kernels this
     specialisation does not have)."""
     specs = family(s)
-    args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride)
-            for f in specs]
+    args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
+                         f.batch) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
-                          f.row_stride) for f in specs]
+                          f.row_stride, f.batch) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-               arch_major: int, tuning, row_stride: int = 0):
+               arch_major: int, tuning, row_stride: int = 0, batch: int = 0):
     """The kernel object of one specialisation, None where it has none: windows of more
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
@@ -137,18 +144,20 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
     if long:
         if direction == "fwd":
-            return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride)
-        return (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride)
+            return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
+                               batch=batch)
+        return (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
+                               batch=batch)
                 if direction == "bwd" else None)
     if direction == "fwd":
         return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride)
+                           row_stride=row_stride, batch=batch)
     default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride)
+                           row_stride=row_stride, batch=batch)
     if direction == "bwd":
         return default
     return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning,
-                         row_stride=row_stride) if default.has_large_variant else None)
+                         row_stride=row_stride, batch=batch) if default.has_large_variant else None)
 
 
 def _fake(dtype, shape, align):
@@ -159,10 +168,11 @@ def _fake(dtype, shape, align):
 
 
 def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-                 row_stride: int = 0) -> tuple:
+                 row_stride: int = 0, batch: int = 0) -> tuple:
     """Symbolic arguments of a direction's launch: token, row, batch and partial-row counts
     stay symbolic, so packs change without recompiling; ``row_stride`` (0: packed rows) is
-    the token rows' static stride in kv, score, dkv and dscore."""
+    the token rows' static stride in kv, score, dkv and dscore; ``batch`` (SBHD) makes the
+    output and grad_out rows ``batch * head_dim`` apart (sequence 0's view of them)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
@@ -180,12 +190,18 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
             return cute.runtime.make_fake_tensor(cdt, (T, W), (row_stride, 1), assumed_align=16)
         return _fake(cdt, (T, W), 16)
 
+    def outs():  # output, grad_out
+        if batch:
+            return cute.runtime.make_fake_tensor(cdt, (N, head_dim), (batch * head_dim, 1),
+                                                 assumed_align=16)
+        return _fake(cdt, (N, head_dim), 16)
+
     kv, score = rows(), rows()
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
     if direction == "fwd":
-        return kv, score, ape, cu, cuc, _fake(cdt, (N, head_dim), 16), Int32(1), stream
-    grad = _fake(cdt, (N, head_dim), 16)
+        return kv, score, ape, cu, cuc, outs(), Int32(1), stream
+    grad = outs()
     dkv, dscore = rows(), rows()
     work = _fake(cutlass.Float32, (P, W), 16)
     return (kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1), Int32(1), Int32(1),

@@ -36,13 +36,14 @@ class PoolBackward(BackwardGrid, WindowSlots):
     # previous kernel's tail (docs/lab/tuning-log.md).
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 large: bool = False, tuning: Tuning | None = None, row_stride: int = 0):
+                 large: bool = False, tuning: Tuning | None = None, row_stride: int = 0,
+                 batch: int = 0):
         self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
-        self.set_rows(row_stride)
+        self.set_rows(row_stride, batch)
         self.vec = t.vector_elems(head_dim, dtype.width // 8, self.t.BWD_VEC_BYTES)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
@@ -182,6 +183,8 @@ class PoolBackward(BackwardGrid, WindowSlots):
         # Before any read or write: any predecessor may produce our inputs or still read
         # the memory of our outputs.
         cute.arch.griddepcontrol_wait()
+        (gKV, gSc, gDKV, gDSc), (gGrad,), gWork = self.batch_tensors(
+            (gKV, gSc, gDKV, gDSc), (gGrad,), gWork, num_row_ctas * self.ratio)
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
         num_seqs = mCuc.shape[0] - 1
         chunk = by * self.lanes + tid

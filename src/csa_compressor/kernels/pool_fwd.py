@@ -36,13 +36,13 @@ from .staging import Tiles, WindowSlots
 
 class PoolForward(WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 tuning: Tuning | None = None, row_stride: int = 0):
+                 tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0):
         self.t = t = tuning or current()
         self.dtype = dtype
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
-        self.set_rows(row_stride)
+        self.set_rows(row_stride, batch)
         elem_bytes = dtype.width // 8
         self.vec = t.forward_vector_elems(head_dim, elem_bytes, coff * ratio)
         self.cpr = head_dim // self.vec  # column chunks per output row
@@ -74,11 +74,12 @@ class PoolForward(WindowSlots):
         self.coop = self.coop_stageable()
 
     def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None) -> int:
-        """Rows each thread walks: enough that the grid fits in one wave of ``ctas_per_sm``
-        CTAs an SM (the compiled kernel's grid_ctas_per_sm; the design's without one): a
-        partial second wave ran at a fraction of the occupancy. At most
-        FWD_MAX_ROWS_PER_THREAD."""
-        ctas = max(1, sms * (ctas_per_sm or self.target_ctas_per_sm) // self.col_groups)
+        """Rows each thread walks (``num_rows`` a sequence of the grid.z ones): enough that
+        the grid fits in one wave of ``ctas_per_sm`` CTAs an SM (the compiled kernel's
+        grid_ctas_per_sm; the design's without one): a partial second wave ran at a
+        fraction of the occupancy. At most FWD_MAX_ROWS_PER_THREAD."""
+        ctas = max(1, sms * (ctas_per_sm or self.target_ctas_per_sm)
+                   // (self.col_groups * self.grid_z()))
         per = -(-num_rows // (ctas * self.row_lanes))
         return max(1, min(current().FWD_MAX_ROWS_PER_THREAD, per))  # launch-only
 
@@ -94,7 +95,7 @@ class PoolForward(WindowSlots):
         rows_per_cta = rows_per_thread * self.row_lanes
         grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, mKV.shape[0], rows_per_thread).launch(
-            grid=[grid_x, self.col_groups, 1], block=[self.lanes, self.row_lanes, 1],
+            grid=[grid_x, self.col_groups, self.grid_z()], block=[self.lanes, self.row_lanes, 1],
             smem=self.smem_bytes, stream=stream, use_pdl=True,  # see kernel()'s first statement
             preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
@@ -147,6 +148,7 @@ class PoolForward(WindowSlots):
         # written before that kernel has completed and flushed (any predecessor may produce
         # our inputs or still read the memory of our output).
         cute.arch.griddepcontrol_wait()
+        (gKV, gSc), (gOut,), _ = self.batch_tensors((gKV, gSc), (gOut,))
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, P = self.vec, self.slots, self.stages

@@ -49,9 +49,9 @@ class LongWindow:
     """The slot-parallel geometry and the window sums shared by the long forward and backward."""
 
     def _setup(self, dtype, ratio, coff, head_dim, cta_threads, vec_bytes, slots_per_thread,
-               pad: bool, row_stride: int):
+               pad: bool, row_stride: int, batch: int):
         self.dtype, self.ratio, self.coff, self.d = dtype, ratio, coff, head_dim
-        self.set_rows(row_stride)
+        self.set_rows(row_stride, batch)
         self.vec = self.t.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
@@ -156,13 +156,13 @@ class LongWindow:
 
 class LongPoolForward(LongWindow, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
-                 row_stride: int = 0):
+                 row_stride: int = 0, batch: int = 0):
         self.t = tuning or current()
         most = self.t.LONG_SLOTS_PER_THREAD
         if coff * ratio < self.t.LONG_WIDE_MIN_SLOTS:
             most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # tuning log, "LONG_WIDE_MIN_SLOTS"
         self._setup(dtype, ratio, coff, head_dim, self.t.LONG_CTA_THREADS, self.t.LONG_VEC_BYTES,
-                    most, pad=False, row_stride=row_stride)
+                    most, pad=False, row_stride=row_stride, batch=batch)
         # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (self.t.LONG_*). Its values
         # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
@@ -177,7 +177,7 @@ class LongPoolForward(LongWindow, WindowSlots):
         tiler = (1, self.vec)
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0]).launch(
-            grid=[mOut.shape[0], self.col_groups, 1], block=[self.lanes, self.groups, 1],
+            grid=[mOut.shape[0], self.col_groups, self.grid_z()], block=[self.lanes, self.groups, 1],
             smem=self.smem_bytes, stream=stream, use_pdl=True,
             preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
 
@@ -187,6 +187,7 @@ class LongPoolForward(LongWindow, WindowSlots):
         # A programmatic dependent as pool_fwd (tuning log, "The long kernels as programmatic
         # dependents"): nothing is read or written before the previous kernel completed.
         cute.arch.griddepcontrol_wait()
+        (gKV, gSc), (mOut,), _ = self.batch_tensors((gKV, gSc), (mOut,))
         tid, g, _ = cute.arch.thread_idx()
         row, by, _ = cute.arch.block_idx()
         vec, CH = self.vec, self.chunk_slots
@@ -227,13 +228,14 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
     and its zero-fill CTAs are BackwardGrid's, as in the short-window backward."""
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
-                 row_stride: int = 0):
+                 row_stride: int = 0, batch: int = 0):
         self.t = tuning or current()
         # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
         # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count.
         for most in (self.t.LONG_BWD_SLOTS_PER_THREAD, self.t.LONG_NARROW_SLOTS_PER_THREAD):
             self._setup(dtype, ratio, coff, head_dim, self.t.LONG_BWD_CTA_THREADS,
-                              self.t.LONG_BWD_VEC_BYTES, most, pad=True, row_stride=row_stride)
+                              self.t.LONG_BWD_VEC_BYTES, most, pad=True, row_stride=row_stride,
+                              batch=batch)
             if (self.slots >= self.t.LONG_WIDE_MIN_SLOTS
                     and self.col_groups >= self.t.LONG_BWD_MIN_COL_GROUPS):
                 break
@@ -351,6 +353,8 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
         # before the previous kernel completed.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        (gKV, gSc, gDKV, gDSc), (gGrad,), gWork = self.batch_tensors(
+            (gKV, gSc, gDKV, gDSc), (gGrad,), gWork, num_row_ctas * self.ratio)
         tid, g, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         vec, CH, ratio = self.vec, self.chunk_slots, self.ratio

@@ -54,11 +54,40 @@ class WindowSlots:
 
     coop = False  # warp-cooperative staging (coop_stageable), set by the kernels that use it
     row_stride = None  # elements between token rows of kv / score (and dkv / dscore): set_rows
+    batch = 0  # SBHD sequences, one a grid.z index (0: a THD pack, no batch index): set_rows
 
-    def set_rows(self, row_stride: int):
+    def set_rows(self, row_stride: int, batch: int = 0):
         """Token rows ``row_stride`` elements apart (0: packed, ``coff * head_dim``); a
-        constant of the compiled code, so the slots stay immediate offsets of one base."""
+        constant of the compiled code, so the slots stay immediate offsets of one base.
+        ``batch``: an SBHD launch of ``batch`` sequences interleaved token by token, one a
+        grid.z index: sequence ``z`` starts ``z * row_stride // batch`` elements into the
+        token tensors and ``z * head_dim`` into the row tensors (output, grad_out), whose
+        rows are ``batch * head_dim`` apart; every other index is the one-sequence pack's."""
         self.row_stride = row_stride or self.coff * self.d
+        self.batch = batch
+
+    def grid_z(self) -> int:
+        return self.batch or 1
+
+    def batch_shift(self, g: cute.Tensor, per_sequence) -> cute.Tensor:
+        """``g`` moved to this CTA's SBHD sequence (``per_sequence`` elements a grid.z step);
+        ``g`` itself in a THD launch. The step is a multiple of 16 bytes (validate_sbhd), so
+        the vector accesses keep their alignment. Trace-time Python, called in a kernel."""
+        if self.batch:
+            _, _, bz = cute.arch.block_idx()
+            step = 16 * 8 // g.element_type.width
+            off = cute.assume(bz * per_sequence, divby=step)
+            g = cute.make_tensor(g.iterator + off, g.layout)
+        return g
+
+    def batch_tensors(self, tokens, rows, work=None, work_rows=None):
+        """batch_shift of a launch's token tensors (kv, score, dkv, dscore), row tensors
+        (output or grad_out) and dape partials (``work_rows`` partial rows a sequence)."""
+        tokens = [self.batch_shift(t, self.row_stride // max(self.batch, 1)) for t in tokens]
+        rows = [self.batch_shift(t, self.d) for t in rows]
+        if work is not None:
+            work = self.batch_shift(work, work_rows * self.coff * self.d)
+        return tokens, rows, work
 
     def specialise(self):
         """Code choices that follow from the geometry, made once at construction (after
@@ -98,7 +127,10 @@ class WindowSlots:
         and size the grid for them; 0: no bound, the grid as it is and the carveout left
         to the driver. With a bound, the carveout that holds the bound's shared memory
         (the DSL needs one to compile a bound without a GPU)."""
-        self.min_ctas = ctas
+        # SBHD kernels keep their sequence's moved base pointers in registers (a THD kernel's
+        # stay in the parameter bank): under the THD bounds several spilled, so they go
+        # unbounded and their grid follows the registers they take.
+        self.min_ctas = 0 if self.batch else ctas
         self.carveout = None
         if ctas:
             self.target_ctas_per_sm = ctas
