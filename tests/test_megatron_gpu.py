@@ -6,6 +6,7 @@ pooling does not)."""
 import pytest
 import torch
 
+import csa_compressor as C
 from csa_compressor import megatron
 from megatron_env import build_compressor, thd_step
 
@@ -124,7 +125,7 @@ def test_megatrons_rotating_compressor_on_the_fused_kernels(megatron_csa, monkey
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                           device="cuda")
         x = torch.randn(int(cu[-1]) + 5, 1, 256, device="cuda").to(torch.bfloat16)
-        rows = sum(n // 4 for n in lens)
+        rows = C.compressed_capacity(x.shape[0], len(lens), max(lens), 4)  # Megatron's capacity
         step = lambda: thd_step(comp, x, cu, max(lens))  # noqa: E731
     else:
         if path == "sbhd":

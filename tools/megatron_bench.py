@@ -4,10 +4,12 @@ csa_compressor.megatron installed, side by side in one run.
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
 
 Configs (hidden 4096, bf16, rope_dim 64): d 512 ratio 4; d 128 ratio 4 with rotate (where
-fast_hadamard_transform imports, else without, and the row says so); d 512 ratio 128; on
-the THD path (packed_seq_params, static capacity, as Megatron's forward passes) and on the
+fast_hadamard_transform does not import, the same transform in plain torch stands in for
+eager and installed alike, and the row says so); d 512 ratio 128; on the THD path
+(packed_seq_params, static capacity, as Megatron's forward passes), on the
 context-parallel pre-grouped path (``_forward_thd(..., compressed_group_ids=ids)``, the
-same tokens as groups). Per step: wall time (CUDA events around 10 back-to-back steps,
+same tokens as groups) and on the SBHD path (no packed_seq_params: the B sequences as
+``(L, B, hidden)``). Per step: wall time (CUDA events around 10 back-to-back steps,
 median of 5; host time included, no CUDA graph: Megatron's step is not capturable as
 called), GPU time (the sum of the step's kernel and memory-op durations from
 torch.profiler over 3 steps) and kernel launches. A row is reported only where the
@@ -57,9 +59,17 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
     megatron_one_process(tempfile.mkdtemp())
     try:
         import fast_hadamard_transform  # noqa: F401
-        can_rotate = True
-    except ImportError:
-        can_rotate = False
+        standin = False
+    except ImportError:  # Megatron's rotate_activation calls dsa.hadamard_transform
+        import importlib
+        import math
+
+        from csa_compressor.module import hadamard
+
+        dsa = importlib.import_module(csa.__name__.rsplit(".", 1)[0] + ".dsa")
+        dsa.hadamard_transform = lambda v, scale=1.0: (
+            hadamard(v) * (math.sqrt(v.shape[-1]) * scale)).to(v.dtype)
+        standin = True
     dev = torch.device(device)
     T = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -67,8 +77,8 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                           max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
     rows = []
     for name, d, ratio, rotate in configs:
-        if rotate and not can_rotate:
-            name, rotate = name.replace("rotate", "(no rotate: fast_hadamard_transform missing)"), False
+        if rotate and standin:
+            name = name.replace("rotate", "rotate (torch Hadamard stand-in)")
         comp = megatron_compressor(csa, hidden, d, ratio, rope_dim, rotate=rotate,
                                    dtype=torch.bfloat16).to(dev)
         x = torch.randn(T, 1, hidden, device=dev).to(torch.bfloat16).requires_grad_(True)
@@ -77,6 +87,8 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
         xg = torch.randn(ids.numel() * ratio, 1, hidden, device=dev).to(torch.bfloat16)
         xg.requires_grad_(True)
         cug = torch.tensor([0, xg.shape[0]], dtype=torch.int32, device=dev)
+        xs = torch.randn(max(lens), len(lens), hidden, device=dev).to(torch.bfloat16)
+        xs.requires_grad_(True)
         grads = {}
 
         def thd():
@@ -95,7 +107,16 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                 grads["grouped"] = torch.randn_like(out)
             out.backward(grads["grouped"])
 
-        for path, step in (("thd", thd), ("grouped", grouped)):
+        def sbhd():
+            xs.grad = None
+            comp.zero_grad(set_to_none=True)
+            out = comp(xs)
+            out = out[0] if isinstance(out, tuple) else out
+            if "sbhd" not in grads:
+                grads["sbhd"] = torch.randn_like(out)
+            out.backward(grads["sbhd"])
+
+        for path, step in (("thd", thd), ("grouped", grouped), ("sbhd", sbhd)):
             row = {"config": name, "path": path}
             try:
                 row["eager"] = _measure(step)
@@ -115,7 +136,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
             print(_row(row), file=sys.stderr, flush=True)
-        del comp, x, xg
+        del comp, x, xg, xs
         torch.cuda.empty_cache()
     return rows
 
