@@ -93,7 +93,7 @@ def test_sbhd_reruns_are_bitwise_and_dape_is_the_reference_sum():
     a = ape.detach().clone().requires_grad_(True)
     ref = C.reference.compress_sbhd(kv, score, a, ratio=4, coff=2, mode="fp64")
     (dape,) = torch.autograd.grad(ref, a, g.to(ref.dtype))
-    torch.testing.assert_close(first[3].double(), dape, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(first[3].double(), dape.double(), rtol=1e-4, atol=1e-3)
 
 
 def test_sbhd_under_torch_compile_fullgraph_and_graph_capture_bitwise():
