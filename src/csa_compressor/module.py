@@ -10,98 +10,13 @@ import torch
 from torch import nn
 
 from . import reference
+from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, hadamard,  # noqa: F401
+                       rope_inv_freq, rope_positions)
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
 POOLING = ("auto", "fused", "reference")
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
-    d = x.shape[-1]
-    y = x.float().reshape(-1, d)
-    h = 1
-    while h < d:
-        y = y.view(-1, d // (2 * h), 2, h)
-        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
-        h *= 2
-    return (y / math.sqrt(d)).view(x.shape)
-
-
-@dataclass(frozen=True)
-class YaRN:
-    """YaRN frequency scaling of the rotary embedding (as Megatron-LM's
-    YarnRotaryEmbedding builds it; the rotation itself stays unit-magnitude, mscale 1):
-    frequencies below the correction range are interpolated by ``factor``, those above kept,
-    a linear ramp between."""
-
-    factor: float
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    round_to_int: bool = True
-
-
-def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """The rotary frequencies of the ``rope_dim // 2`` channel pairs (float64), made on
-    ``device`` (no host copy: the module's step stays capturable in a CUDA graph)."""
-    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim
-    extra = theta ** (-exponent)
-    if yarn is None:
-        return extra
-
-    def correction_dim(rotations):
-        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.round_to_int:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device=device) - low)
-            / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
-    return extra / yarn.factor * (1 - keep) + extra * keep
-
-
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool,
-               yarn: YaRN | None = None):
-    """Rotary embedding on the last ``rope_dim`` channels of ``x`` (rows x channels, fp32)
-    at integer positions ``pos`` (one per row)."""
-    if rope_dim == 0:
-        return x
-    inv = rope_inv_freq(rope_dim, theta, yarn, device=x.device)
-    ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
-        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return torch.cat((head, out), dim=-1)
-
-
-def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
-                   max_seqlen: int | None = None) -> torch.Tensor:
-    """RoPE position of each output row: ``block_index * ratio`` inside its segment. Rows
-    past the true count (capacity padding) continue the last segment, held to the last
-    entry of the ``max_seqlen // ratio``-row table where ``max_seqlen`` is given: where
-    Megatron-LM's THD rotary embedding puts them. No host sync."""
-    cuc = cu_seqlens_comp.to(torch.int64)
-    rows = torch.arange(total_comp, device=cuc.device, dtype=torch.int64)
-    # The whole offsets tensor, not a slice of it: inductor cannot lower searchsorted over
-    # a slice view. Rows past the last offset clamp into the last segment.
-    seg = (torch.searchsorted(cuc, rows, right=True) - 1).clamp(0, max(cuc.numel() - 2, 0))
-    block = rows - cuc[seg]
-    if max_seqlen is not None:
-        block = block.clamp_max(max(max_seqlen // ratio - 1, 0))
-    return block * ratio
 
 
 class Compressor(nn.Module):
@@ -155,7 +70,7 @@ class Compressor(nn.Module):
         check_flag("rotate", rotate)
         check_flag("megatron_layout", megatron_layout)
         if rope_yarn is not None and not isinstance(rope_yarn, YaRN):
-            raise TypeError(f"rope_yarn: expected a csa_compressor.module.YaRN, got {rope_yarn!r}")
+            raise TypeError(f"rope_yarn: expected a csa_compressor.epilogue.YaRN, got {rope_yarn!r}")
         if rotate and head_dim & (head_dim - 1):
             raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
         if dtype not in SUPPORTED_DTYPES:
@@ -166,6 +81,7 @@ class Compressor(nn.Module):
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
+        self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -222,12 +138,7 @@ class Compressor(nn.Module):
         return fallback()
 
     def _finish(self, pooled, pos):
-        x = pooled.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.float()
-        x = apply_rope(x, pos, self.rope_dim, self.rope_theta, self.rope_interleaved, self.rope_yarn)
-        if self.rotate:
-            x = hadamard(x)
-        return x.to(pooled.dtype)
+        return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue)
 
     def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):
         """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->

@@ -1,0 +1,246 @@
+"""The Compressor's epilogue after the pooling: RMSNorm over head_dim (fp32, eps, a weight),
+rotary embedding on the last ``rope_dim`` channels at each row's position, optional
+orthonormal Walsh-Hadamard rotation, then one rounding to the pooled rows' dtype.
+
+``apply_epilogue`` runs it as one autograd node whose backward is written out (the ops
+autograd would run, without the fp32 intermediates it keeps or the zero-filled gradients
+of every slice it adds up): bitwise the composition of torch ops, ``eager_epilogue``,
+forward and backward. It is still a sequence of torch kernels, not yet fused into the
+pooling kernels. The positions come from the layout: ``rope_positions``
+(THD: ``block_index * ratio``), ``grouped_positions`` (``max(id, 0) * ratio``),
+``sbhd_positions``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
+    d = x.shape[-1]
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
+        h *= 2
+    return (y / math.sqrt(d)).view(x.shape)
+
+
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN frequency scaling of the rotary embedding (as Megatron-LM's
+    YarnRotaryEmbedding builds it; the rotation itself stays unit-magnitude, mscale 1):
+    frequencies below the correction range are interpolated by ``factor``, those above kept,
+    a linear ramp between."""
+
+    factor: float
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    round_to_int: bool = True
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The rotary frequencies of the ``rope_dim // 2`` channel pairs (float64), made on
+    ``device`` (no host copy: the module's step stays capturable in a CUDA graph)."""
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim
+    extra = theta ** (-exponent)
+    if yarn is None:
+        return extra
+
+    def correction_dim(rotations):
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device=device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
+    return extra / yarn.factor * (1 - keep) + extra * keep
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool,
+               yarn: YaRN | None = None):
+    """Rotary embedding on the last ``rope_dim`` channels of ``x`` (rows x channels, fp32)
+    at integer positions ``pos`` (one per row)."""
+    if rope_dim == 0:
+        return x
+    inv = rope_inv_freq(rope_dim, theta, yarn, device=x.device)
+    ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
+        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((head, out), dim=-1)
+
+
+def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
+                   max_seqlen: int | None = None) -> torch.Tensor:
+    """RoPE position of each output row: ``block_index * ratio`` inside its segment. Rows
+    past the true count (capacity padding) continue the last segment, held to the last
+    entry of the ``max_seqlen // ratio``-row table where ``max_seqlen`` is given: where
+    Megatron-LM's THD rotary embedding puts them. No host sync."""
+    cuc = cu_seqlens_comp.to(torch.int64)
+    rows = torch.arange(total_comp, device=cuc.device, dtype=torch.int64)
+    # The whole offsets tensor, not a slice of it: inductor cannot lower searchsorted over
+    # a slice view. Rows past the last offset clamp into the last segment.
+    seg = (torch.searchsorted(cuc, rows, right=True) - 1).clamp(0, max(cuc.numel() - 2, 0))
+    block = rows - cuc[seg]
+    if max_seqlen is not None:
+        block = block.clamp_max(max(max_seqlen // ratio - 1, 0))
+    return block * ratio
+
+
+def grouped_positions(group_ids: torch.Tensor, ratio: int) -> torch.Tensor:
+    """RoPE position of each grouped row: ``max(group_id, 0) * ratio`` (Megatron-LM's
+    pre-grouped Compressor)."""
+    return group_ids.to(torch.int64).clamp_min(0) * ratio
+
+
+def sbhd_positions(n: int, batch: int, ratio: int, device=None) -> torch.Tensor:
+    """RoPE positions of ``(n, batch)`` SBHD rows flattened row-major: ``row * ratio``."""
+    return (torch.arange(n, device=device, dtype=torch.int64) * ratio).repeat_interleave(batch)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What follows the pooling: RMSNorm (``eps``), rotary embedding on the last
+    ``rope_dim`` channels (0: none; interleaved pairs or the two halves; frequencies from
+    ``rope_theta``, YaRN-scaled where ``rope_yarn``), a Hadamard rotation where
+    ``rotate`` (head_dim a power of two)."""
+
+    eps: float = 1e-6
+    rope_dim: int = 64
+    rope_theta: float = 160000.0
+    rope_interleaved: bool = True
+    rope_yarn: YaRN | None = None
+    rotate: bool = False
+
+    def check(self, head_dim: int) -> None:
+        for name, value in (("rope_theta", self.rope_theta), ("eps", self.eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+        r = self.rope_dim
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r % 2 or r > head_dim:
+            raise ValueError(f"rope_dim: expected an even int in [0, head_dim={head_dim}], got {r!r}")
+        if self.rope_yarn is not None and not isinstance(self.rope_yarn, YaRN):
+            raise TypeError(f"rope_yarn: expected a csa_compressor.epilogue.YaRN, got {self.rope_yarn!r}")
+        if self.rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
+
+
+def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor | None = None):
+    """fp32 ``(N, rope_dim // 2)`` cosines and sines of the rows' angles (fp64 angles, as
+    apply_rope makes them)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, device=positions.device)
+    ang = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)
+    return torch.cos(ang), torch.sin(ang)
+
+
+def _rotate(y, cos, sin, rope_dim, interleaved, sign):
+    """``y`` (fp32, rows x channels) with its last ``rope_dim`` channels rotated by the
+    angles (``sign`` -1: back)."""
+    rot = y[:, -rope_dim:]
+    if interleaved:
+        a, b = rot[:, 0::2], rot[:, 1::2]
+    else:
+        a, b = rot[:, : rope_dim // 2], rot[:, rope_dim // 2:]
+    s = sin if sign > 0 else -sin
+    ra, rb = a * cos - b * s, a * s + b * cos
+    out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
+    return torch.cat((y[:, :-rope_dim], out), dim=-1)
+
+
+def _butterfly_back(g: torch.Tensor) -> torch.Tensor:
+    """The gradient of hadamard(): what autograd computes through its stages (the
+    division's backward first, then the stages in reverse order, each its own transpose)."""
+    d = g.shape[-1]
+    y = (g / math.sqrt(d)).reshape(-1, d)
+    h = d // 2
+    while h >= 1:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
+        h //= 2
+    return y.view(g.shape)
+
+
+class _EpilogueFn(torch.autograd.Function):
+    """eager_epilogue as one node: its forward's ops, and as backward the ops autograd
+    runs through them (bitwise the same gradients), without the intermediates autograd
+    keeps (fp32 copies of the rows at every step) or the zero-filled slice gradients it
+    adds up."""
+
+    @staticmethod
+    def forward(ctx, x_in, weight, cos, sin, ep):
+        x = x_in.float()
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps)
+        y = x * r * weight.float()
+        if ep.rope_dim:
+            y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
+        if ep.rotate:
+            y = hadamard(y)
+        ctx.save_for_backward(x_in, weight, cos, sin, r)
+        ctx.ep = ep
+        return y.to(x_in.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x_in, weight, cos, sin, r = ctx.saved_tensors
+        ep = ctx.ep
+        gy = g.float()
+        if ep.rotate:
+            gy = _butterfly_back(gy)
+        if ep.rope_dim:
+            gy = _rotate(gy, cos, sin, ep.rope_dim, ep.rope_interleaved, -1)
+        x = x_in.float()
+        xr = x * r
+        # y = (x * r) * w, r = rsqrt(mean(x^2) + eps), as autograd differentiates them
+        g_xr = gy * weight.float()
+        gw = (gy * xr).sum(0)
+        g_r = (g_xr * x).sum(-1, keepdim=True)
+        g_mean = (-0.5 * g_r) * r.pow(3)
+        gx = g_xr * r + (g_mean.expand_as(x) / x.shape[-1]) * (2 * x)
+        return gx.to(x_in.dtype), gw.to(weight.dtype), None, None, None
+
+
+def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+                   ep: Epilogue, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """The epilogue of ``pooled`` ``(N, head_dim)`` rows at ``positions`` ``(N,)``, as one
+    autograd node (differentiable in ``pooled`` and ``norm_weight``): fp32 math, the
+    pooled dtype out. ``inv_freq``: the rotary frequencies, where the caller keeps them."""
+    if pooled.dim() != 2:
+        raise ValueError(f"pooled: expected (N, head_dim) rows, got {tuple(pooled.shape)}")
+    if tuple(norm_weight.shape) != (pooled.shape[1],):
+        raise ValueError(f"norm_weight: expected shape ({pooled.shape[1]},), got {tuple(norm_weight.shape)}")
+    if tuple(positions.shape) != (pooled.shape[0],):
+        raise ValueError(f"positions: expected shape ({pooled.shape[0]},), got {tuple(positions.shape)}")
+    cos = sin = None
+    if ep.rope_dim:
+        cos, sin = rope_cos_sin(positions, ep, inv_freq)
+    return _EpilogueFn.apply(pooled, norm_weight, cos, sin, ep)
+
+
+def eager_epilogue(pooled, norm_weight, positions, ep: Epilogue) -> torch.Tensor:
+    """The epilogue as a composition of torch ops (autograd records each): the reference."""
+    x = pooled.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps) * norm_weight.float()
+    x = apply_rope(x, positions, ep.rope_dim, ep.rope_theta, ep.rope_interleaved, ep.rope_yarn)
+    if ep.rotate:
+        x = hadamard(x)
+    return x.to(pooled.dtype)

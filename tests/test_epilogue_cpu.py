@@ -1,0 +1,94 @@
+"""The epilogue as one autograd node (epilogue.apply_epilogue) against the composition of
+torch ops it replaces (epilogue.eager_epilogue): RMSNorm, RoPE (interleaved pairs or
+halves, rope_dim 0, part of head_dim or all of it) and the Hadamard rotation, on rows of a
+ragged THD pack with capacity padding rows, grouped and SBHD positions; forward and both
+gradients bitwise, fp32 and bf16."""
+
+import pytest
+import torch
+
+from csa_compressor import compressed_cu_seqlens
+from csa_compressor.epilogue import (Epilogue, YaRN, apply_epilogue, eager_epilogue,
+                                     grouped_positions, rope_positions, sbhd_positions)
+
+
+def _positions(layout, n, ratio=4):
+    if layout == "thd":  # segments of 37, 0, 3, 63, 9 tokens and 3 capacity padding rows
+        cu = torch.tensor([0, 37, 37, 40, 103, 112])
+        cuc = compressed_cu_seqlens(cu, ratio)
+        return rope_positions(cuc, n, ratio, max_seqlen=63)
+    if layout == "grouped":
+        ids = torch.tensor([3, 4, 0, 1, 2, -1] * (n // 6) + [0] * (n % 6))
+        return grouped_positions(ids, ratio)
+    return sbhd_positions(n // 2, 2, ratio)
+
+
+def _both(x, w, pos, ep):
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    return res
+
+
+CASES = [  # (head_dim, rope_dim, interleaved, rotate)
+    (128, 64, True, True), (128, 64, False, True), (128, 0, True, True), (128, 128, True, False),
+    (64, 16, False, False), (512, 64, True, False), (512, 64, True, True), (96, 32, True, False),
+]
+
+
+@pytest.mark.parametrize("layout", ["thd", "grouped", "sbhd"])
+@pytest.mark.parametrize("d,rope_dim,interleaved,rotate", CASES)
+def test_the_epilogue_node_is_the_composition(layout, d, rope_dim, interleaved, rotate):
+    n = 30
+    gen = torch.Generator().manual_seed(d + rope_dim)
+    x = 3 * torch.randn(n, d, generator=gen)
+    w = 1 + 0.1 * torch.randn(d, generator=gen)
+    ep = Epilogue(eps=1e-6, rope_dim=rope_dim, rope_theta=10000.0, rope_interleaved=interleaved,
+                  rotate=rotate)
+    pos = _positions(layout, n)
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = _both(x.to(dtype), w.to(dtype), pos, ep)
+        for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), got, want):
+            assert a.dtype == b.dtype == dtype and torch.equal(a, b), (name, dtype)
+
+
+def test_yarn_frequencies_reach_the_epilogue():
+    x = torch.randn(12, 64)
+    w = torch.ones(64)
+    pos = torch.arange(12) * 4
+    plain = Epilogue(rope_dim=32, rope_theta=10000.0)
+    yarn = Epilogue(rope_dim=32, rope_theta=10000.0, rope_yarn=YaRN(factor=4.0, original_max_position_embeddings=8))
+    assert torch.equal(apply_epilogue(x, w, pos, yarn), eager_epilogue(x, w, pos, yarn))
+    assert not torch.allclose(apply_epilogue(x, w, pos, yarn), apply_epilogue(x, w, pos, plain))
+
+
+def test_epilogue_arguments_are_checked():
+    x, w, pos = torch.randn(4, 64), torch.ones(64), torch.arange(4)
+    with pytest.raises(ValueError, match="norm_weight: expected shape \\(64,\\)"):
+        apply_epilogue(x, torch.ones(32), pos, Epilogue())
+    with pytest.raises(ValueError, match="positions: expected shape \\(4,\\)"):
+        apply_epilogue(x, w, torch.arange(5), Epilogue())
+    with pytest.raises(ValueError, match="pooled: expected \\(N, head_dim\\)"):
+        apply_epilogue(x[None], w, pos, Epilogue())
+    with pytest.raises(ValueError, match="head_dim: rotate=True needs a power of two"):
+        Epilogue(rotate=True).check(96)
+    with pytest.raises(ValueError, match="rope_dim: expected an even int"):
+        Epilogue(rope_dim=66).check(64)
+
+
+def test_the_epilogue_compiles_fullgraph_to_the_eager_result():
+    import torch._dynamo
+
+    x = torch.randn(24, 128)
+    w = 1 + 0.1 * torch.randn(128)
+    pos = torch.arange(24) * 4
+    ep = Epilogue(rope_dim=64, rope_theta=10000.0, rotate=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(apply_epilogue, fullgraph=True)
+    got = compiled(x, w, pos, ep)
+    # inductor fuses the ops: another order, fp32 rounding apart
+    torch.testing.assert_close(got, apply_epilogue(x, w, pos, ep), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,68 @@
+"""The epilogue node on the GPU, at the module's scale (3 x 8192 tokens at ratio 4): bitwise
+the composition of torch ops it replaces, forward and both gradients, on THD (capacity
+padding rows), grouped and SBHD positions; and the module's step through it captured in a
+CUDA graph."""
+
+import pytest
+import torch
+
+import csa_compressor as C
+from csa_compressor.epilogue import (Epilogue, apply_epilogue, eager_epilogue, grouped_positions,
+                                     rope_positions, sbhd_positions)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("layout", ["thd", "grouped", "sbhd"])
+@pytest.mark.parametrize("d,rope_dim,rotate", [(128, 64, True), (512, 64, False), (512, 512, True)])
+def test_the_epilogue_node_is_the_composition_on_the_gpu(layout, d, rope_dim, rotate):
+    ratio, n = 4, 3 * 2048 + 5
+    dev = torch.device("cuda")
+    if layout == "thd":
+        cu = torch.tensor([0, 8192, 16384, 24576], dtype=torch.int32, device=dev)
+        pos = rope_positions(C.compressed_cu_seqlens(cu, ratio), n, ratio, max_seqlen=8192)
+    elif layout == "grouped":
+        ids = torch.arange(n, device=dev) % 2048 - (torch.arange(n, device=dev) >= 3 * 2048).long() * 4096
+        pos = grouped_positions(ids, ratio)
+    else:
+        n = 3 * 2048
+        pos = sbhd_positions(2048, 3, ratio, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(d)
+    x = (3 * torch.randn(n, d, device=dev, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).bfloat16()
+    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
+    ep = Epilogue(rope_dim=rope_dim, rope_theta=160000.0, rotate=rotate)
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
+        assert torch.equal(a, b), name
+
+
+def test_the_module_step_with_the_epilogue_node_captures():
+    torch.manual_seed(0)
+    m = C.Compressor(512, 128, 4, rotate=True, device="cuda")
+    cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
+    x = torch.randn(1030, 512, device="cuda").bfloat16().requires_grad_(True)
+    g = torch.randn(257, 128, device="cuda").bfloat16()
+
+    def step():
+        out, _ = m(x, cu, max_seqlen=730)
+        return torch.autograd.grad(out, [x, *m.parameters()], g)
+
+    want = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        got = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
