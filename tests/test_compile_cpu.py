@@ -310,3 +310,22 @@ def test_the_sbhd_kernels_compile_spill_free_with_the_thd_copies(arch, cfg):
         assert sbhd[key] == plain[key], (key, sbhd[key], plain[key])
     assert sbhd["min_ctas"] == [], sbhd  # unbounded: the grid follows its registers
     assert sbhd["grid_ctas"] * sbhd["threads"] * (-(-max(sbhd["regs"]) // 8) * 8) <= 65536
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_epilogue_row_kernels_compile_spill_free(arch):
+    """kernels.epilogue_rows, forward and backward, at the Compressor's geometries (head_dim
+    128 with rotation, 512 without, both rotary layouts, rope_dim 0, fp32): they compile,
+    with no spills or stack."""
+    specs = ["bfloat16:128:64:1:1:0", "bfloat16:128:64:1:1:1", "bfloat16:512:64:1:0:0",
+             "bfloat16:512:64:1:0:1", "bfloat16:128:64:0:1:0", "bfloat16:128:64:0:1:1",
+             "float16:256:0:1:1:1", "float32:512:512:1:1:0"]
+    env = dict(os.environ, CUTE_DSL_ARCH=arch,
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    infos = [json.loads(line) for line in res.stdout.strip().splitlines()]
+    assert [i["spec"] for i in infos] == specs
+    for info in infos:
+        assert info["regs"] and all(s == 0 for s in info["spills"] + info["stack"]), info

@@ -14,8 +14,14 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("layout", ["thd", "grouped", "sbhd"])
-@pytest.mark.parametrize("d,rope_dim,rotate", [(128, 64, True), (512, 64, False), (512, 512, True)])
-def test_the_epilogue_node_is_the_composition_on_the_gpu(layout, d, rope_dim, rotate):
+@pytest.mark.parametrize("d,rope_dim,interleaved,rotate,dtype", [
+    (128, 64, True, True, torch.bfloat16), (512, 64, True, False, torch.bfloat16),
+    (512, 512, True, True, torch.bfloat16), (128, 64, False, True, torch.bfloat16),
+    (256, 0, True, True, torch.float16), (64, 32, True, False, torch.float32),
+    (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
+])
+def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d, rope_dim,
+                                                         interleaved, rotate, dtype):
     ratio, n = 4, 3 * 2048 + 5
     dev = torch.device("cuda")
     if layout == "thd":
@@ -28,16 +34,23 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(layout, d, rope_dim, ro
         n = 3 * 2048
         pos = sbhd_positions(2048, 3, ratio, device=dev)
     gen = torch.Generator(device=dev).manual_seed(d)
-    x = (3 * torch.randn(n, d, device=dev, generator=gen)).bfloat16()
-    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).bfloat16()
-    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
-    ep = Epilogue(rope_dim=rope_dim, rope_theta=160000.0, rotate=rotate)
+    x = (3 * torch.randn(n, d, device=dev, generator=gen)).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype)
+    g = torch.randn(n, d, device=dev, generator=gen).to(dtype)
+    ep = Epilogue(rope_dim=rope_dim, rope_theta=160000.0, rope_interleaved=interleaved,
+                  rotate=rotate)
+    from csa_compressor.kernels import epilogue_rows
+
+    launched, run = [], epilogue_rows.run
+    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a: launched.append(bwd) or run(bwd, *a))
     res = []
     for fn in (apply_epilogue, eager_epilogue):
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         out = fn(xi, wi, pos, ep)
         out.backward(g)
         res.append((out.detach(), xi.grad, wi.grad))
+    covered = epilogue_rows.supported(d, rope_dim, interleaved, rotate)
+    assert launched == ([False, True] if covered else []), launched
     for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
         assert torch.equal(a, b), name
 

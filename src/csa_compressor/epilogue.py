@@ -180,34 +180,65 @@ def _butterfly_back(g: torch.Tensor) -> torch.Tensor:
     return y.view(g.shape)
 
 
+def _rows_kernel(x_in, weight, ep) -> bool:
+    """Whether the row-wise ops run as kernels.epilogue_rows (one launch a direction, the
+    same ops): CUDA rows and weight of one dtype, a geometry it covers, outside
+    torch.compile (which fuses the torch ops itself)."""
+    if not (x_in.is_cuda and weight.dtype == x_in.dtype and x_in.dim() == 2) \
+            or torch.compiler.is_compiling():
+        return False
+    from .kernels.compile import dsl_import_error
+    from .kernels.epilogue_rows import supported
+
+    return (supported(x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
+            and dsl_import_error() is None)
+
+
 class _EpilogueFn(torch.autograd.Function):
     """eager_epilogue as one node: its forward's ops, and as backward the ops autograd
     runs through them (bitwise the same gradients), without the intermediates autograd
     keeps (fp32 copies of the rows at every step) or the zero-filled slice gradients it
-    adds up."""
+    adds up. On the GPU the row-wise ops (the norm's scaling, the rotary embedding, the
+    rotation, their backward) run as one kernel a direction, op for op the same."""
 
     @staticmethod
     def forward(ctx, x_in, weight, cos, sin, ep):
         x = x_in.float()
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps)
-        y = x * r * weight.float()
-        if ep.rope_dim:
-            y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
-        if ep.rotate:
-            y = hadamard(y)
+        fused = _rows_kernel(x_in, weight, ep)
+        if fused:
+            from .kernels import epilogue_rows
+
+            x_in, weight = x_in.contiguous(), weight.contiguous()
+            out = epilogue_rows.run(False, x_in, r, weight, cos, sin, torch.empty_like(x_in),
+                                    ep.rope_dim, ep.rope_interleaved, ep.rotate)
+        else:
+            y = x * r * weight.float()
+            if ep.rope_dim:
+                y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
+            if ep.rotate:
+                y = hadamard(y)
+            out = y.to(x_in.dtype)
         ctx.save_for_backward(x_in, weight, cos, sin, r)
-        ctx.ep = ep
-        return y.to(x_in.dtype)
+        ctx.ep, ctx.fused = ep, fused
+        return out
 
     @staticmethod
     def backward(ctx, g):
         x_in, weight, cos, sin, r = ctx.saved_tensors
         ep = ctx.ep
-        gy = g.float()
-        if ep.rotate:
-            gy = _butterfly_back(gy)
-        if ep.rope_dim:
-            gy = _rotate(gy, cos, sin, ep.rope_dim, ep.rope_interleaved, -1)
+        if ctx.fused and g.dtype == x_in.dtype:
+            from .kernels import epilogue_rows
+
+            gy = epilogue_rows.run(True, g.contiguous(), r, weight, cos, sin,
+                                   torch.empty(g.shape, dtype=torch.float32, device=g.device),
+                                   ep.rope_dim, ep.rope_interleaved, ep.rotate)
+        else:
+            gy = g.float()
+            if ep.rotate:
+                gy = _butterfly_back(gy)
+            if ep.rope_dim:
+                gy = _rotate(gy, cos, sin, ep.rope_dim, ep.rope_interleaved, -1)
         x = x_in.float()
         xr = x * r
         # y = (x * r) * w, r = rsqrt(mean(x^2) + eps), as autograd differentiates them

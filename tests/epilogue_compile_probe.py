@@ -1,0 +1,39 @@
+"""Compile kernels.epilogue_rows for CUTE_DSL_ARCH on this (CPU) machine and print what ptxas
+says of each geometry as JSON lines. Run in a subprocess: the DSL reads its environment at
+import."""
+
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+os.environ["CUTE_DSL_KEEP"] = "ptx"  # as tests/compile_probe.py: ptxas' report comes with it
+os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp()
+os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
+
+import cutlass.cute as cute  # noqa: E402
+
+from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
+from csa_compressor.kernels.compile import _compile  # noqa: E402
+from csa_compressor.kernels.plan import cutlass_dtype  # noqa: E402
+
+_orig = cute.compile
+cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas-options=-v", **k)
+
+for spec in sys.argv[1:]:  # dtype:head_dim:rope_dim:interleaved:rotate:backward
+    dt, d, R, inter, rot, bwd = spec.split(":")
+    dtype, d, R = getattr(torch, dt), int(d), int(R)
+    inter, rot, bwd = (v == "1" for v in (inter, rot, bwd))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        _compile(er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd),
+                 *er.compile_args(dtype, d, R, inter, bwd))
+    log = buf.getvalue()
+    print(json.dumps({"spec": spec, "regs": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
+                      "spills": [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)],
+                      "stack": [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]}))
