@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("d,rope_dim,interleaved,rotate,dtype", [
     (128, 64, True, True, torch.bfloat16), (512, 64, True, False, torch.bfloat16),
     (512, 512, True, True, torch.bfloat16), (128, 64, False, True, torch.bfloat16),
-    (256, 0, True, True, torch.float16), (64, 32, True, False, torch.float32),
+    (256, 0, True, True, torch.bfloat16), (64, 32, True, False, torch.float32),
+    (256, 0, True, True, torch.float16),  # fp16 rows: torch ops (epilogue_rows.supported)
     (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
 ])
 def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d, rope_dim,
@@ -49,7 +50,7 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
         out = fn(xi, wi, pos, ep)
         out.backward(g)
         res.append((out.detach(), xi.grad, wi.grad))
-    covered = epilogue_rows.supported(d, rope_dim, interleaved, rotate)
+    covered = epilogue_rows.supported(dtype, d, rope_dim, interleaved, rotate)
     assert launched == ([False, True] if covered else []), launched
     for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
         assert torch.equal(a, b), name

@@ -190,7 +190,7 @@ def _rows_kernel(x_in, weight, ep) -> bool:
     from .kernels.compile import dsl_import_error
     from .kernels.epilogue_rows import supported
 
-    return (supported(x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
+    return (supported(x_in.dtype, x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
             and dsl_import_error() is None)
 
 
