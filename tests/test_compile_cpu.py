@@ -319,7 +319,7 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
     with no spills or stack."""
     specs = ["bfloat16:128:64:1:1:0", "bfloat16:128:64:1:1:1", "bfloat16:512:64:1:0:0",
              "bfloat16:512:64:1:0:1", "bfloat16:128:64:0:1:0", "bfloat16:128:64:0:1:1",
-             "bfloat16:256:0:1:1:1", "float32:512:512:1:1:0"]
+             "bfloat16:256:0:1:1:1", "float16:256:0:1:1:0", "float32:512:512:1:1:0"]
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
     (128, 64, True, True, torch.bfloat16), (512, 64, True, False, torch.bfloat16),
     (512, 512, True, True, torch.bfloat16), (128, 64, False, True, torch.bfloat16),
     (256, 0, True, True, torch.bfloat16), (64, 32, True, False, torch.float32),
-    (256, 0, True, True, torch.float16),  # fp16 rows: torch ops (epilogue_rows.supported)
+    (256, 0, True, True, torch.float16),
     (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
 ])
 def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d, rope_dim,

@@ -1,7 +1,8 @@
 """The epilogue's row-wise part in one kernel a direction, each op as torch runs it in the
 epilogue's composition (epilogue.eager_epilogue), so the results are bitwise its own:
 
-- forward: ``y = (x * r) * w`` (``r`` the rows' rsqrt statistics, from torch), the
+- forward: ``y = (x * r) * w`` (``r`` the rows' rsqrt statistics, from torch; every
+  product pinned with ``mul.rn``, or the butterfly's adds would take them into FMAs), the
   rotary embedding on the last ``rope_dim`` channels (``a*cos - b*sin``, ``a*sin +
   b*cos``, products rounded on their own), the Walsh-Hadamard butterfly stage by stage
   (``y0 + y1``, ``y0 - y1``) and its scale (torch multiplies by the scalar's fp32
@@ -29,11 +30,11 @@ WARPS_PER_CTA = 4  # rows a CTA: one a warp
 
 def supported(dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bool) -> bool:
     """Whether EpilogueRows covers this dtype and geometry (else the epilogue runs as torch
-    ops). bf16 and fp32 rows: with fp16 rows the H200 run differed from torch's on the
-    output (the fp16 subnormals' conversion is the suspect, not yet pinned down)."""
+    ops)."""
     import torch
 
-    if dtype not in (torch.bfloat16, torch.float32) or head_dim % 32 or head_dim < 32:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or head_dim % 32 \
+            or head_dim < 32:
         return False
     E = head_dim // 32
     if rotate and head_dim & (head_dim - 1):
@@ -150,18 +151,19 @@ class EpilogueRows:
                 r = mR[row, 0]
                 w = gW[(None, lane)].load().to(Float32)
                 for e in cutlass.range_constexpr(E):
-                    v[e] = (v[e] * r) * w[e]
+                    # pinned: the butterfly's adds must not absorb them into FMAs
+                    v[e] = mul_rn(mul_rn(v[e], r), w[e])
                 if cutlass.const_expr(self.R > 0):
                     self.rope(v, gCos, gSin, row, lane, 1)
                 if cutlass.const_expr(self.rotate):
                     for st in cutlass.range_constexpr(self.stages):
                         self.stage(v, 1 << st, lane)
                     for e in cutlass.range_constexpr(E):
-                        v[e] = v[e] * Float32(self.scale)
+                        v[e] = mul_rn(v[e], Float32(self.scale))
             else:
                 if cutlass.const_expr(self.rotate):
                     for e in cutlass.range_constexpr(E):
-                        v[e] = v[e] * Float32(self.scale)
+                        v[e] = mul_rn(v[e], Float32(self.scale))
                     for st in cutlass.range_constexpr(self.stages):
                         self.stage(v, 1 << (self.stages - 1 - st), lane)
                 if cutlass.const_expr(self.R > 0):
