@@ -91,3 +91,17 @@ def test_the_module_sbhd_path_takes_one_sbhd_launch(fused_on_cpu):
     assert fused_on_cpu == [10] and got.shape == (5, 2, 64)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert m(x[:3]) is None
+
+
+def test_rows_the_kernels_cannot_read_in_place_take_the_thd_op(fused_on_cpu):
+    """d*element size not a multiple of 16 bytes (head_dim 60 in bf16): one transposed copy
+    into the THD layout, the THD op on it (a THD launch of every sequence's rows), the
+    same rows as the reference; the module's SBHD path and Megatron's go the same way."""
+    kv, score, ape = _sbhd(S=41, d=60)
+    for args, kw in (((kv, score, ape), {}), ((torch.cat((kv, score), 2), None, ape), {"packed": True})):
+        fused_on_cpu.clear()
+        out, reason = dispatch.fused_sbhd_or_reason(*args, ratio=4, coff=2, **kw)
+        assert reason is None and fused_on_cpu == [30]
+        assert torch.equal(out, C.reference.compress_sbhd(kv, score, ape, ratio=4, coff=2))
+    out, reason = dispatch.fused_sbhd_or_reason(kv, score[:, :2], ape, ratio=4, coff=2)
+    assert out is None and "score" in reason

@@ -114,12 +114,26 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
                          enabled: bool = True):
     """(the fused SBHD pooling ``(S // ratio, B, d)``, None) or (None, the reason): for
     compress_sbhd_fused's inputs, or compress_sbhd_fused_packed's where ``packed`` (``kv``
-    is ``kvs`` and ``score`` None)."""
-    from .ops import fused_from_problem
-
+    is ``kvs`` and ``score`` None). Rows the kernels cannot read in place (``coff*d`` or
+    ``d`` times the element size not a multiple of 16 bytes) take one transposed copy into
+    the THD layout and the THD op instead."""
     reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
                              sbhd=True)
-    return (fused_from_problem(p), None) if reason is None else (None, reason)
+    if reason is None:
+        return fused_from_validated(p), None
+    if "multiples of 16 bytes" in reason and isinstance(kv, torch.Tensor) and kv.dim() == 3:
+        if packed:
+            w = kv.shape[2] // 2
+            kv, score = kv[..., :w], kv[..., w:]
+        S, B, W = kv.shape
+        n = S // ratio
+        steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)
+        out, reason = _fused_or_reason(kv.transpose(0, 1).reshape(B * S, W),
+                                       score.transpose(0, 1).reshape(B * S, W), ape, steps * S,
+                                       steps * n, B * n, ratio, coff, enabled, False)
+        if reason is None:
+            return out.view(B, n, -1).transpose(0, 1), None
+    return None, reason
 
 
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,

@@ -18,7 +18,8 @@ DSA kernel backend is configured) is ignored by default: ``install()`` is the op
 SBHD inputs (``Compressor._forward_sbhd``, which has no hook) are routed too: ``install()``
 replaces that method with one that runs Megatron's own projections, norm, rotary
 embedding and rotation around the fused pooling of the ``b`` sequences of ``sq`` tokens
-(the projections' ``(sq, b, coff*d)`` outputs read in place: compress_sbhd_fused), and
+(the projections' ``(sq, b, coff*d)`` outputs read in place: compress_sbhd_fused; a
+transposed copy into the THD layout where their rows are not 16-byte multiples), and
 calls Megatron's method unchanged wherever the fused pooling cannot run.
 
 The context-parallel path (``Compressor._forward_thd(..., compressed_group_ids=ids)``,
@@ -94,14 +95,13 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
-    """The fused pooling ``(total_comp, d)`` (SBHD where the offsets are None: ``kv`` and
-    ``score`` ``(S, B, coff*d)`` read in place, ``(S // ratio, B, d)``), or None with the
-    reason recorded; validated once, the problem going on to the launch."""
+    """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
+    once, the problem going on to the launch."""
     from .dispatch import _unavailable, fused_from_validated
 
     try:
         reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                                 coff, True, sbhd=cu_seqlens is None)
+                                 coff, True)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
@@ -134,9 +134,15 @@ def _forward_sbhd(self, x):
     with mod.get_fp8_disabled_context(self.config):
         kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
         score, _ = self.linear_wgate(x)
+    from .dispatch import fused_sbhd_or_reason
+
     n = sq // ratio
-    pooled = _fused_or_fallback(kv, score, self.ape, None, None, n, ratio, self.coff)
+    try:
+        pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff)
+    except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
+        pooled, reason = None, str(exc)
     if pooled is None:
+        _fallback(reason)
         return original(self, x)
     kv = self.norm(pooled.to(x.dtype))
     kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,

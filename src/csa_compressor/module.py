@@ -4,7 +4,6 @@ pooling, RMSNorm, rotary embedding, optional Hadamard rotation)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
