@@ -126,7 +126,7 @@ def test_sbhd_under_torch_compile_fullgraph_and_graph_capture_bitwise():
         assert torch.equal(a, b), name
 
 
-def test_sbhd_rejects_what_the_kernels_cannot_read():
+def test_sbhd_rejects_what_the_kernels_cannot_read_and_the_dispatch_transposes_it():
     kv, score, ape, _ = _inputs(64, 2, 128, 4, 2, torch.bfloat16)
     with pytest.raises(ValueError, match="kv: expected contiguous"):
         C.compress_sbhd_fused(kv.transpose(0, 1).contiguous().transpose(0, 1), score, ape,
@@ -136,8 +136,12 @@ def test_sbhd_rejects_what_the_kernels_cannot_read():
         C.compress_sbhd_fused(kv, score, ape, ratio=4, coff=2)
     from csa_compressor.dispatch import fused_sbhd_or_reason
 
+    # the dispatch: one transposed copy, the THD op on it
     out, reason = fused_sbhd_or_reason(kv, score, ape, ratio=4, coff=2)
-    assert out is None and "multiples of 16" in reason
+    assert reason is None and out.shape == (16, 2, 60)
+    want = _thd_step(kv, score, ape, torch.zeros(16, 2, 60, dtype=torch.bfloat16, device="cuda"),
+                     4, 2)[0]
+    assert torch.equal(out, want)
 
 
 def test_the_module_sbhd_path_reads_the_projection_in_place(monkeypatch):
