@@ -75,7 +75,13 @@ def test_epilogue_arguments_are_checked():
     with pytest.raises(ValueError, match="pooled: expected \\(N, head_dim\\)"):
         apply_epilogue(x[None], w, pos, Epilogue())
     with pytest.raises(ValueError, match="head_dim: rotate=True needs a power of two"):
-        Epilogue(rotate=True).check(96)
+        apply_epilogue(torch.randn(4, 96), torch.ones(96), pos, Epilogue(rotate=True))
+    with pytest.raises(TypeError, match="positions: expected integer positions"):
+        apply_epilogue(x, w, pos.float(), Epilogue())
+    with pytest.raises(TypeError, match="ep: expected a csa_compressor.Epilogue"):
+        apply_epilogue(x, w, pos, {"rope_dim": 64})
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        apply_epilogue(x, w, pos, Epilogue(eps=0.0))
     with pytest.raises(ValueError, match="rope_dim: expected an even int"):
         Epilogue(rope_dim=66).check(64)
 

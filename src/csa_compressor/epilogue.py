@@ -255,8 +255,22 @@ def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: t
     """The epilogue of ``pooled`` ``(N, head_dim)`` rows at ``positions`` ``(N,)``, as one
     autograd node (differentiable in ``pooled`` and ``norm_weight``): fp32 math, the
     pooled dtype out. ``inv_freq``: the rotary frequencies, where the caller keeps them."""
+    if not isinstance(ep, Epilogue):
+        raise TypeError(f"ep: expected a csa_compressor.Epilogue, got {type(ep).__name__}")
+    for name, t in (("pooled", pooled), ("norm_weight", norm_weight), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if pooled.dim() != 2:
         raise ValueError(f"pooled: expected (N, head_dim) rows, got {tuple(pooled.shape)}")
+    if not pooled.is_floating_point() or not norm_weight.is_floating_point():
+        raise TypeError(f"pooled, norm_weight: expected floating-point tensors, got "
+                        f"{pooled.dtype}, {norm_weight.dtype}")
+    if positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"positions: expected integer positions, got {positions.dtype}")
+    if norm_weight.device != pooled.device or positions.device != pooled.device:
+        raise ValueError(f"pooled, norm_weight, positions: expected one device, got "
+                         f"{pooled.device}, {norm_weight.device}, {positions.device}")
+    ep.check(pooled.shape[1])
     if tuple(norm_weight.shape) != (pooled.shape[1],):
         raise ValueError(f"norm_weight: expected shape ({pooled.shape[1]},), got {tuple(norm_weight.shape)}")
     if tuple(positions.shape) != (pooled.shape[0],):
