@@ -75,17 +75,8 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     at integer positions ``pos`` (one per row)."""
     if rope_dim == 0:
         return x
-    inv = rope_inv_freq(rope_dim, theta, yarn, device=x.device)
-    ang = (pos.to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    head, rot = x[..., :-rope_dim], x[..., -rope_dim:]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
-        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return torch.cat((head, out), dim=-1)
+    cos, sin = _cos_sin(pos, rope_inv_freq(rope_dim, theta, yarn, device=x.device))
+    return _rotate(x, cos, sin, rope_dim, interleaved, 1)
 
 
 def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
@@ -149,22 +140,26 @@ def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor |
     apply_rope makes them)."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, device=positions.device)
+    return _cos_sin(positions, inv_freq)
+
+
+def _cos_sin(positions, inv_freq):
     ang = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)
     return torch.cos(ang), torch.sin(ang)
 
 
 def _rotate(y, cos, sin, rope_dim, interleaved, sign):
-    """``y`` (fp32, rows x channels) with its last ``rope_dim`` channels rotated by the
+    """``y`` (fp32, ... x channels) with its last ``rope_dim`` channels rotated by the
     angles (``sign`` -1: back)."""
-    rot = y[:, -rope_dim:]
+    rot = y[..., -rope_dim:]
     if interleaved:
-        a, b = rot[:, 0::2], rot[:, 1::2]
+        a, b = rot[..., 0::2], rot[..., 1::2]
     else:
-        a, b = rot[:, : rope_dim // 2], rot[:, rope_dim // 2:]
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2:]
     s = sin if sign > 0 else -sin
     ra, rb = a * cos - b * s, a * s + b * cos
     out = torch.stack((ra, rb), dim=-1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
-    return torch.cat((y[:, :-rope_dim], out), dim=-1)
+    return torch.cat((y[..., :-rope_dim], out), dim=-1)
 
 
 def _butterfly_back(g: torch.Tensor) -> torch.Tensor:
