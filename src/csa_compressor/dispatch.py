@@ -9,7 +9,7 @@ import torch
 
 from .kernels.compile import dsl_import_error
 from .validation import (check_flag, check_offset_contents, env_flag, offsets_check_requested,
-                         validate, validate_packed, validate_sbhd)
+                         sbhd_rows_aligned, validate, validate_packed, validate_sbhd)
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -121,10 +121,14 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
                              sbhd=True)
     if reason is None:
         return fused_from_validated(p), None
-    if "multiples of 16 bytes" in reason and isinstance(kv, torch.Tensor) and kv.dim() == 3:
-        if packed:
-            w = kv.shape[2] // 2
-            kv, score = kv[..., :w], kv[..., w:]
+    if reason.startswith("unsupported input"):
+        try:  # the inputs themselves are fine: only their rows are not 16-byte multiples?
+            p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, packed=packed)
+        except (TypeError, ValueError):
+            return None, reason
+        if sbhd_rows_aligned(p.kv.shape[1], coff, p.kv.element_size()):
+            return None, reason
+        kv, score = p.full or (p.kvs[..., : p.kv.shape[1]], p.kvs[..., p.kv.shape[1]:])
         S, B, W = kv.shape
         n = S // ratio
         steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)

@@ -330,6 +330,13 @@ def _as_sbhd(name: str, t) -> torch.Tensor:
     return t
 
 
+def sbhd_rows_aligned(width: int, coff: int, element_size: int) -> bool:
+    """Whether the SBHD kernels can read rows of ``width = coff*d`` elements in place: each
+    sequence's token and output rows start 16 bytes apart."""
+    return (width * element_size) % KERNEL_ALIGN_BYTES == 0 \
+        and (width // coff * element_size) % KERNEL_ALIGN_BYTES == 0
+
+
 def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
                   packed: bool = False) -> Problem:
     """Check an SBHD call, ``kv`` and ``score`` ``(S, B, coff*d)`` (``packed``: ``kv`` is
@@ -362,7 +369,7 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
         for name, t in tensors:
             if not t.is_contiguous():
                 raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
-        if (width * eb) % KERNEL_ALIGN_BYTES or ((width // max(coff, 1)) * eb) % KERNEL_ALIGN_BYTES:
+        if not sbhd_rows_aligned(width, coff, eb):
             raise ValueError(f"kv: the fused SBHD kernels need coff*d*element size and d*element size "
                              f"multiples of {KERNEL_ALIGN_BYTES} bytes (each sequence's rows "
                              f"aligned), got coff*d = {width} of {eb}-byte elements")
