@@ -25,14 +25,15 @@ from csa_compressor.kernels.plan import cutlass_dtype  # noqa: E402
 _orig = cute.compile
 cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas-options=-v", **k)
 
-for spec in sys.argv[1:]:  # dtype:head_dim:rope_dim:interleaved:rotate:backward
-    dt, d, R, inter, rot, bwd = spec.split(":")
+for spec in sys.argv[1:]:  # dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]
+    dt, d, R, inter, rot, bwd, *norm = spec.split(":")
     dtype, d, R = getattr(torch, dt), int(d), int(R)
     inter, rot, bwd = (v == "1" for v in (inter, rot, bwd))
+    norm = bool(norm) and norm[0] == "1"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        _compile(er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd),
-                 *er.compile_args(dtype, d, R, inter, bwd))
+        _compile(er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd, norm),
+                 *er.compile_args(dtype, d, R, inter, bwd, norm))
     log = buf.getvalue()
     print(json.dumps({"spec": spec, "regs": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
                       "spills": [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)],

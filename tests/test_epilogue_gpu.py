@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
     (512, 512, True, True, torch.bfloat16), (128, 64, False, True, torch.bfloat16),
     (256, 0, True, True, torch.bfloat16), (64, 32, True, False, torch.float32),
     (256, 0, True, True, torch.float16),
+    (192, 0, True, False, torch.bfloat16),  # torch's row sum: 48 vectors, lanes unequal
     (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
 ])
 def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d, rope_dim,
@@ -43,7 +44,8 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
     from csa_compressor.kernels import epilogue_rows
 
     launched, run = [], epilogue_rows.run
-    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a: launched.append(bwd) or run(bwd, *a))
+    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
+        (bwd, k.get("norm_eps") is not None)) or run(bwd, *a, **k))
     res = []
     for fn in (apply_epilogue, eager_epilogue):
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -51,7 +53,35 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
         out.backward(g)
         res.append((out.detach(), xi.grad, wi.grad))
     covered = epilogue_rows.supported(dtype, d, rope_dim, interleaved, rotate)
-    assert launched == ([False, True] if covered else []), launched
+    assert launched == ([(False, True), (True, True)] if covered else []), launched
+    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33])
+@pytest.mark.parametrize("d,rotate", [(128, True), (512, False)])
+def test_few_rows_take_torch_statistics_and_match(monkeypatch, n, d, rotate):
+    """Below 16 rows torch's reduce gives a row more than a warp (another order): the
+    kernel then takes torch's statistics; either way the node is the composition."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    x = (3 * torch.randn(n, d, device=dev, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, device=dev, generator=gen)).bfloat16()
+    g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
+    pos = torch.arange(n, device=dev) * 4
+    ep = Epilogue(rope_dim=64, rotate=rotate, eps=1e-5)
+    from csa_compressor.kernels import epilogue_rows
+
+    launched, run = [], epilogue_rows.run
+    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
+        k.get("norm_eps") is not None) or run(bwd, *a, **k))
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    assert launched == [n >= 16] * 2
     for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
         assert torch.equal(a, b), name
 

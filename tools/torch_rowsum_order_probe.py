@@ -22,6 +22,10 @@ WARP = 32
 def lane_values(x, vec):
     """(N, 32) each lane's sum: its accumulators in load order, then met in order."""
     N, d = x.shape
+    span = WARP * vec * (4 if vec == 1 else 1)
+    if d % span:  # the loads a lane lacks: its accumulators unchanged, as adding zeros
+        x = torch.cat((x, x.new_zeros(N, span - d % span)), dim=1)
+        d = x.shape[1]
     if vec == 1:  # lane t: loads t + 32*j; load j into accumulator j % 4
         cols = x.view(N, d // WARP, WARP)  # [row, j, lane]
         acc = [None] * 4
@@ -66,7 +70,7 @@ def main(argv):
             factor = np.float32(np.float32(N) / np.float32(N * d))
             hits = []
             for vec in (1, 2, 4, 8):
-                if d % (WARP * vec):
+                if d % vec:
                     continue
                 lanes = lane_values(sq, vec)
                 for direction in ("up", "down"):
@@ -79,7 +83,7 @@ def main(argv):
                     if tags:
                         hits.append(f"vec{vec}/{direction}:{'+'.join(tags)}")
             r = torch.rsqrt(m_ref + 1e-6)
-            extras = []
+            extras = ["pow2" if torch.equal(sq, x * x) else "pow2-NO"]
             extras.append("pow3" if torch.equal(r.pow(3), (r * r) * r) else "pow3-NO")
             gq = torch.randn(N, d, device=dev, generator=g)
             inv = float(np.float32(1.0) / np.float32(d))

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .softmax_order import ROWSUM_MIN_ROWS
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
     d = x.shape[-1]
@@ -193,21 +196,30 @@ class _EpilogueFn(torch.autograd.Function):
     """eager_epilogue as one node: its forward's ops, and as backward the ops autograd
     runs through them (bitwise the same gradients), without the intermediates autograd
     keeps (fp32 copies of the rows at every step) or the zero-filled slice gradients it
-    adds up. On the GPU the row-wise ops (the norm's scaling, the rotary embedding, the
-    rotation, their backward) run as one kernel a direction, op for op the same."""
+    adds up. On the GPU the row-wise ops (the norm's statistics and scaling, the rotary
+    embedding, the rotation, the norm's backward) run as one kernel a direction, op for
+    op the same, their row sums in torch's order; the weight's gradient is torch's column
+    sum of the kernel's products."""
 
     @staticmethod
     def forward(ctx, x_in, weight, cos, sin, ep):
-        x = x_in.float()
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps)
         fused = _rows_kernel(x_in, weight, ep)
+        # the norm's own math in the kernel where torch's reduce gives a row one warp
+        ctx.norm_kernel = fused and x_in.shape[0] >= ROWSUM_MIN_ROWS
         if fused:
             from .kernels import epilogue_rows
 
             x_in, weight = x_in.contiguous(), weight.contiguous()
+            if ctx.norm_kernel:
+                r = torch.empty((x_in.shape[0], 1), dtype=torch.float32, device=x_in.device)
+            else:
+                r = _rsqrt_stat(x_in.float(), ep.eps)
             out = epilogue_rows.run(False, x_in, r, weight, cos, sin, torch.empty_like(x_in),
-                                    ep.rope_dim, ep.rope_interleaved, ep.rotate)
+                                    ep.rope_dim, ep.rope_interleaved, ep.rotate,
+                                    norm_eps=ep.eps if ctx.norm_kernel else None)
         else:
+            x = x_in.float()
+            r = _rsqrt_stat(x, ep.eps)
             y = x * r * weight.float()
             if ep.rope_dim:
                 y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
@@ -225,6 +237,13 @@ class _EpilogueFn(torch.autograd.Function):
         if ctx.fused and g.dtype == x_in.dtype:
             from .kernels import epilogue_rows
 
+            if ctx.norm_kernel:
+                gx = torch.empty_like(x_in)
+                prod = torch.empty(x_in.shape, dtype=torch.float32, device=g.device)
+                epilogue_rows.run(True, g.contiguous(), r, weight, cos, sin, gx, ep.rope_dim,
+                                  ep.rope_interleaved, ep.rotate, norm_eps=ep.eps, x=x_in,
+                                  aux=prod)
+                return gx, prod.sum(0).to(weight.dtype), None, None, None
             gy = epilogue_rows.run(True, g.contiguous(), r, weight, cos, sin,
                                    torch.empty(g.shape, dtype=torch.float32, device=g.device),
                                    ep.rope_dim, ep.rope_interleaved, ep.rotate)
@@ -243,6 +262,10 @@ class _EpilogueFn(torch.autograd.Function):
         g_mean = (-0.5 * g_r) * r.pow(3)
         gx = g_xr * r + (g_mean.expand_as(x) / x.shape[-1]) * (2 * x)
         return gx.to(x_in.dtype), gw.to(weight.dtype), None, None, None
+
+
+def _rsqrt_stat(x, eps):
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,

@@ -137,7 +137,23 @@ class Compressor(nn.Module):
         return fallback()
 
     def _finish(self, pooled, pos):
-        return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue)
+        return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue,
+                              inv_freq=self._rope_inv_freq(pooled.device))
+
+    def _rope_inv_freq(self, device):
+        """The rotary frequencies, made once a device (a few kernels a step otherwise); not a
+        buffer, which ``.to(dtype)`` would round. Made afresh while a CUDA graph captures or
+        torch.compile traces (no tensor kept from inside either)."""
+        if not self.rope_dim:
+            return None
+        cache = self.__dict__.setdefault("_inv_freq", {})
+        freq = cache.get(device)
+        if freq is None:
+            freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not (capturing or torch.compiler.is_compiling()):
+                cache[device] = freq
+        return freq
 
     def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):
         """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->

@@ -10,6 +10,13 @@ epilogue's composition (epilogue.eager_epilogue), so the results are bitwise its
 - backward: the gradient's fp32 copy, the scale, the butterfly stages in reverse order,
   the rotation back; fp32 out, for the norm's backward (torch: its reductions).
 
+With ``norm`` the kernel also does the norm's row-wise math that torch otherwise runs as
+a dozen kernels: the forward its statistics ``r = rsqrt(mean(x^2) + eps)`` (written out
+for the backward), the backward the norm's input gradient ``g*w*r + (-0.5 * sum(g*w*x) *
+r^3 / d) * 2x`` and the products ``g * (x*r)`` whose column sums (torch) are the weight's
+gradient. The row sums add in torch's reduce order (softmax_order.torch_rowsum_vec),
+through shared memory: each value where torch's lane would read it.
+
 One warp a row: lane ``l`` holds channels ``[l*E, (l+1)*E)``, ``E = head_dim / 32``; the
 butterfly's stages within ``E`` run in registers, the others between lanes
 (``shfl.bfly``). The rotary pairs lie in one lane (interleaved pairs, ``E`` even) or
@@ -23,7 +30,8 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from .ptx import mul_rn
+from ..softmax_order import ROWSUM_VEC, ROWSUM_WARP_OFFSETS, torch_rowsum_vec
+from .ptx import div_exact, i64_to_f32, mul_rn, rsqrt_approx
 
 WARPS_PER_CTA = 4  # rows a CTA: one a warp
 
@@ -52,7 +60,7 @@ def supported(dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bo
 
 class EpilogueRows:
     def __init__(self, dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bool,
-                 backward: bool):
+                 backward: bool, norm: bool = False, eps: float = 1e-6):
         import torch
 
         torch_of = {cutlass.BFloat16: torch.bfloat16, cutlass.Float32: torch.float32,
@@ -66,18 +74,59 @@ class EpilogueRows:
         self.rope_lane0 = (head_dim - rope_dim) // self.E  # first lane holding rope channels
         self.cs_vec = self.E // 2 if interleaved else self.E  # cos / sin values a lane
         self.stages = head_dim.bit_length() - 1  # butterfly stages: log2(head_dim)
+        self.norm = norm
+        self.eps = float(np.float32(eps))  # torch adds the Python float as fp32
+        self.inv_d = float(np.float32(1.0) / np.float32(head_dim))  # torch's ``/ d``
+        self.sum_vec = torch_rowsum_vec(head_dim)
+        self.smem_bytes = WARPS_PER_CTA * head_dim * 4 if norm else 0
 
     @cute.jit
-    def __call__(self, mIn: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mCos: cute.Tensor,
-                 mSin: cute.Tensor, mOut: cute.Tensor, stream):
+    def __call__(self, mIn: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor,
+                 mCos: cute.Tensor, mSin: cute.Tensor, mOut: cute.Tensor, mAux: cute.Tensor,
+                 stream):
+        """``mIn`` the rows (forward) or the output's gradient (backward); ``mX`` the
+        pooled rows (the norm's backward); ``mR`` the statistics (written by the norm's
+        forward, else read); ``mOut`` the output, or the gradient (fp32; the norm's
+        backward: the rows' dtype); ``mAux`` ``g * (x*r)`` (the norm's backward)."""
         E = self.E
         rows = mIn.shape[0]
         grid = (rows + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-        self.kernel(cute.zipped_divide(mIn, (1, E)), mR, cute.zipped_divide(mW, (E,)),
+        self.kernel(cute.zipped_divide(mIn, (1, E)), cute.zipped_divide(mX, (1, E)), mR,
+                    cute.zipped_divide(mW, (E,)),
                     cute.zipped_divide(mCos, (1, self.cs_vec)),
                     cute.zipped_divide(mSin, (1, self.cs_vec)),
-                    cute.zipped_divide(mOut, (1, E)), rows).launch(
-            grid=[grid, 1, 1], block=[32, WARPS_PER_CTA, 1], stream=stream)
+                    cute.zipped_divide(mOut, (1, E)), cute.zipped_divide(mAux, (1, E)),
+                    rows).launch(grid=[grid, 1, 1], block=[32, WARPS_PER_CTA, 1],
+                                 smem=self.smem_bytes, stream=stream)
+
+    @cute.jit
+    def row_sum(self, sRow: cute.Tensor, warp, lane):
+        """The sum of the warp's row in shared memory, in torch's reduce order, on every
+        lane."""
+        d = self.d
+        acc = cute.make_rmem_tensor((ROWSUM_VEC,), Float32)
+        for i in cutlass.range_constexpr(ROWSUM_VEC):
+            acc[i] = Float32(0.0)
+        if cutlass.const_expr(self.sum_vec == 1):
+            for j in cutlass.range_constexpr(d // 32):
+                acc[j % ROWSUM_VEC] = acc[j % ROWSUM_VEC] + sRow[warp, lane + 32 * j]
+        else:
+            V = self.sum_vec
+            nvec = d // V
+            for k in cutlass.range_constexpr((nvec + 31) // 32):
+                if cutlass.const_expr(32 * (k + 1) <= nvec):
+                    for i in cutlass.range_constexpr(V):
+                        acc[i] = acc[i] + sRow[warp, V * (lane + 32 * k) + i]
+                else:
+                    if lane + 32 * k < nvec:
+                        for i in cutlass.range_constexpr(V):
+                            acc[i] = acc[i] + sRow[warp, V * (lane + 32 * k) + i]
+        total = acc[0]
+        for i in cutlass.range_constexpr(1, ROWSUM_VEC):
+            total = total + acc[i]
+        for off in cutlass.range_constexpr(len(ROWSUM_WARP_OFFSETS)):
+            total = total + cute.arch.shuffle_sync_down(total, offset=ROWSUM_WARP_OFFSETS[off])
+        return cute.arch.shuffle_sync(total, 0)
 
     @cute.jit
     def stage(self, v, h: int, lane):
@@ -136,19 +185,38 @@ class EpilogueRows:
                         v[k] = mul_rn(vk, ck) - mul_rn(ok, sk)
 
     @cute.kernel
-    def kernel(self, gIn: cute.Tensor, mR: cute.Tensor, gW: cute.Tensor, gCos: cute.Tensor,
-               gSin: cute.Tensor, gOut: cute.Tensor, rows: Int32):
+    def kernel(self, gIn: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor, gW: cute.Tensor,
+               gCos: cute.Tensor, gSin: cute.Tensor, gOut: cute.Tensor, gAux: cute.Tensor,
+               rows: Int32):
         lane, warp, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         row = bx * WARPS_PER_CTA + warp
         E = self.E
+        sRow = None
+        if cutlass.const_expr(self.norm):
+            smem = cutlass.memory.SmemAllocator()
+            sRow = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, self.d),
+                                                                  stride=(self.d, 1)), 16)
         if row < rows:  # uniform over the warp: its shuffles see every lane
             v = cute.make_rmem_tensor((E,), Float32)
             x = gIn[(None, (row, lane))].load().to(Float32)
             for e in cutlass.range_constexpr(E):
                 v[e] = x[e]
             if cutlass.const_expr(not self.backward):
-                r = mR[row, 0]
+                r = Float32(0.0)
+                if cutlass.const_expr(self.norm):
+                    # torch: x.pow(2) -> mean(-1) (the sum times fl(N) / fl(N*d)) -> + eps -> rsqrt
+                    for e in cutlass.range_constexpr(E):
+                        sRow[warp, lane * E + e] = mul_rn(v[e], v[e])
+                    cute.arch.sync_warp()
+                    n = cutlass.Int64(rows)
+                    factor = div_exact(i64_to_f32(n), i64_to_f32(n * self.d))
+                    r = rsqrt_approx(mul_rn(self.row_sum(sRow, warp, lane), factor)
+                                     + Float32(self.eps))
+                    if lane == 0:
+                        mR[row, 0] = r
+                else:
+                    r = mR[row, 0]
                 w = gW[(None, lane)].load().to(Float32)
                 for e in cutlass.range_constexpr(E):
                     # pinned: the butterfly's adds must not absorb them into FMAs
@@ -168,24 +236,55 @@ class EpilogueRows:
                         self.stage(v, 1 << (self.stages - 1 - st), lane)
                 if cutlass.const_expr(self.R > 0):
                     self.rope(v, gCos, gSin, row, lane, -1)
+                if cutlass.const_expr(self.norm):
+                    self.norm_backward(v, gX, mR, gW, gAux, sRow, row, warp, lane)
             gOut[(None, (row, lane))].store(v.load().to(gOut.element_type))
 
+    @cute.jit
+    def norm_backward(self, v, gX, mR, gW, gAux, sRow, row, warp, lane):
+        """``v``: the gradient of ``y = (x*r) * w`` in, the rows' gradient out, each op as
+        autograd runs the composition's: ``g_xr = gy*w``, the weight's ``gy * (x*r)``
+        (to gAux), ``g_r = sum(g_xr * x)``, ``g_mean = (-0.5 * g_r) * ((r*r)*r)``, then
+        ``g_xr*r + (g_mean * fl(1/d)) * (2x)``."""
+        E = self.E
+        r = mR[row, 0]
+        xv = gX[(None, (row, lane))].load().to(Float32)
+        w = gW[(None, lane)].load().to(Float32)
+        p = cute.make_rmem_tensor((E,), Float32)
+        for e in cutlass.range_constexpr(E):
+            gy = v[e]
+            v[e] = mul_rn(gy, w[e])  # g_xr
+            p[e] = mul_rn(gy, mul_rn(xv[e], r))
+            sRow[warp, lane * E + e] = mul_rn(v[e], xv[e])
+        gAux[(None, (row, lane))].store(p.load())
+        cute.arch.sync_warp()
+        g_r = self.row_sum(sRow, warp, lane)
+        g_mean = mul_rn(mul_rn(g_r, Float32(-0.5)), mul_rn(mul_rn(r, r), r))
+        g_md = mul_rn(g_mean, Float32(self.inv_d))
+        for e in cutlass.range_constexpr(E):
+            v[e] = mul_rn(v[e], r) + mul_rn(g_md, xv[e] + xv[e])
 
-def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backward: bool) -> tuple:
-    """Symbolic arguments: the row counts stay symbolic (one compile a geometry)."""
+
+def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backward: bool,
+                 norm: bool = False) -> tuple:
+    """Symbolic arguments: the row counts stay symbolic (one compile a geometry). ``mX``
+    and ``mAux`` have rows of their own: a one-row placeholder where the mode reads
+    neither."""
     import cutlass.cute as cute
 
     from .plan import _fake, cutlass_dtype
 
     cdt = cutlass_dtype(dtype)
-    N, M = cute.sym_int32(), cute.sym_int32()
+    N, M, K, A = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     cs = (head_dim // 32) // 2 if interleaved else head_dim // 32
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    rows_out = cutlass.Float32 if backward else cdt
-    return (_fake(cdt, (N, head_dim), 16), _fake(cutlass.Float32, (N, 1), 4),
+    rows_out = cutlass.Float32 if backward and not norm else cdt
+    return (_fake(cdt, (N, head_dim), 16), _fake(cdt, (K, head_dim), 16),
+            _fake(cutlass.Float32, (N, 1), 4),
             _fake(cdt, (head_dim,), 16), _fake(cutlass.Float32, (M, max(rope_dim // 2, cs)), 16),
             _fake(cutlass.Float32, (M, max(rope_dim // 2, cs)), 16),
-            _fake(rows_out, (N, head_dim), 16), stream)
+            _fake(rows_out, (N, head_dim), 16), _fake(cutlass.Float32, (A, head_dim), 16),
+            stream)
 
 
 _COMPILED: dict = {}
@@ -193,29 +292,43 @@ _PLACEHOLDER: dict = {}
 
 
 def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleaved: bool,
-        rotate: bool):
+        rotate: bool, norm_eps: float | None = None, x=None, aux=None):
     """One launch on the current stream (compiled on first use of the geometry): rows
     ``(N, d)`` contiguous (the pooled rows, or the output's gradient), their statistics
-    ``r`` ``(N, 1)`` fp32 and the norm weight ``(d,)`` (read by the forward), fp32 ``cos``
-    / ``sin`` ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``."""
+    ``r`` ``(N, 1)`` fp32, the norm weight ``(d,)``, fp32 ``cos`` / ``sin``
+    ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``.
+    ``norm_eps`` given: the norm's own math too (``r`` written by the forward; the
+    backward reads the pooled rows ``x`` and writes ``aux``, fp32 ``(N, d)``), at least
+    ROWSUM_MIN_ROWS rows."""
     import torch
 
     from .compile import _compile, _direct
     from .plan import cutlass_dtype
 
     d = rows.shape[1]
-    key = (rows.dtype, d, rope_dim, interleaved, rotate, backward, rows.device.index)
+    norm = norm_eps is not None
+    key = (rows.dtype, d, rope_dim, interleaved, rotate, backward, norm_eps, rows.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate,
-                              backward)
-        owner = _compile(kernel, *compile_args(rows.dtype, d, rope_dim, interleaved, backward))
+                              backward, norm, 1e-6 if norm_eps is None else norm_eps)
+        owner = _compile(kernel, *compile_args(rows.dtype, d, rope_dim, interleaved, backward,
+                                               norm))
         fn = _COMPILED[key] = (_direct(owner), owner)
-    if cos is None:  # never read: one small placeholder a device
+
+    def placeholder(shape, dtype):  # never read: one a device
+        t = _PLACEHOLDER.get((shape, dtype, rows.device))
+        if t is None:
+            t = _PLACEHOLDER[(shape, dtype, rows.device)] = torch.zeros(
+                shape, dtype=dtype, device=rows.device)
+        return t
+
+    if cos is None:
         cs = (d // 32) // 2 if interleaved else d // 32
-        cos = sin = _PLACEHOLDER.get((cs, rows.device))
-        if cos is None:
-            cos = sin = _PLACEHOLDER[(cs, rows.device)] = torch.zeros(
-                (1, cs), dtype=torch.float32, device=rows.device)
-    fn[0](rows, r, weight, cos, sin, out)
+        cos = sin = placeholder((1, cs), torch.float32)
+    if x is None:
+        x = placeholder((1, d), rows.dtype)
+    if aux is None:
+        aux = placeholder((1, d), torch.float32)
+    fn[0](rows, x, r, weight, cos, sin, out, aux)
     return out

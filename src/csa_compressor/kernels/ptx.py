@@ -106,3 +106,16 @@ def div_exact(a, b, *, loc=None, ip=None) -> Float32:
     """IEEE division as an opaque (volatile) instruction: as a plain ``/`` the compiler
     speculates the whole division out of the rarely taken branch that needs it."""
     return _asm_f32("div.rn.f32 $0, $1, $2;", "=f,f,f", a, b, volatile=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def rsqrt_approx(a, *, loc=None, ip=None) -> Float32:
+    """``rsqrtf``: the approximate reciprocal square root torch.rsqrt runs on CUDA (not the
+    DSL's math lowering, whose instruction and flush mode may differ)."""
+    return _asm_f32("rsqrt.approx.f32 $0, $1;", "=f,f", a, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def i64_to_f32(a, *, loc=None, ip=None) -> Float32:
+    """A 64-bit integer to fp32, rounded to nearest (C++'s ``static_cast<float>``)."""
+    return _asm_f32("cvt.rn.f32.s64 $0, $1;", "=f,l", a, operand=cutlass.Int64, loc=loc, ip=ip)
