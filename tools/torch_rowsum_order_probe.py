@@ -57,7 +57,7 @@ def warp_combine(val, direction):
 
 def main(argv):
     Ns = [int(v) for v in argv[0].split(",")] if argv else [16, 17, 100, 2048, 6144, 24576]
-    ds = [int(v) for v in argv[1].split(",")] if len(argv) > 1 else [32, 64, 128, 192, 256, 512, 576, 1024]
+    ds = [int(v) for v in argv[1].split(",")] if len(argv) > 1 else [32, 64, 96, 128, 160, 192, 256, 512, 576, 1024]
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
     print(f"torch {torch.__version__}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .softmax_order import ROWSUM_MIN_ROWS
+from .softmax_order import ROWSUM_MIN_ROWS, torch_rowsum_vec
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,8 @@ class _EpilogueFn(torch.autograd.Function):
     def forward(ctx, x_in, weight, cos, sin, ep):
         fused = _rows_kernel(x_in, weight, ep)
         # the norm's own math in the kernel where torch's reduce gives a row one warp
-        ctx.norm_kernel = fused and x_in.shape[0] >= ROWSUM_MIN_ROWS
+        ctx.norm_kernel = (fused and x_in.shape[0] >= ROWSUM_MIN_ROWS
+                           and torch_rowsum_vec(x_in.shape[1]) is not None)
         if fused:
             from .kernels import epilogue_rows
 

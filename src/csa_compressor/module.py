@@ -81,6 +81,7 @@ class Compressor(nn.Module):
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
+        self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -146,13 +147,13 @@ class Compressor(nn.Module):
         torch.compile traces (no tensor kept from inside either)."""
         if not self.rope_dim:
             return None
-        cache = self.__dict__.setdefault("_inv_freq", {})
-        freq = cache.get(device)
+        if torch.compiler.is_compiling():
+            return rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
+        freq = self._inv_freq.get(device)
         if freq is None:
             freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
-            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if not (capturing or torch.compiler.is_compiling()):
-                cache[device] = freq
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._inv_freq[device] = freq
         return freq
 
     def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):

@@ -78,6 +78,7 @@ class EpilogueRows:
         self.eps = float(np.float32(eps))  # torch adds the Python float as fp32
         self.inv_d = float(np.float32(1.0) / np.float32(head_dim))  # torch's ``/ d``
         self.sum_vec = torch_rowsum_vec(head_dim)
+        assert not norm or self.sum_vec is not None, head_dim
         self.smem_bytes = WARPS_PER_CTA * head_dim * 4 if norm else 0
 
     @cute.jit
@@ -299,7 +300,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``.
     ``norm_eps`` given: the norm's own math too (``r`` written by the forward; the
     backward reads the pooled rows ``x`` and writes ``aux``, fp32 ``(N, d)``), at least
-    ROWSUM_MIN_ROWS rows."""
+    ROWSUM_MIN_ROWS rows, a head_dim whose torch row-sum order is known."""
     import torch
 
     from .compile import _compile, _direct
