@@ -7,8 +7,8 @@ gradients bitwise, fp32 and bf16."""
 import pytest
 import torch
 
-from csa_compressor import compressed_cu_seqlens
-from csa_compressor.epilogue import (Epilogue, YaRN, apply_epilogue, eager_epilogue,
+from csa_compressor import Compressor, compressed_cu_seqlens
+from csa_compressor.epilogue import (Epilogue, YaRN, apply_epilogue, eager_epilogue, rope_inv_freq,
                                      grouped_positions, rope_positions, sbhd_positions)
 
 
@@ -98,3 +98,25 @@ def test_the_epilogue_compiles_fullgraph_to_the_eager_result():
     got = compiled(x, w, pos, ep)
     # inductor fuses the ops: another order, fp32 rounding apart
     torch.testing.assert_close(got, apply_epilogue(x, w, pos, ep), rtol=1e-5, atol=1e-6)
+
+
+def test_the_module_with_the_eager_epilogue_is_bitwise_the_same():
+    """fused_epilogue=False (the composition of torch ops the node replaces) gives the
+    module's output and every gradient bit for bit; the rotary frequencies it keeps a
+    device are the ones it would make."""
+    torch.manual_seed(0)
+    m = Compressor(64, 64, 4, rotate=True, dtype=torch.float32, pooling="reference",
+                   rope_yarn=YaRN(factor=16.0))
+    cu = torch.tensor([0, 37, 37, 101], dtype=torch.int32)
+    x, g = torch.randn(101, 64), torch.randn(25, 64)
+    res = []
+    for fused in (True, False):
+        m.fused_epilogue = fused
+        xi = x.clone().requires_grad_(True)
+        out, _ = m(xi, cu, max_seqlen=64)
+        grads = torch.autograd.grad(out, [xi, *m.parameters()], g)
+        res.append((out, *grads))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    assert torch.equal(m._inv_freq[torch.device("cpu")],
+                       rope_inv_freq(m.rope_dim, m.rope_theta, m.rope_yarn))

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from . import reference
-from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, hadamard,  # noqa: F401
-                       rope_inv_freq, rope_positions)
+from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, eager_epilogue,  # noqa: F401
+                       hadamard, rope_inv_freq, rope_positions)
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
@@ -82,6 +82,8 @@ class Compressor(nn.Module):
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
+        # False: the epilogue as the composition of torch ops it is bitwise equal to
+        self.fused_epilogue = True
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -138,6 +140,8 @@ class Compressor(nn.Module):
         return fallback()
 
     def _finish(self, pooled, pos):
+        if not self.fused_epilogue:
+            return eager_epilogue(pooled, self.norm_weight, pos, self.epilogue)
         return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue,
                               inv_freq=self._rope_inv_freq(pooled.device))
 

@@ -4,9 +4,11 @@ The ``Compressor`` module forward + backward (THD, static capacity, hidden 4096,
 3x8192 tokens in three configurations, each timed as the op bench times (CUDA graphs of
 calls over inputs rotated past the L2): the module with one projection GEMM into
 ``[kv | score]`` (the packed op) and with two (the plain op on two projections, the
-layout before), and the projection GEMMs alone (forward and input + weight gradients of
-one GEMM of both weights) as the floor the issue of the whole step is measured against.
-Kernel launches a step from torch.profiler.
+layout before) and, as the module was before its epilogue node, two projections with the
+epilogue as eager torch ops; the projection GEMMs alone (forward and input + weight
+gradients of one GEMM of both weights) as the floor the whole step is measured against;
+and the op alone on the projections' output: pooling + the epilogue node against pooling
++ the eager epilogue. Kernel launches a step from torch.profiler.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def profile_steps(step, n=3) -> tuple:
 
 
 def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
+    from ..epilogue import rope_positions
+    from ..layout import compressed_cu_seqlens
     from ..module import Compressor
 
     dev = torch.device("cuda")
@@ -82,12 +86,28 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
             kvs = torch.nn.functional.linear(xs[i], weight)
             return torch.autograd.grad(kvs, [xs[i], weight], gk)
 
+        with torch.no_grad():
+            kvs_in = [m.project(x).detach().requires_grad_(True) for x in xs]
+        cuc = compressed_cu_seqlens(cu, ratio)
+        cap = rows_out[0]
+        pos = rope_positions(cuc, cap, ratio, max(lens))
+
+        def op_step(i):
+            pooled = m.pool_packed(kvs_in[i], cu, cuc, cap)
+            out = m._finish(pooled, pos)
+            return torch.autograd.grad(out, [kvs_in[i], m.ape, m.norm_weight], g)
+
         row = {"config": name, "tokens": T, "hidden": HIDDEN}
-        for key, step, one in (("gemms", gemm_step, None), ("one_projection", module_step, True),
-                               ("two_projections", module_step, False)):
+        for key, step, one, node in (("gemms", gemm_step, None, True),
+                                     ("one_projection", module_step, True, True),
+                                     ("two_projections", module_step, False, True),
+                                     ("before", module_step, False, False),
+                                     ("op_node", op_step, True, True),
+                                     ("op_eager", op_step, True, False)):
             progress(f"{name} {key} ...")
             if one is not None:
                 m.one_projection = one
+            m.fused_epilogue = node
             try:
                 step(0)  # warm-up
                 torch.cuda.synchronize()
@@ -96,6 +116,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
                 row[f"{key}_us"] = time_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        m.one_projection, m.fused_epilogue = True, True
         progress(str(row))
         rows.append(row)
     return rows
@@ -108,14 +129,18 @@ def table(rows) -> str:
             return loop + r.get(f"{key}_error", "-")
         return f"{r[f'{key}_us']:.0f} ({r[f'{key}_launches']:.0f})"
 
-    lines = ["| config | module, one projection µs (kernels) | module, two projections µs "
-             "(kernels) | projection GEMMs alone µs (kernels) | step / GEMMs |",
-             "|---|---|---|---|---|"]
+    def ratio(r, a, b):
+        return f"{r[f'{a}_us'] / r[f'{b}_us']:.2f}x" if f"{a}_us" in r and f"{b}_us" in r else "-"
+
+    lines = ["| config | module µs (kernels) | two projections | two projections, eager "
+             "epilogue (the module before) | projection GEMMs alone | step / GEMMs | pooling + "
+             "epilogue node | pooling + eager epilogue |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = (f"{r['one_projection_us'] / r['gemms_us']:.2f}x"
-                 if "one_projection_us" in r and "gemms_us" in r else "-")
         lines.append(f"| {r['config']} | {cell(r, 'one_projection')} | "
-                     f"{cell(r, 'two_projections')} | {cell(r, 'gemms')} | {ratio} |")
+                     f"{cell(r, 'two_projections')} | {cell(r, 'before')} | {cell(r, 'gemms')} | "
+                     f"{ratio(r, 'one_projection', 'gemms')} | {cell(r, 'op_node')} | "
+                     f"{cell(r, 'op_eager')} |")
     return "\n".join(lines)
 
 
