@@ -5,8 +5,8 @@ orthonormal Walsh-Hadamard rotation, then one rounding to the pooled rows' dtype
 ``apply_epilogue`` runs it as one autograd node whose backward is written out (the ops
 autograd would run, without the fp32 intermediates it keeps or the zero-filled gradients
 of every slice it adds up): bitwise the composition of torch ops, ``eager_epilogue``,
-forward and backward. It is still a sequence of torch kernels, not yet fused into the
-pooling kernels. The positions come from the layout: ``rope_positions``
+forward and backward; on the GPU one kernel a direction (kernels.epilogue_rows), after
+the pooling kernels, not inside them. The positions come from the layout: ``rope_positions``
 (THD: ``block_index * ratio``), ``grouped_positions`` (``max(id, 0) * ratio``),
 ``sbhd_positions``.
 """
