@@ -26,9 +26,10 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
                                                          interleaved, rotate, dtype):
     ratio, n = 4, 3 * 2048 + 5
     dev = torch.device("cuda")
-    if layout == "thd":
-        cu = torch.tensor([0, 8192, 16384, 24576], dtype=torch.int32, device=dev)
-        pos = rope_positions(C.compressed_cu_seqlens(cu, ratio), n, ratio, max_seqlen=8192)
+    if layout == "thd":  # ragged, an empty and a sub-ratio segment, capacity padding rows
+        cu = torch.tensor([0, 8192, 8192, 8195, 9198, 24576], dtype=torch.int32, device=dev)
+        n = int(C.compressed_cu_seqlens(cu, ratio)[-1]) + 7
+        pos = rope_positions(C.compressed_cu_seqlens(cu, ratio), n, ratio, max_seqlen=15378)
     elif layout == "grouped":
         ids = torch.arange(n, device=dev) % 2048 - (torch.arange(n, device=dev) >= 3 * 2048).long() * 4096
         pos = grouped_positions(ids, ratio)
@@ -110,3 +111,52 @@ def test_the_module_step_with_the_epilogue_node_captures():
     torch.cuda.synchronize()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d,ratio,rotate", [(128, 4, True), (512, 4, False), (512, 128, False)])
+def test_the_module_with_the_epilogue_node_is_the_module_with_torch_ops(d, ratio, rotate):
+    """The module's step (fused pooling, then the epilogue kernels) against the same module
+    with its epilogue as the composition of torch ops: output and every gradient bitwise,
+    on a ragged pack with capacity padding rows."""
+    torch.manual_seed(0)
+    m = C.Compressor(256, d, ratio, rotate=rotate, device="cuda", pooling="fused")
+    lens = [1030, 0, 3, 2600, 517]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    x = torch.randn(sum(lens), 256, device="cuda").bfloat16()
+    res = []
+    for fused in (True, False):
+        m.fused_epilogue = fused
+        xi = x.clone().requires_grad_(True)
+        out, _ = m(xi, cu, max_seqlen=max(lens))
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+        res.append((out.detach(), *torch.autograd.grad(out, [xi, *m.parameters()], g)))
+    for i, (a, b) in enumerate(zip(*res)):
+        assert torch.equal(a, b), i
+
+
+def test_a_row_sum_order_unlike_torchs_is_caught(monkeypatch):
+    """The kernel built with the warp's combine reversed (an order torch does not use):
+    the once-a-geometry check finds its statistics off torch's and the node keeps torch's
+    statistics, bitwise the composition still."""
+    from csa_compressor import epilogue
+    from csa_compressor.kernels import epilogue_rows
+
+    monkeypatch.setattr(epilogue_rows, "ROWSUM_WARP_OFFSETS", (1, 2, 4, 8, 16))
+    monkeypatch.setattr(epilogue_rows, "_COMPILED", {})
+    monkeypatch.setattr(epilogue, "_ROWSUM_AGREES", {})
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    x = (3 * torch.randn(4096, 512, device=dev, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(512, device=dev, generator=gen)).bfloat16()
+    g = torch.randn(4096, 512, device=dev, generator=gen).bfloat16()
+    pos = torch.arange(4096, device=dev) * 4
+    ep = Epilogue(rope_dim=64)
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    assert list(epilogue._ROWSUM_AGREES.values()) == [False]
+    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
+        assert torch.equal(a, b), name

@@ -192,6 +192,41 @@ def _rows_kernel(x_in, weight, ep) -> bool:
             and dsl_import_error() is None)
 
 
+# (device, dtype, head_dim, Epilogue) -> whether the kernel's statistics were torch's
+_ROWSUM_AGREES: dict = {}
+
+
+def _norm_in_kernel(x_in, weight, ep) -> bool:
+    """Whether the row kernel also computes the norm's statistics and backward: rows enough
+    that torch's reduce gives a row one warp, a head_dim whose order is known, and that
+    order found to be this torch's. Checked once a geometry on a probe of 64 random rows
+    (the same compiled kernel against torch's ops, bit for bit): another torch version
+    may reduce in another order, and then the statistics stay torch's. While a CUDA graph
+    captures, an unchecked geometry takes torch's statistics."""
+    d = x_in.shape[1]
+    if x_in.shape[0] < ROWSUM_MIN_ROWS or torch_rowsum_vec(d) is None:
+        return False
+    key = (x_in.device, x_in.dtype, d, ep)
+    agrees = _ROWSUM_AGREES.get(key)
+    if agrees is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        from .kernels import epilogue_rows
+
+        gen = torch.Generator(device=x_in.device).manual_seed(0)
+        probe = (torch.randn(64, d, device=x_in.device, generator=gen)
+                 * (10 * torch.rand(64, 1, device=x_in.device, generator=gen))).to(x_in.dtype)
+        r = torch.empty((64, 1), dtype=torch.float32, device=x_in.device)
+        cs = None
+        if ep.rope_dim:
+            cs = torch.zeros((64, ep.rope_dim // 2), dtype=torch.float32, device=x_in.device)
+        epilogue_rows.run(False, probe, r, torch.ones_like(weight), cs, cs,
+                          torch.empty_like(probe), ep.rope_dim, ep.rope_interleaved, ep.rotate,
+                          norm_eps=ep.eps)
+        agrees = _ROWSUM_AGREES[key] = torch.equal(r, _rsqrt_stat(probe.float(), ep.eps))
+    return agrees
+
+
 class _EpilogueFn(torch.autograd.Function):
     """eager_epilogue as one node: its forward's ops, and as backward the ops autograd
     runs through them (bitwise the same gradients), without the intermediates autograd
@@ -204,9 +239,7 @@ class _EpilogueFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, weight, cos, sin, ep):
         fused = _rows_kernel(x_in, weight, ep)
-        # the norm's own math in the kernel where torch's reduce gives a row one warp
-        ctx.norm_kernel = (fused and x_in.shape[0] >= ROWSUM_MIN_ROWS
-                           and torch_rowsum_vec(x_in.shape[1]) is not None)
+        ctx.norm_kernel = fused and _norm_in_kernel(x_in, weight, ep)
         if fused:
             from .kernels import epilogue_rows
 
