@@ -86,18 +86,29 @@ def test_epilogue_arguments_are_checked():
         Epilogue(rope_dim=66).check(64)
 
 
-def test_the_epilogue_compiles_fullgraph_to_the_eager_result():
+@pytest.mark.parametrize("rope_dim,rotate,yarn", [(64, True, None), (0, False, None),
+                                                   (128, False, YaRN(factor=40.0))])
+def test_the_epilogue_compiles_fullgraph_to_the_eager_node_bitwise(rope_dim, rotate, yarn):
+    """Under torch.compile the node's directions are custom ops: the compiled forward and
+    both gradients are the eager node's (and so the composition's) bit for bit."""
     import torch._dynamo
 
     x = torch.randn(24, 128)
     w = 1 + 0.1 * torch.randn(128)
+    g = torch.randn(24, 128)
     pos = torch.arange(24) * 4
-    ep = Epilogue(rope_dim=64, rope_theta=10000.0, rotate=True)
+    ep = Epilogue(rope_dim=rope_dim, rope_theta=10000.0, rotate=rotate, rope_yarn=yarn)
     torch._dynamo.reset()
     compiled = torch.compile(apply_epilogue, fullgraph=True)
-    got = compiled(x, w, pos, ep)
-    # inductor fuses the ops: another order, fp32 rounding apart
-    torch.testing.assert_close(got, apply_epilogue(x, w, pos, ep), rtol=1e-5, atol=1e-6)
+    res = []
+    for fn in (compiled, apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    for want in res[1:]:
+        for a, b in zip(res[0], want):
+            assert torch.equal(a, b)
 
 
 def test_the_module_with_the_eager_epilogue_is_bitwise_the_same():

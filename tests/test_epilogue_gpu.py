@@ -160,3 +160,34 @@ def test_a_row_sum_order_unlike_torchs_is_caught(monkeypatch):
     assert list(epilogue._ROWSUM_AGREES.values()) == [False]
     for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("d,rotate", [(128, True), (512, False)])
+def test_the_compiled_module_is_the_eager_module_bitwise(d, rotate):
+    """torch.compile(fullgraph) of the module's step: pooling and epilogue are custom ops
+    there, running the same kernels: output and every gradient bitwise the eager step,
+    with no graph break."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    m = C.Compressor(256, d, 4, rotate=rotate, device="cuda", pooling="fused")
+    lens = [1030, 0, 3, 2600, 517]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    x = torch.randn(sum(lens), 256, device="cuda").bfloat16()
+
+    def step(xi):
+        out, _ = m(xi, cu, max_seqlen=max(lens))
+        return out
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    res = []
+    for fn in (compiled, step):
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+        res.append((out.detach(), *torch.autograd.grad(out, [xi, *m.parameters()], g)))
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    for i, (a, b) in enumerate(zip(*res)):
+        assert torch.equal(a, b), i

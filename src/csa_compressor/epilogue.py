@@ -227,6 +227,121 @@ def _norm_in_kernel(x_in, weight, ep) -> bool:
     return agrees
 
 
+def _forward(x_in, weight, positions, inv_freq, ep):
+    """The node's forward: ``(out, r, cos, sin)`` (``cos``/``sin`` None without RoPE)."""
+    cos = sin = None
+    if ep.rope_dim:
+        cos, sin = rope_cos_sin(positions, ep, inv_freq)
+    if _rows_kernel(x_in, weight, ep):
+        from .kernels import epilogue_rows
+
+        x_in, weight = x_in.contiguous(), weight.contiguous()
+        norm = _norm_in_kernel(x_in, weight, ep)
+        if norm:
+            r = torch.empty((x_in.shape[0], 1), dtype=torch.float32, device=x_in.device)
+        else:
+            r = _rsqrt_stat(x_in.float(), ep.eps)
+        out = epilogue_rows.run(False, x_in, r, weight, cos, sin, torch.empty_like(x_in),
+                                ep.rope_dim, ep.rope_interleaved, ep.rotate,
+                                norm_eps=ep.eps if norm else None)
+        return out, r, cos, sin
+    x = x_in.float()
+    r = _rsqrt_stat(x, ep.eps)
+    y = x * r * weight.float()
+    if ep.rope_dim:
+        y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
+    if ep.rotate:
+        y = hadamard(y)
+    return y.to(x_in.dtype), r, cos, sin
+
+
+def _backward(g, x_in, weight, cos, sin, r, ep):
+    """The node's backward: the gradients of the rows and of the norm weight."""
+    if _rows_kernel(x_in, weight, ep) and g.dtype == x_in.dtype:
+        from .kernels import epilogue_rows
+
+        x_in, weight, g = x_in.contiguous(), weight.contiguous(), g.contiguous()
+        if _norm_in_kernel(x_in, weight, ep):
+            gx = torch.empty_like(x_in)
+            prod = torch.empty(x_in.shape, dtype=torch.float32, device=g.device)
+            epilogue_rows.run(True, g, r, weight, cos, sin, gx, ep.rope_dim,
+                              ep.rope_interleaved, ep.rotate, norm_eps=ep.eps, x=x_in, aux=prod)
+            return gx, prod.sum(0).to(weight.dtype)
+        gy = epilogue_rows.run(True, g, r, weight, cos, sin,
+                               torch.empty(g.shape, dtype=torch.float32, device=g.device),
+                               ep.rope_dim, ep.rope_interleaved, ep.rotate)
+    else:
+        gy = g.float()
+        if ep.rotate:
+            gy = _butterfly_back(gy)
+        if ep.rope_dim:
+            gy = _rotate(gy, cos, sin, ep.rope_dim, ep.rope_interleaved, -1)
+    x = x_in.float()
+    xr = x * r
+    # y = (x * r) * w, r = rsqrt(mean(x^2) + eps), as autograd differentiates them
+    g_xr = gy * weight.float()
+    gw = (gy * xr).sum(0)
+    g_r = (g_xr * x).sum(-1, keepdim=True)
+    g_mean = (-0.5 * g_r) * r.pow(3)
+    gx = g_xr * r + (g_mean.expand_as(x) / x.shape[-1]) * (2 * x)
+    return gx.to(x_in.dtype), gw.to(weight.dtype)
+
+
+# Under torch.compile the node's two directions are custom ops (opaque: the compiled
+# graph runs the same kernels, or on the CPU the same torch ops, bit for bit the eager
+# node); eager calls bypass the op dispatch, as ops.py's do. The Epilogue travels as
+# scalars: eps, rope_dim, rope_theta, interleaved, YaRN's fields (empty: none), rotate.
+
+def _ep_args(ep: Epilogue) -> tuple:
+    y = ep.rope_yarn
+    yarn = [] if y is None else [float(y.factor), float(y.original_max_position_embeddings),
+                                 float(y.beta_fast), float(y.beta_slow), float(y.round_to_int)]
+    return float(ep.eps), int(ep.rope_dim), float(ep.rope_theta), bool(ep.rope_interleaved), \
+        yarn, bool(ep.rotate)
+
+
+def _ep_of(eps, rope_dim, rope_theta, interleaved, yarn, rotate) -> Epilogue:
+    y = None if not yarn else YaRN(yarn[0], int(yarn[1]), yarn[2], yarn[3], bool(yarn[4]))
+    return Epilogue(eps, rope_dim, rope_theta, interleaved, y, rotate)
+
+
+@torch.library.custom_op("csa_compressor::epilogue_fwd", mutates_args=())
+def epilogue_fwd_op(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor | None, eps: float, rope_dim: int, rope_theta: float,
+                    interleaved: bool, yarn: list[float], rotate: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ep = _ep_of(eps, rope_dim, rope_theta, interleaved, yarn, rotate)
+    out, r, cos, sin = _forward(x, weight, positions, inv_freq, ep)
+    if cos is None:  # an op returns tensors: empty ones where there is no rotary table
+        cos, sin = (x.new_empty((0, 0), dtype=torch.float32) for _ in range(2))
+    return out, r, cos, sin
+
+
+@epilogue_fwd_op.register_fake
+def _(x, weight, positions, inv_freq, eps, rope_dim, rope_theta, interleaved, yarn, rotate):
+    n = x.shape[0] if rope_dim else 0
+    cs = x.new_empty((n, rope_dim // 2), dtype=torch.float32)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32), cs, torch.empty_like(cs))
+
+
+@torch.library.custom_op("csa_compressor::epilogue_bwd", mutates_args=())
+def epilogue_bwd_op(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, r: torch.Tensor, eps: float, rope_dim: int,
+                    rope_theta: float, interleaved: bool, yarn: list[float], rotate: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ep = _ep_of(eps, rope_dim, rope_theta, interleaved, yarn, rotate)
+    if not rope_dim:
+        cos = sin = None
+    return _backward(g, x, weight, cos, sin, r, ep)
+
+
+@epilogue_bwd_op.register_fake
+def _(g, x, weight, cos, sin, r, eps, rope_dim, rope_theta, interleaved, yarn, rotate):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
 class _EpilogueFn(torch.autograd.Function):
     """eager_epilogue as one node: its forward's ops, and as backward the ops autograd
     runs through them (bitwise the same gradients), without the intermediates autograd
@@ -237,65 +352,23 @@ class _EpilogueFn(torch.autograd.Function):
     sum of the kernel's products."""
 
     @staticmethod
-    def forward(ctx, x_in, weight, cos, sin, ep):
-        fused = _rows_kernel(x_in, weight, ep)
-        ctx.norm_kernel = fused and _norm_in_kernel(x_in, weight, ep)
-        if fused:
-            from .kernels import epilogue_rows
-
-            x_in, weight = x_in.contiguous(), weight.contiguous()
-            if ctx.norm_kernel:
-                r = torch.empty((x_in.shape[0], 1), dtype=torch.float32, device=x_in.device)
-            else:
-                r = _rsqrt_stat(x_in.float(), ep.eps)
-            out = epilogue_rows.run(False, x_in, r, weight, cos, sin, torch.empty_like(x_in),
-                                    ep.rope_dim, ep.rope_interleaved, ep.rotate,
-                                    norm_eps=ep.eps if ctx.norm_kernel else None)
+    def forward(ctx, x_in, weight, positions, inv_freq, ep):
+        if torch.compiler.is_compiling():
+            out, r, cos, sin = epilogue_fwd_op(x_in, weight, positions, inv_freq, *_ep_args(ep))
         else:
-            x = x_in.float()
-            r = _rsqrt_stat(x, ep.eps)
-            y = x * r * weight.float()
-            if ep.rope_dim:
-                y = _rotate(y, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
-            if ep.rotate:
-                y = hadamard(y)
-            out = y.to(x_in.dtype)
+            out, r, cos, sin = _forward(x_in, weight, positions, inv_freq, ep)
         ctx.save_for_backward(x_in, weight, cos, sin, r)
-        ctx.ep, ctx.fused = ep, fused
+        ctx.ep = ep
         return out
 
     @staticmethod
     def backward(ctx, g):
         x_in, weight, cos, sin, r = ctx.saved_tensors
-        ep = ctx.ep
-        if ctx.fused and g.dtype == x_in.dtype:
-            from .kernels import epilogue_rows
-
-            if ctx.norm_kernel:
-                gx = torch.empty_like(x_in)
-                prod = torch.empty(x_in.shape, dtype=torch.float32, device=g.device)
-                epilogue_rows.run(True, g.contiguous(), r, weight, cos, sin, gx, ep.rope_dim,
-                                  ep.rope_interleaved, ep.rotate, norm_eps=ep.eps, x=x_in,
-                                  aux=prod)
-                return gx, prod.sum(0).to(weight.dtype), None, None, None
-            gy = epilogue_rows.run(True, g.contiguous(), r, weight, cos, sin,
-                                   torch.empty(g.shape, dtype=torch.float32, device=g.device),
-                                   ep.rope_dim, ep.rope_interleaved, ep.rotate)
+        if torch.compiler.is_compiling():
+            gx, gw = epilogue_bwd_op(g, x_in, weight, cos, sin, r, *_ep_args(ctx.ep))
         else:
-            gy = g.float()
-            if ep.rotate:
-                gy = _butterfly_back(gy)
-            if ep.rope_dim:
-                gy = _rotate(gy, cos, sin, ep.rope_dim, ep.rope_interleaved, -1)
-        x = x_in.float()
-        xr = x * r
-        # y = (x * r) * w, r = rsqrt(mean(x^2) + eps), as autograd differentiates them
-        g_xr = gy * weight.float()
-        gw = (gy * xr).sum(0)
-        g_r = (g_xr * x).sum(-1, keepdim=True)
-        g_mean = (-0.5 * g_r) * r.pow(3)
-        gx = g_xr * r + (g_mean.expand_as(x) / x.shape[-1]) * (2 * x)
-        return gx.to(x_in.dtype), gw.to(weight.dtype), None, None, None
+            gx, gw = _backward(g, x_in, weight, cos, sin, r, ctx.ep)
+        return gx, gw, None, None, None
 
 
 def _rsqrt_stat(x, eps):
@@ -327,10 +400,7 @@ def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: t
         raise ValueError(f"norm_weight: expected shape ({pooled.shape[1]},), got {tuple(norm_weight.shape)}")
     if tuple(positions.shape) != (pooled.shape[0],):
         raise ValueError(f"positions: expected shape ({pooled.shape[0]},), got {tuple(positions.shape)}")
-    cos = sin = None
-    if ep.rope_dim:
-        cos, sin = rope_cos_sin(positions, ep, inv_freq)
-    return _EpilogueFn.apply(pooled, norm_weight, cos, sin, ep)
+    return _EpilogueFn.apply(pooled, norm_weight, positions, inv_freq, ep)
 
 
 def eager_epilogue(pooled, norm_weight, positions, ep: Epilogue) -> torch.Tensor:

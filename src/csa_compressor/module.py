@@ -151,8 +151,8 @@ class Compressor(nn.Module):
         torch.compile traces (no tensor kept from inside either)."""
         if not self.rope_dim:
             return None
-        if torch.compiler.is_compiling():
-            return rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
+        if torch.compiler.is_compiling():  # the epilogue's op makes them, as eager does
+            return None
         freq = self._inv_freq.get(device)
         if freq is None:
             freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
