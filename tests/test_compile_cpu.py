@@ -322,7 +322,8 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              "bfloat16:256:0:1:1:1", "float16:256:0:1:1:0", "float32:512:512:1:1:0",
              # with the norm's own math (statistics forward, its backward)
              "bfloat16:128:64:1:1:0:1", "bfloat16:128:64:0:1:1:1", "bfloat16:512:64:1:0:0:1",
-             "bfloat16:512:64:1:0:1:1", "bfloat16:192:0:1:0:1:1", "float32:64:32:1:0:1:1"]
+             "bfloat16:512:64:1:0:1:1", "bfloat16:192:0:1:0:1:1", "float32:64:32:1:0:1:1",
+             "float32:32:0:1:1:0:1", "float32:32:0:1:1:1:0"]  # one value a lane, no table
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
     (256, 0, True, True, torch.bfloat16), (64, 32, True, False, torch.float32),
     (256, 0, True, True, torch.float16),
     (192, 0, True, False, torch.bfloat16),  # torch's row sum: 48 vectors, lanes unequal
+    (32, 0, True, True, torch.float32),  # one channel a lane, no rotary table
     (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
 ])
 def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d, rope_dim,

@@ -58,6 +58,13 @@ def supported(dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bo
         and (head_dim - rope_dim) % (2 * half_lanes * E) == 0
 
 
+def cos_sin_vec(head_dim: int, interleaved: bool) -> int:
+    """cos / sin values a lane reads (at least 1: the tables' shape where none is read, as
+    at head_dim 32 without rotary channels)."""
+    E = head_dim // 32
+    return max(1, E // 2 if interleaved else E)
+
+
 class EpilogueRows:
     def __init__(self, dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bool,
                  backward: bool, norm: bool = False, eps: float = 1e-6):
@@ -72,7 +79,7 @@ class EpilogueRows:
         # torch's ``y / sqrt(d)`` on CUDA: times the fp32 reciprocal of the fp32 divisor
         self.scale = float(np.float32(1.0) / np.float32(math.sqrt(head_dim)))
         self.rope_lane0 = (head_dim - rope_dim) // self.E  # first lane holding rope channels
-        self.cs_vec = self.E // 2 if interleaved else self.E  # cos / sin values a lane
+        self.cs_vec = cos_sin_vec(head_dim, interleaved)
         self.stages = head_dim.bit_length() - 1  # butterfly stages: log2(head_dim)
         self.norm = norm
         self.eps = float(np.float32(eps))  # torch adds the Python float as fp32
@@ -277,7 +284,7 @@ def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backwar
 
     cdt = cutlass_dtype(dtype)
     N, M, K, A = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    cs = (head_dim // 32) // 2 if interleaved else head_dim // 32
+    cs = cos_sin_vec(head_dim, interleaved)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     rows_out = cutlass.Float32 if backward and not norm else cdt
     return (_fake(cdt, (N, head_dim), 16), _fake(cdt, (K, head_dim), 16),
@@ -325,7 +332,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
         return t
 
     if cos is None:
-        cs = (d // 32) // 2 if interleaved else d // 32
+        cs = cos_sin_vec(d, interleaved)
         cos = sin = placeholder((1, cs), torch.float32)
     if x is None:
         x = placeholder((1, d), rows.dtype)
