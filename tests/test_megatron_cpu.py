@@ -158,12 +158,18 @@ def test_the_module_reproduces_megatrons_compressor(megatron_csa, ratio, yarn):
     and its settings (RMSNorm eps 1e-5, RoPE base 10000 on the last rope_dim channels in
     interleaved pairs at block_index * ratio, padding rows continuing the last segment): the
     same output, padding rows included, and gradients as Megatron's own Compressor on its
-    THD path (fp32, plain RoPE; YaRN not covered)."""
+    THD path (fp32; plain RoPE, and YaRN given its factor and original length)."""
     from csa_compressor import Compressor
+    from csa_compressor.epilogue import YaRN
 
-    mg = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=ratio, rope_dim=16)
+    mg = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=ratio, rope_dim=16,
+                          yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0],
+                              "original_max_position_embeddings": yarn[1]})
     ours = Compressor(64, 32, ratio, rope_dim=16, rope_theta=10000.0, rope_interleaved=True,
-                      norm_eps=1e-5, dtype=torch.float32, pooling="reference", megatron_layout=True)
+                      norm_eps=1e-5, dtype=torch.float32, pooling="reference", megatron_layout=True,
+                      rope_yarn=None if yarn is None else YaRN(
+                          factor=yarn[0], original_max_position_embeddings=yarn[1]))
     ours.load_megatron_state_dict(mg.state_dict())
     lens = [37, 0, 3, 63, 9] if ratio == 4 else [300, 0, 127, 520]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
