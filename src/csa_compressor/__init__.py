@@ -12,7 +12,7 @@ Public surface:
 - ``maybe_compress_thd_fused`` / ``fused_unavailable_reason``: dispatch with fallback.
 - ``Compressor``: the whole Compressor block as an ``nn.Module``.
 - ``Epilogue`` / ``apply_epilogue``: RMSNorm, RoPE and Hadamard rotation after the pooling,
-  one autograd node.
+  one autograd node; ``YaRN``: DeepSeek-V4's rotary frequency scaling.
 - ``megatron`` (import it): route Megatron-LM's Compressor through the fused kernels.
 - ``reference``: the plain-PyTorch references (``compress_thd``, ``compress_sbhd``).
 - ``compressed_cu_seqlens`` / ``compressed_capacity``: THD layout helpers.
@@ -25,7 +25,8 @@ import importlib
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Compressor": "module", "Epilogue": "epilogue", "apply_epilogue": "epilogue",
+    "Compressor": "module", "Epilogue": "epilogue", "YaRN": "epilogue",
+    "apply_epilogue": "epilogue",
     "backward_workspace_shape": "kernels", "pool_backward": "kernels",
     "pool_forward": "kernels", "precompile": "kernels",
     "compress_thd_fused": "ops", "compress_thd_fused_packed": "ops", "compress_grouped": "grouped",
