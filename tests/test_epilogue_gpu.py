@@ -13,6 +13,32 @@ from csa_compressor.epilogue import (Epilogue, apply_epilogue, eager_epilogue, g
 pytestmark = pytest.mark.gpu
 
 
+def node_and_composition(x, w, g, pos, ep):
+    """(out, grad of the rows, grad of the weight) of the node and of the composition."""
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    return res
+
+
+def assert_same(res):
+    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
+        assert torch.equal(a, b), name
+
+
+def record_launches(monkeypatch):
+    """The row kernel's launches from here on: (backward, with the norm's math) each."""
+    from csa_compressor.kernels import epilogue_rows
+
+    launched, run = [], epilogue_rows.run
+    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
+        (bwd, k.get("norm_eps") is not None)) or run(bwd, *a, **k))
+    return launched
+
+
 @pytest.mark.parametrize("layout", ["thd", "grouped", "sbhd"])
 @pytest.mark.parametrize("d,rope_dim,interleaved,rotate,dtype", [
     (128, 64, True, True, torch.bfloat16), (512, 64, True, False, torch.bfloat16),
@@ -45,19 +71,11 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
                   rotate=rotate)
     from csa_compressor.kernels import epilogue_rows
 
-    launched, run = [], epilogue_rows.run
-    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
-        (bwd, k.get("norm_eps") is not None)) or run(bwd, *a, **k))
-    res = []
-    for fn in (apply_epilogue, eager_epilogue):
-        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = fn(xi, wi, pos, ep)
-        out.backward(g)
-        res.append((out.detach(), xi.grad, wi.grad))
+    launched = record_launches(monkeypatch)
+    res = node_and_composition(x, w, g, pos, ep)
     covered = epilogue_rows.supported(dtype, d, rope_dim, interleaved, rotate)
     assert launched == ([(False, True), (True, True)] if covered else []), launched
-    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
-        assert torch.equal(a, b), name
+    assert_same(res)
 
 
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33])
@@ -72,20 +90,10 @@ def test_few_rows_take_torch_statistics_and_match(monkeypatch, n, d, rotate):
     g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
     pos = torch.arange(n, device=dev) * 4
     ep = Epilogue(rope_dim=64, rotate=rotate, eps=1e-5)
-    from csa_compressor.kernels import epilogue_rows
-
-    launched, run = [], epilogue_rows.run
-    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
-        k.get("norm_eps") is not None) or run(bwd, *a, **k))
-    res = []
-    for fn in (apply_epilogue, eager_epilogue):
-        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = fn(xi, wi, pos, ep)
-        out.backward(g)
-        res.append((out.detach(), xi.grad, wi.grad))
-    assert launched == [n >= 16] * 2
-    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
-        assert torch.equal(a, b), name
+    launched = record_launches(monkeypatch)
+    res = node_and_composition(x, w, g, pos, ep)
+    assert launched == [(False, n >= 16), (True, n >= 16)]
+    assert_same(res)
 
 
 def test_the_module_step_with_the_epilogue_node_captures():
@@ -152,15 +160,9 @@ def test_a_row_sum_order_unlike_torchs_is_caught(monkeypatch):
     g = torch.randn(4096, 512, device=dev, generator=gen).bfloat16()
     pos = torch.arange(4096, device=dev) * 4
     ep = Epilogue(rope_dim=64)
-    res = []
-    for fn in (apply_epilogue, eager_epilogue):
-        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = fn(xi, wi, pos, ep)
-        out.backward(g)
-        res.append((out.detach(), xi.grad, wi.grad))
+    res = node_and_composition(x, w, g, pos, ep)
     assert list(epilogue._ROWSUM_AGREES.values()) == [False]
-    for name, a, b in zip(("out", "grad pooled", "grad norm_weight"), *res):
-        assert torch.equal(a, b), name
+    assert_same(res)
 
 
 @pytest.mark.parametrize("d,rotate", [(128, True), (512, False)])

@@ -10,7 +10,7 @@ from torch import nn
 
 from . import reference
 from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, eager_epilogue,  # noqa: F401
-                       hadamard, rope_inv_freq, rope_positions)
+                       hadamard, rope_inv_freq, rope_positions, sbhd_positions)
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
@@ -174,7 +174,7 @@ class Compressor(nn.Module):
                 return None
             pooled = self.pool_sbhd(x)  # (n, B, head_dim)
             n = pooled.shape[0]
-            pos = (torch.arange(n, device=x.device) * self.ratio).repeat_interleave(B)
+            pos = sbhd_positions(n, B, self.ratio, device=x.device)
             return self._finish(pooled.reshape(n * B, -1), pos).view(n, B, -1)
         if x.dim() == 3:
             if x.shape[1] != 1:
