@@ -29,9 +29,15 @@ def assert_same(res):
         assert torch.equal(a, b), name
 
 
-def record_launches(monkeypatch):
-    """The row kernel's launches from here on: (backward, with the norm's math) each."""
+def record_launches(monkeypatch, x, w, ep):
+    """The row kernel's launches from here on: (backward, with the norm's math) each. The
+    geometry's once-only order check runs first (its probe launch is not a step's), and
+    where the kernel takes the norm it must have found torch's order."""
+    from csa_compressor import epilogue
     from csa_compressor.kernels import epilogue_rows
+
+    if epilogue._rows_kernel(x, w, ep) and x.shape[0] >= epilogue.ROWSUM_MIN_ROWS:
+        assert epilogue._norm_in_kernel(x, w, ep), "the kernel's row sums are not torch's"
 
     launched, run = [], epilogue_rows.run
     monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
@@ -46,6 +52,8 @@ def record_launches(monkeypatch):
     (256, 0, True, True, torch.bfloat16), (64, 32, True, False, torch.float32),
     (256, 0, True, True, torch.float16),
     (192, 0, True, False, torch.bfloat16),  # torch's row sum: 48 vectors, lanes unequal
+    (160, 0, True, False, torch.bfloat16),  # 40 vectors: 8 lanes with two
+    (96, 0, True, False, torch.bfloat16),  # single values, three a lane
     (32, 0, True, True, torch.float32),  # one channel a lane, no rotary table
     (96, 32, True, False, torch.bfloat16),  # a geometry the kernel does not cover: torch ops
 ])
@@ -71,7 +79,7 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
                   rotate=rotate)
     from csa_compressor.kernels import epilogue_rows
 
-    launched = record_launches(monkeypatch)
+    launched = record_launches(monkeypatch, x, w, ep)
     res = node_and_composition(x, w, g, pos, ep)
     covered = epilogue_rows.supported(dtype, d, rope_dim, interleaved, rotate)
     assert launched == ([(False, True), (True, True)] if covered else []), launched
@@ -90,7 +98,7 @@ def test_few_rows_take_torch_statistics_and_match(monkeypatch, n, d, rotate):
     g = torch.randn(n, d, device=dev, generator=gen).bfloat16()
     pos = torch.arange(n, device=dev) * 4
     ep = Epilogue(rope_dim=64, rotate=rotate, eps=1e-5)
-    launched = record_launches(monkeypatch)
+    launched = record_launches(monkeypatch, x, w, ep)
     res = node_and_composition(x, w, g, pos, ep)
     assert launched == [(False, n >= 16), (True, n >= 16)]
     assert_same(res)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .softmax_order import ROWSUM_MIN_ROWS, torch_rowsum_vec
+from .softmax_order import ROWSUM_MIN_ROWS
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -198,13 +198,12 @@ _ROWSUM_AGREES: dict = {}
 
 def _norm_in_kernel(x_in, weight, ep) -> bool:
     """Whether the row kernel also computes the norm's statistics and backward: rows enough
-    that torch's reduce gives a row one warp, a head_dim whose order is known, and that
-    order found to be this torch's. Checked once a geometry on a probe of 64 random rows
+    that torch's reduce gives a row one warp, and the kernel's order found to be this torch's. Checked once a geometry on a probe of 64 random rows
     (the same compiled kernel against torch's ops, bit for bit): another torch version
     may reduce in another order, and then the statistics stay torch's. While a CUDA graph
     captures, an unchecked geometry takes torch's statistics."""
     d = x_in.shape[1]
-    if x_in.shape[0] < ROWSUM_MIN_ROWS or torch_rowsum_vec(d) is None:
+    if x_in.shape[0] < ROWSUM_MIN_ROWS:
         return False
     key = (x_in.device, x_in.dtype, d, ep)
     agrees = _ROWSUM_AGREES.get(key)

@@ -132,12 +132,10 @@ ROWSUM_VEC = 4
 ROWSUM_WARP_OFFSETS = (16, 8, 4, 2, 1)  # the warp's shfl_down combine
 
 
-def torch_rowsum_vec(head_dim: int):
+def torch_rowsum_vec(head_dim: int) -> int:
     """How torch's reduce reads a row of ``head_dim`` fp32 values: 1 (lane t takes values
-    t, t + 32, ..., its j-th into accumulator j % 4) or ROWSUM_VEC (lane t takes vectors
-    t, t + 32, ..., element i into accumulator i); None where not measured (between 64
-    and 128). The accumulators then meet in order and the lanes in ROWSUM_WARP_OFFSETS;
-    the mean is that sum times fl(N) / fl(N * d)."""
-    if head_dim >= 128:
-        return ROWSUM_VEC
-    return 1 if head_dim <= 64 else None
+    t, t + 32, ..., its j-th into accumulator j % 4) below 128, ROWSUM_VEC from 128 (lane
+    t takes vectors t, t + 32, ..., element i into accumulator i). The accumulators then
+    meet in order and the lanes in ROWSUM_WARP_OFFSETS; the mean is that sum times
+    fl(N) / fl(N * d)."""
+    return ROWSUM_VEC if head_dim >= 128 else 1
