@@ -1,0 +1,62 @@
+"""Where the Compressor module's training step spends its GPU time: torch.profiler's
+kernels over a few steps (forward + backward, THD at static capacity, hidden 4096, bf16,
+3x8192 tokens), grouped by kernel name, with each group's launches and µs a step. The
+bench (`python -m csa_compressor bench --module`) times the step; this says what is in it.
+
+    python tools/module_profile.py [d512r4 | d128r4rot | d512r128 ...]
+"""
+import sys
+from collections import defaultdict
+
+import torch
+
+CONFIGS = {"d512r4": (512, 4, False), "d128r4rot": (128, 4, True), "d512r128": (512, 128, False)}
+
+
+def main(argv):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from csa_compressor import Compressor
+
+    dev = torch.device("cuda")
+    lens, hidden, steps = (8192, 8192, 8192), 4096, 5
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    x = torch.randn(sum(lens), hidden, device=dev).bfloat16().requires_grad_(True)
+    for name in argv or list(CONFIGS):
+        d, ratio, rotate = CONFIGS[name]
+        torch.manual_seed(0)
+        m = Compressor(hidden, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev,
+                       pooling="fused")
+        params = [x, *m.parameters()]
+        out, _ = m(x, cu, max_seqlen=max(lens))
+        g = torch.randn_like(out)
+
+        def step():
+            o, _ = m(x, cu, max_seqlen=max(lens))
+            torch.autograd.grad(o, params, g)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        groups = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                k = e.name if len(e.name) < 90 else e.name[:87] + "..."
+                groups[k][0] += 1
+                groups[k][1] += e.self_device_time_total
+        total = sum(v[1] for v in groups.values()) / steps
+        launches = sum(v[0] for v in groups.values()) / steps
+        print(f"\n{name}: {total:.0f} µs a step in {launches:.0f} kernels ({torch.cuda.get_device_name()}, "
+              f"torch {torch.__version__})")
+        print("| kernel | launches a step | µs a step |\n|---|---|---|")
+        for k, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+            print(f"| `{k}` | {n / steps:g} | {us / steps:.1f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
