@@ -19,21 +19,35 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
+from csa_compressor.kernels import rope_angles as ra  # noqa: E402
 from csa_compressor.kernels.compile import _compile  # noqa: E402
 from csa_compressor.kernels.plan import cutlass_dtype  # noqa: E402
 
 _orig = cute.compile
 cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas-options=-v", **k)
 
-for spec in sys.argv[1:]:  # dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]
+
+def build(spec):
+    """The kernel and its arguments: ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]``
+    (epilogue_rows), ``positions`` or ``angles:pairs`` (rope_angles)."""
+    if spec == "positions":
+        return ra.RopePositions(), ra.compile_args("positions")
+    if spec.startswith("angles:"):
+        pairs = int(spec.split(":")[1])
+        return ra.RopeAngles(pairs), ra.compile_args("angles", pairs)
     dt, d, R, inter, rot, bwd, *norm = spec.split(":")
     dtype, d, R = getattr(torch, dt), int(d), int(R)
     inter, rot, bwd = (v == "1" for v in (inter, rot, bwd))
     norm = bool(norm) and norm[0] == "1"
+    return (er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd, norm),
+            er.compile_args(dtype, d, R, inter, bwd, norm))
+
+
+for spec in sys.argv[1:]:
+    kernel, args = build(spec)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        _compile(er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd, norm),
-                 *er.compile_args(dtype, d, R, inter, bwd, norm))
+        _compile(kernel, *args)
     log = buf.getvalue()
     print(json.dumps({"spec": spec, "regs": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
                       "spills": [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)],

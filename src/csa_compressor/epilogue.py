@@ -78,7 +78,7 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     at integer positions ``pos`` (one per row)."""
     if rope_dim == 0:
         return x
-    cos, sin = _cos_sin(pos, rope_inv_freq(rope_dim, theta, yarn, device=x.device))
+    cos, sin = _torch_cos_sin(pos, rope_inv_freq(rope_dim, theta, yarn, device=x.device))
     return _rotate(x, cos, sin, rope_dim, interleaved, 1)
 
 
@@ -88,15 +88,36 @@ def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
     past the true count (capacity padding) continue the last segment, held to the last
     entry of the ``max_seqlen // ratio``-row table where ``max_seqlen`` is given: where
     Megatron-LM's THD rotary embedding puts them. No host sync."""
+    cap = None if max_seqlen is None else max(max_seqlen // ratio - 1, 0)
+    if _device_kernels(cu_seqlens_comp) and cu_seqlens_comp.dtype == torch.int32 \
+            and cu_seqlens_comp.dim() == 1 and cu_seqlens_comp.is_contiguous():
+        from .kernels import rope_angles
+
+        return rope_angles.positions(cu_seqlens_comp, total_comp, ratio, cap)
+    return _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap)
+
+
+def _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap):
     cuc = cu_seqlens_comp.to(torch.int64)
     rows = torch.arange(total_comp, device=cuc.device, dtype=torch.int64)
     # The whole offsets tensor, not a slice of it: inductor cannot lower searchsorted over
     # a slice view. Rows past the last offset clamp into the last segment.
     seg = (torch.searchsorted(cuc, rows, right=True) - 1).clamp(0, max(cuc.numel() - 2, 0))
     block = rows - cuc[seg]
-    if max_seqlen is not None:
-        block = block.clamp_max(max(max_seqlen // ratio - 1, 0))
+    if cap is not None:
+        block = block.clamp_max(cap)
     return block * ratio
+
+
+def _device_kernels(t: torch.Tensor) -> bool:
+    """Whether the small rotary kernels (kernels.rope_angles) can stand in for torch ops
+    on ``t``'s device: CUDA, outside torch.compile (which fuses the ops itself), the DSL
+    there."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    from .kernels.compile import dsl_import_error
+
+    return dsl_import_error() is None
 
 
 def grouped_positions(group_ids: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -147,6 +168,17 @@ def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor |
 
 
 def _cos_sin(positions, inv_freq):
+    if (_device_kernels(positions) and positions.dtype == torch.int64 and positions.dim() == 1
+            and positions.is_contiguous() and inv_freq.dtype == torch.float64
+            and inv_freq.is_contiguous() and inv_freq.device == positions.device):
+        from .kernels import rope_angles
+
+        ang = rope_angles.angles(positions, inv_freq)
+        return torch.cos(ang), torch.sin(ang)
+    return _torch_cos_sin(positions, inv_freq)
+
+
+def _torch_cos_sin(positions, inv_freq):
     ang = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)
     return torch.cos(ang), torch.sin(ang)
 

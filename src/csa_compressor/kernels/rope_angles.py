@@ -1,0 +1,114 @@
+"""The rotary embedding's inputs on the device, one launch each where torch ops take a
+dozen small kernels a step (epilogue.rope_positions, epilogue.rope_cos_sin):
+
+- ``RopePositions``: THD row positions ``min(row - cuc[seg], cap) * ratio``, ``seg`` the
+  row's segment (the last segment starting at or before the row, clamped to the last
+  segment: capacity padding rows continue it), the same integers torch's searchsorted
+  composition gives;
+- ``RopeAngles``: the fp32 angles ``fl32(fl64(position) * inv_freq)``, one IEEE product
+  and one rounding each, bitwise torch's ``positions.double()[:, None] * inv_freq``
+  then ``.float()`` (cos and sin stay torch's).
+
+One thread a row (positions) or an angle; no shared memory.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Float64, Int32, Int64
+
+from .segments import find_segment
+
+THREADS = 256
+
+
+class RopePositions:
+    @cute.jit
+    def __call__(self, mCuc: cute.Tensor, mPos: cute.Tensor, cap: Int64, ratio: Int32, stream):
+        n = mPos.shape[0]
+        self.kernel(mCuc, mPos, cap, ratio, n).launch(
+            grid=[(n + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mCuc: cute.Tensor, mPos: cute.Tensor, cap: Int64, ratio: Int32, n: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        row = bx * THREADS + tid
+        if row < n:
+            segs = mCuc.shape[0] - 1
+            # in [0, max(segs - 1, 0)] whatever the offsets hold: the load stays in bounds
+            seg = cutlass.min(find_segment(mCuc, row, segs), cutlass.max(segs - 1, Int32(0)))
+            block = Int64(row) - Int64(mCuc[seg])
+            mPos[row] = cutlass.min(block, cap) * Int64(ratio)
+
+
+class RopeAngles:
+    def __init__(self, pairs: int):
+        self.pairs = pairs
+
+    @cute.jit
+    def __call__(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor, stream):
+        total = mPos.shape[0] * self.pairs
+        self.kernel(mPos, mInv, mAng, total).launch(
+            grid=[(total + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor, total: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        i = bx * THREADS + tid
+        if i < total:
+            row = i // self.pairs
+            j = i - row * self.pairs
+            ang = Float64(mPos[row]) * mInv[j]
+            mAng[row, j] = ang.to(Float32)
+
+
+def compile_args(kind: str, pairs: int = 0) -> tuple:
+    """Symbolic arguments: row and segment counts stay symbolic (one compile, or one a
+    rotary width)."""
+    from .plan import _fake
+
+    N, B1 = cute.sym_int32(), cute.sym_int32()
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if kind == "positions":
+        return (_fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int64, (N,), 8), Int64(0),
+                Int32(1), stream)
+    return (_fake(cutlass.Int64, (N,), 8), _fake(cutlass.Float64, (pairs,), 8),
+            _fake(cutlass.Float32, (N, pairs), 4), stream)
+
+
+_COMPILED: dict = {}
+NO_CAP = (1 << 62)  # positions uncapped: larger than any block index
+
+
+def _get(kind: str, pairs: int, device):
+    key = (kind, pairs, device.index)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from .compile import _compile, _direct
+
+        kernel = RopePositions() if kind == "positions" else RopeAngles(pairs)
+        owner = _compile(kernel, *compile_args(kind, pairs))
+        fn = _COMPILED[key] = (_direct(owner), owner)
+    return fn[0]
+
+
+def positions(cuc, total: int, ratio: int, cap: int | None):
+    """``(total,)`` int64 positions of the THD rows over the int32 row offsets ``cuc``."""
+    import torch
+
+    out = torch.empty(total, dtype=torch.int64, device=cuc.device)
+    if total:
+        _get("positions", 0, cuc.device)(cuc, out, NO_CAP if cap is None else cap, ratio)
+    return out
+
+
+def angles(pos, inv_freq):
+    """``(N, pairs)`` fp32 angles of int64 ``pos`` ``(N,)`` and fp64 ``inv_freq``."""
+    import torch
+
+    pairs = inv_freq.shape[0]
+    out = torch.empty((pos.shape[0], pairs), dtype=torch.float32, device=pos.device)
+    if out.numel():
+        _get("angles", pairs, pos.device)(pos, inv_freq, out)
+    return out
