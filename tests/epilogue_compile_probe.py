@@ -19,6 +19,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
+from csa_compressor.kernels import offsets as off  # noqa: E402
 from csa_compressor.kernels import rope_angles as ra  # noqa: E402
 from csa_compressor.kernels.compile import _compile  # noqa: E402
 from csa_compressor.kernels.plan import cutlass_dtype  # noqa: E402
@@ -29,7 +30,9 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 
 def build(spec):
     """The kernel and its arguments: ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]``
-    (epilogue_rows), ``positions`` or ``angles:pairs`` (rope_angles)."""
+    (epilogue_rows), ``positions`` or ``angles:pairs`` (rope_angles), ``offsets:ratio``."""
+    if spec.startswith("offsets:"):
+        return off.CompressedOffsets(int(spec.split(":")[1])), off.compile_args()
     if spec == "positions":
         return ra.RopePositions(), ra.compile_args("positions")
     if spec.startswith("angles:"):

@@ -45,6 +45,16 @@ def _kill_switch_reason():
     return None
 
 
+def small_kernels_usable(t: torch.Tensor) -> bool:
+    """Whether the small kernels beside the pooling (the epilogue's rows, the compressed
+    offsets, the rotary positions and angles: each the same integers and bits as the torch
+    ops it stands in for) run on ``t``'s device: a device the pooling kernels run on, the
+    kill switch not set, outside torch.compile (which fuses those ops itself)."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    return _device_reason(t.device) is None and _kill_switch_reason() is None
+
+
 def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
                  packed=False, sbhd=False):
     """(reason or None, the validated problem where there is no reason). ``packed``: ``kv``

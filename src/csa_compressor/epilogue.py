@@ -89,12 +89,18 @@ def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
     entry of the ``max_seqlen // ratio``-row table where ``max_seqlen`` is given: where
     Megatron-LM's THD rotary embedding puts them. No host sync."""
     cap = None if max_seqlen is None else max(max_seqlen // ratio - 1, 0)
-    if _device_kernels(cu_seqlens_comp) and cu_seqlens_comp.dtype == torch.int32 \
+    if _small_kernels(cu_seqlens_comp) and cu_seqlens_comp.dtype == torch.int32 \
             and cu_seqlens_comp.dim() == 1 and cu_seqlens_comp.is_contiguous():
         from .kernels import rope_angles
 
         return rope_angles.positions(cu_seqlens_comp, total_comp, ratio, cap)
     return _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap)
+
+
+def _small_kernels(t: torch.Tensor) -> bool:
+    from .dispatch import small_kernels_usable
+
+    return small_kernels_usable(t)
 
 
 def _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap):
@@ -107,17 +113,6 @@ def _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap):
     if cap is not None:
         block = block.clamp_max(cap)
     return block * ratio
-
-
-def _device_kernels(t: torch.Tensor) -> bool:
-    """Whether the small rotary kernels (kernels.rope_angles) can stand in for torch ops
-    on ``t``'s device: CUDA, outside torch.compile (which fuses the ops itself), the DSL
-    there."""
-    if not t.is_cuda or torch.compiler.is_compiling():
-        return False
-    from .kernels.compile import dsl_import_error
-
-    return dsl_import_error() is None
 
 
 def grouped_positions(group_ids: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -168,7 +163,7 @@ def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor |
 
 
 def _cos_sin(positions, inv_freq):
-    if (_device_kernels(positions) and positions.dtype == torch.int64 and positions.dim() == 1
+    if (_small_kernels(positions) and positions.dtype == torch.int64 and positions.dim() == 1
             and positions.is_contiguous() and inv_freq.dtype == torch.float64
             and inv_freq.is_contiguous() and inv_freq.device == positions.device):
         from .kernels import rope_angles
@@ -212,16 +207,14 @@ def _butterfly_back(g: torch.Tensor) -> torch.Tensor:
 
 def _rows_kernel(x_in, weight, ep) -> bool:
     """Whether the row-wise ops run as kernels.epilogue_rows (one launch a direction, the
-    same ops): CUDA rows and weight of one dtype, a geometry it covers, outside
-    torch.compile (which fuses the torch ops itself)."""
-    if not (x_in.is_cuda and weight.dtype == x_in.dtype and x_in.dim() == 2) \
-            or torch.compiler.is_compiling():
+    same ops): rows and weight of one dtype, a geometry it covers, where the small kernels
+    run (dispatch.small_kernels_usable)."""
+    if not (x_in.is_cuda and weight.dtype == x_in.dtype and x_in.dim() == 2):
         return False
-    from .kernels.compile import dsl_import_error
     from .kernels.epilogue_rows import supported
 
     return (supported(x_in.dtype, x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
-            and dsl_import_error() is None)
+            and _small_kernels(x_in))
 
 
 # (device, dtype, head_dim, Epilogue) -> whether the kernel's statistics were torch's

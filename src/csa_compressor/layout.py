@@ -20,6 +20,17 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
         raise TypeError(f"cu_seqlens: expected int32 (or int64) offsets, got {cu_seqlens.dtype}")
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"ratio: expected an int >= 1, got {ratio!r}")
+    if cu_seqlens.dtype == torch.int32 and cu_seqlens.is_cuda and cu_seqlens.is_contiguous():
+        from .dispatch import small_kernels_usable
+
+        if small_kernels_usable(cu_seqlens):
+            from .kernels.offsets import compressed_offsets
+
+            return compressed_offsets(cu_seqlens, ratio)
+    return _torch_compressed_cu_seqlens(cu_seqlens, ratio)
+
+
+def _torch_compressed_cu_seqlens(cu_seqlens, ratio):
     cu = cu_seqlens.to(torch.int64)
     blocks = torch.div(cu[1:] - cu[:-1], ratio, rounding_mode="floor")
     out = torch.zeros_like(cu)
