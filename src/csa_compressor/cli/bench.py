@@ -62,6 +62,15 @@ def _median(xs):
 
 def time_graph(step, n_sets: int, replays: int = 15) -> float:
     """µs per call: CALLS_PER_GRAPH calls in one graph, rotating over n_sets inputs."""
+    graph = capture_graph(step, n_sets)
+    us = time_graphs_interleaved({"step": graph}, replays)["step"]
+    del graph
+    return us
+
+
+def capture_graph(step, n_sets: int):
+    """A CUDA graph of CALLS_PER_GRAPH calls of ``step`` rotating over n_sets inputs (each
+    input set run once beforehand, on a side stream), replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -74,16 +83,23 @@ def time_graph(step, n_sets: int, replays: int = 15) -> float:
             step(i % n_sets)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return _median(times)
+    return graph
+
+
+def time_graphs_interleaved(graphs: dict, rounds: int = 15) -> dict:
+    """µs per call of each captured graph, the graphs replayed in turn every round (their
+    medians over the rounds), so clock drift during a run reaches every one alike: the
+    ratios between them are what the run measures best."""
+    times = {k: [] for k in graphs}
+    for _ in range(rounds):
+        for k, graph in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b) * 1e3 / CALLS_PER_GRAPH)
+    return {k: _median(v) for k, v in times.items()}
 
 
 def wall_clock(call, reps: int = 30) -> float:

@@ -2,7 +2,8 @@
 
 The ``Compressor`` module forward + backward (THD, static capacity, hidden 4096, bf16) at
 3x8192 tokens in three configurations, each timed as the op bench times (CUDA graphs of
-calls over inputs rotated past the L2): the module with one projection GEMM into
+calls over inputs rotated past the L2; the variants' graphs replayed in turn, round after
+round, so the ratios pair their times): the module with one projection GEMM into
 ``[kv | score]`` (the packed op) and with two (the plain op on two projections, the
 layout before) and, as the module was before its epilogue node, two projections with the
 epilogue as eager torch ops; the projection GEMMs alone (forward and input + weight
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .bench import CALLS_PER_GRAPH, input_sets, time_graph
+from .bench import CALLS_PER_GRAPH, capture_graph, input_sets, time_graphs_interleaved
 
 HIDDEN = 4096
 # (name, head_dim, ratio, rotate)
@@ -98,6 +99,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
             return torch.autograd.grad(out, [kvs_in[i], m.ape, m.norm_weight], g)
 
         row = {"config": name, "tokens": T, "hidden": HIDDEN}
+        graphs = {}
         for key, step, one, node in (("gemms", gemm_step, None, True),
                                      ("one_projection", module_step, True, True),
                                      ("two_projections", module_step, False, True),
@@ -107,16 +109,20 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
             progress(f"{name} {key} ...")
             if one is not None:
                 m.one_projection = one
-            m.fused_epilogue = node
+            m.fused_epilogue = node  # read while the graph captures
             try:
                 step(0)  # warm-up
                 torch.cuda.synchronize()
                 row[f"{key}_loop_us"] = steps_us(lambda: step(0))
                 row[f"{key}_launches"] = profile_steps(lambda: step(0), 1)[1]
-                row[f"{key}_us"] = time_graph(step, n_sets)
+                graphs[key] = capture_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         m.one_projection, m.fused_epilogue = True, True
+        # every variant timed in the same rounds: the step / GEMMs ratio is a paired one
+        for key, us in time_graphs_interleaved(graphs).items():
+            row[f"{key}_us"] = us
+        del graphs
         progress(str(row))
         rows.append(row)
     return rows

@@ -177,6 +177,35 @@ def _direct(fn):
     return raw if raw is not None else fn
 
 
+@dataclass(frozen=True)
+class SmallSpec:
+    """What specialises one of the small kernels beside the pooling (epilogue_rows,
+    rope_angles, offsets): the fields disk_cache keys its entries on, ``direction``
+    naming the kernel and its flags."""
+
+    direction: str
+    dtype: object = None
+    ratio: int = 0
+    coff: int = 0
+    head_dim: int = 0
+    tuning: object = None
+    row_stride: int = 0
+    batch: int = 0
+
+
+def compile_small(spec: SmallSpec, build) -> tuple:
+    """``(function, owner)`` of a small kernel: loaded from the disk cache where it is on
+    and holds it, else compiled from ``build()``'s ``(kernel, args)`` (and stored)."""
+
+    def compile_unit(_):
+        kernel, args = build()
+        owner = _compile(kernel, *args)
+        return _direct(owner), owner, None
+
+    fn, owner, _ = disk_cache.fetch(spec, hardware.target_arch(), None, compile_unit)
+    return fn, owner
+
+
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it

@@ -309,7 +309,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ROWSUM_MIN_ROWS rows, a head_dim whose torch row-sum order is known."""
     import torch
 
-    from .compile import _compile, _direct
+    from .compile import SmallSpec, compile_small
     from .plan import cutlass_dtype
 
     d = rows.shape[1]
@@ -317,11 +317,14 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     key = (rows.dtype, d, rope_dim, interleaved, rotate, backward, norm_eps, rows.device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate,
-                              backward, norm, 1e-6 if norm_eps is None else norm_eps)
-        owner = _compile(kernel, *compile_args(rows.dtype, d, rope_dim, interleaved, backward,
-                                               norm))
-        fn = _COMPILED[key] = (_direct(owner), owner)
+        eps = 1e-6 if norm_eps is None else norm_eps
+        spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
+                         f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
+                         dtype=str(rows.dtype), head_dim=d)
+        fn = _COMPILED[key] = compile_small(spec, lambda: (
+            EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate,
+                         backward, norm, eps),
+            compile_args(rows.dtype, d, rope_dim, interleaved, backward, norm)))
 
     def placeholder(shape, dtype):  # never read: one a device
         t = _PLACEHOLDER.get((shape, dtype, rows.device))

@@ -80,10 +80,10 @@ def compressed_offsets(cu, ratio: int):
     key = (cu.device.index, ratio)
     fn = _COMPILED.get(key)
     if fn is None:
-        from .compile import _compile, _direct
+        from .compile import SmallSpec, compile_small
 
-        owner = _compile(CompressedOffsets(ratio), *compile_args())
-        fn = _COMPILED[key] = (_direct(owner), owner)
+        fn = _COMPILED[key] = compile_small(SmallSpec("offsets", ratio=ratio),
+                                            lambda: (CompressedOffsets(ratio), compile_args()))
     out = torch.empty_like(cu)
     fn[0](cu, out)
     return out

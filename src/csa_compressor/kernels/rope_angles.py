@@ -85,11 +85,12 @@ def _get(kind: str, pairs: int, device):
     key = (kind, pairs, device.index)
     fn = _COMPILED.get(key)
     if fn is None:
-        from .compile import _compile, _direct
+        from .compile import SmallSpec, compile_small
 
-        kernel = RopePositions() if kind == "positions" else RopeAngles(pairs)
-        owner = _compile(kernel, *compile_args(kind, pairs))
-        fn = _COMPILED[key] = (_direct(owner), owner)
+        fn = _COMPILED[key] = compile_small(
+            SmallSpec("rope_" + kind, head_dim=pairs),
+            lambda: (RopePositions() if kind == "positions" else RopeAngles(pairs),
+                     compile_args(kind, pairs)))
     return fn[0]
 
 
