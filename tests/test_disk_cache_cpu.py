@@ -105,3 +105,53 @@ def test_a_failing_store_never_fails_the_call(tmp_path, monkeypatch, caplog):
         disk_cache.store(spec, "sm_90a", NoExport(), 64)
     assert "could not store an entry" in caplog.text
     assert os.listdir(tmp_path / "cache") == []  # the temporary entry is gone too
+
+
+SMALL_PROBE = """
+import json
+from csa_compressor.kernels import offsets, rope_angles
+from csa_compressor.kernels.compile import SmallSpec, compile_small
+from compile_counter import count_compiles
+compiled = count_compiles()
+for ratio in (4, 128):
+    compile_small(SmallSpec("offsets", ratio=ratio),
+                  lambda r=ratio: (offsets.CompressedOffsets(r), offsets.compile_args()))
+compile_small(SmallSpec("rope_angles", head_dim=32),
+              lambda: (rope_angles.RopeAngles(32), rope_angles.compile_args("angles", 32)))
+print(json.dumps({"compiled": len(compiled)}))
+"""
+
+
+@pytest.mark.compile
+def test_the_small_kernels_are_kept_too(tmp_path):
+    """The small kernels beside the pooling (compile.compile_small) take the same cache: one
+    entry a specialisation (the offsets' ratio, the angles' width), loaded by the next
+    process instead of compiled."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CSA_COMPRESSOR_CACHE_DIR=str(cache),
+               PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), HERE,
+                                           os.environ.get("PYTHONPATH", "")]))
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", SMALL_PROBE], env=env, capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1])["compiled"])
+    assert runs == [3, 0], runs
+    assert len(_entries(cache)[0]) == 3
+
+
+def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
+    from csa_compressor.kernels import disk_cache
+    from csa_compressor.kernels.compile import SmallSpec
+
+    specs = [SmallSpec("offsets", ratio=4), SmallSpec("offsets", ratio=128),
+             SmallSpec("rope_angles", head_dim=32), SmallSpec("rope_angles", head_dim=16),
+             SmallSpec("rope_positions"),
+             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-06", "torch.bfloat16", head_dim=128),
+             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-05", "torch.bfloat16", head_dim=128),
+             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-06", "torch.float16", head_dim=128)]
+    names = [disk_cache.entry_name(s, "sm_90a") for s in specs]
+    assert len(set(names)) == len(names)
+    assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_100a") != names[0]
+    assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_90a") == names[0]

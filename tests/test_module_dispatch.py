@@ -27,6 +27,27 @@ def test_reason_kill_switch(monkeypatch):
     assert "CSA_COMPRESSOR_FUSED=0" in C.fused_unavailable_reason(*args(), ratio=4, coff=2)
 
 
+def test_the_small_kernels_follow_the_pooling_rules(monkeypatch):
+    """dispatch.small_kernels_usable: a CUDA tensor on a device the pooling runs on, the
+    kill switch unset, outside torch.compile; CPU tensors never (even where a test has
+    passed over the device checks)."""
+    from types import SimpleNamespace
+
+    cuda_like = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.delenv("CSA_COMPRESSOR_FUSED", raising=False)
+    assert dispatch.small_kernels_usable(cuda_like)
+    assert not dispatch.small_kernels_usable(torch.zeros(2))
+    monkeypatch.setenv("CSA_COMPRESSOR_FUSED", "0")
+    assert not dispatch.small_kernels_usable(cuda_like)
+    monkeypatch.delenv("CSA_COMPRESSOR_FUSED")
+    monkeypatch.setattr(dispatch, "_device_reason", lambda device: "compute capability 8.0")
+    assert not dispatch.small_kernels_usable(cuda_like)
+    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not dispatch.small_kernels_usable(cuda_like)
+
+
 def test_reason_disabled_by_caller():
     assert "enabled=False" in C.fused_unavailable_reason(*args(), ratio=4, coff=2, enabled=False)
 
