@@ -26,3 +26,13 @@ def test_readme_gpu_example_runs(capsys):
     exec(compile(blocks[1], "README.md", "exec"), scope)  # noqa: S102
     assert scope["out"].is_cuda and scope["out"].shape == (26, 128)
     assert torch.isfinite(scope["kv"].grad).all() and scope["kv"].grad.is_cuda
+
+
+def test_readme_module_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+    scope = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(blocks[2], "README.md", "exec"), scope)  # noqa: S102
+    assert "torch.Size([25, 128]) [0, 9, 9, 24]" in capsys.readouterr().out
+    assert torch.isfinite(scope["x"].grad).all() and scope["x"].grad.abs().sum() > 0
+    assert all(p.grad is not None for p in scope["m"].parameters())
