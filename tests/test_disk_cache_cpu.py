@@ -155,3 +155,26 @@ def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
     assert len(set(names)) == len(names)
     assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_100a") != names[0]
     assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_90a") == names[0]
+
+
+def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch):
+    """compile.small_kernel: compiled once a (device, spec) and kept; while a CUDA graph
+    captures, a kernel not compiled yet is None (its caller runs the torch ops, the same
+    bits) and nothing is compiled."""
+    import torch
+
+    from csa_compressor.kernels import compile as cc
+
+    built = []
+    monkeypatch.setattr(cc, "_SMALL", {})
+    monkeypatch.setattr(cc, "compile_small", lambda spec, build: (built.append(spec) or
+                                                                  (f"fn {spec.direction}", None)))
+    dev = torch.device("cuda", 0)
+    spec = cc.SmallSpec("offsets", ratio=4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cc.small_kernel(spec, dev, None) is None and built == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert cc.small_kernel(spec, dev, None) == "fn offsets" and built == [spec]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cc.small_kernel(spec, dev, None) == "fn offsets" and built == [spec]  # kept
+    assert cc.small_kernel(cc.SmallSpec("offsets", ratio=128), dev, None) is None

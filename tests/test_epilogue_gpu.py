@@ -130,6 +130,40 @@ def test_the_module_step_with_the_epilogue_node_captures():
         assert torch.equal(a, b)
 
 
+def test_a_capture_before_the_small_kernels_compile_runs_their_torch_ops(monkeypatch):
+    """A CUDA graph captured when the pooling kernels are compiled but the small ones
+    beside them (offsets, rotary positions and angles, the epilogue's rows) are not: they
+    are not compiled inside the capture, their torch ops run instead, and the replayed
+    step is the eager one bit for bit."""
+    from csa_compressor.kernels import compile as kcompile
+
+    torch.manual_seed(0)
+    m = C.Compressor(512, 128, 4, rotate=True, device="cuda")
+    cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
+    x = torch.randn(1030, 512, device="cuda").bfloat16().requires_grad_(True)
+    g = torch.randn(257, 128, device="cuda").bfloat16()
+
+    def step():
+        out, _ = m(x, cu, max_seqlen=730)
+        return (out, *torch.autograd.grad(out, [x, *m.parameters()], g))
+
+    want = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    monkeypatch.setattr(kcompile, "_SMALL", {})  # the small kernels as if never compiled
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        got = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert kcompile._SMALL == {}
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d,ratio,rotate", [(128, 4, True), (512, 4, False), (512, 128, False)])
 def test_the_module_with_the_epilogue_node_is_the_module_with_torch_ops(d, ratio, rotate):
     """The module's step (fused pooling, then the epilogue kernels) against the same module
@@ -158,8 +192,11 @@ def test_a_row_sum_order_unlike_torchs_is_caught(monkeypatch):
     from csa_compressor import epilogue
     from csa_compressor.kernels import epilogue_rows
 
+    from csa_compressor.kernels import compile as kcompile, disk_cache
+
     monkeypatch.setattr(epilogue_rows, "ROWSUM_WARP_OFFSETS", (1, 2, 4, 8, 16))
-    monkeypatch.setattr(epilogue_rows, "_COMPILED", {})
+    monkeypatch.setattr(kcompile, "_SMALL", {})  # built afresh, not taken from a cache
+    monkeypatch.delenv(disk_cache.ENV, raising=False)
     monkeypatch.setattr(epilogue, "_ROWSUM_AGREES", {})
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)

@@ -93,7 +93,9 @@ def rope_positions(cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int,
             and cu_seqlens_comp.dim() == 1 and cu_seqlens_comp.is_contiguous():
         from .kernels import rope_angles
 
-        return rope_angles.positions(cu_seqlens_comp, total_comp, ratio, cap)
+        pos = rope_angles.positions(cu_seqlens_comp, total_comp, ratio, cap)
+        if pos is not None:
+            return pos
     return _torch_rope_positions(cu_seqlens_comp, total_comp, ratio, cap)
 
 
@@ -169,7 +171,8 @@ def _cos_sin(positions, inv_freq):
         from .kernels import rope_angles
 
         ang = rope_angles.angles(positions, inv_freq)
-        return torch.cos(ang), torch.sin(ang)
+        if ang is not None:
+            return torch.cos(ang), torch.sin(ang)
     return _torch_cos_sin(positions, inv_freq)
 
 
@@ -259,16 +262,19 @@ def _forward(x_in, weight, positions, inv_freq, ep):
     if _rows_kernel(x_in, weight, ep):
         from .kernels import epilogue_rows
 
-        x_in, weight = x_in.contiguous(), weight.contiguous()
-        norm = _norm_in_kernel(x_in, weight, ep)
+        xc, wc = x_in.contiguous(), weight.contiguous()
+        norm = _norm_in_kernel(xc, wc, ep)
         if norm:
-            r = torch.empty((x_in.shape[0], 1), dtype=torch.float32, device=x_in.device)
+            r = torch.empty((xc.shape[0], 1), dtype=torch.float32, device=xc.device)
         else:
-            r = _rsqrt_stat(x_in.float(), ep.eps)
-        out = epilogue_rows.run(False, x_in, r, weight, cos, sin, torch.empty_like(x_in),
+            r = _rsqrt_stat(xc.float(), ep.eps)
+        out = epilogue_rows.run(False, xc, r, wc, cos, sin, torch.empty_like(xc),
                                 ep.rope_dim, ep.rope_interleaved, ep.rotate,
                                 norm_eps=ep.eps if norm else None)
-        return out, r, cos, sin
+        if out is not None:
+            return out, r, cos, sin
+    # the composition's torch ops (also where the kernel is not compiled while a CUDA
+    # graph captures: the same bits)
     x = x_in.float()
     r = _rsqrt_stat(x, ep.eps)
     y = x * r * weight.float()
@@ -281,20 +287,22 @@ def _forward(x_in, weight, positions, inv_freq, ep):
 
 def _backward(g, x_in, weight, cos, sin, r, ep):
     """The node's backward: the gradients of the rows and of the norm weight."""
+    gy = None
     if _rows_kernel(x_in, weight, ep) and g.dtype == x_in.dtype:
         from .kernels import epilogue_rows
 
-        x_in, weight, g = x_in.contiguous(), weight.contiguous(), g.contiguous()
-        if _norm_in_kernel(x_in, weight, ep):
-            gx = torch.empty_like(x_in)
-            prod = torch.empty(x_in.shape, dtype=torch.float32, device=g.device)
-            epilogue_rows.run(True, g, r, weight, cos, sin, gx, ep.rope_dim,
-                              ep.rope_interleaved, ep.rotate, norm_eps=ep.eps, x=x_in, aux=prod)
-            return gx, prod.sum(0).to(weight.dtype)
-        gy = epilogue_rows.run(True, g, r, weight, cos, sin,
-                               torch.empty(g.shape, dtype=torch.float32, device=g.device),
-                               ep.rope_dim, ep.rope_interleaved, ep.rotate)
-    else:
+        xc, wc, gc = x_in.contiguous(), weight.contiguous(), g.contiguous()
+        if _norm_in_kernel(xc, wc, ep):
+            gx = torch.empty_like(xc)
+            prod = torch.empty(xc.shape, dtype=torch.float32, device=g.device)
+            if epilogue_rows.run(True, gc, r, wc, cos, sin, gx, ep.rope_dim, ep.rope_interleaved,
+                                 ep.rotate, norm_eps=ep.eps, x=xc, aux=prod) is not None:
+                return gx, prod.sum(0).to(weight.dtype)
+        else:
+            gy = epilogue_rows.run(True, gc, r, wc, cos, sin,
+                                   torch.empty(g.shape, dtype=torch.float32, device=g.device),
+                                   ep.rope_dim, ep.rope_interleaved, ep.rotate)
+    if gy is None:  # the torch ops (as in the forward: also for a kernel not compiled yet)
         gy = g.float()
         if ep.rotate:
             gy = _butterfly_back(gy)

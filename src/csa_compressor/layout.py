@@ -26,7 +26,9 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
         if small_kernels_usable(cu_seqlens):
             from .kernels.offsets import compressed_offsets
 
-            return compressed_offsets(cu_seqlens, ratio)
+            out = compressed_offsets(cu_seqlens, ratio)
+            if out is not None:  # None: not compiled while a CUDA graph captures
+                return out
     return _torch_compressed_cu_seqlens(cu_seqlens, ratio)
 
 

@@ -206,6 +206,26 @@ def compile_small(spec: SmallSpec, build) -> tuple:
     return fn, owner
 
 
+_SMALL: dict = {}
+
+
+def small_kernel(spec: SmallSpec, device: torch.device, build):
+    """The launchable function of a small kernel on ``device``, compiled (or loaded) on
+    first use; None where it is not compiled yet and the stream is capturing a CUDA graph:
+    the caller then runs the torch ops the kernel stands in for (the same bits), where the
+    pooling kernels would have to raise."""
+    key = (device.index, spec)
+    hit = _SMALL.get(key)
+    if hit is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        with _LOCK:
+            hit = _SMALL.get(key)
+            if hit is None:
+                hit = _SMALL[key] = compile_small(spec, build)
+    return hit[0]
+
+
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it

@@ -294,13 +294,13 @@ def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backwar
             stream)
 
 
-_COMPILED: dict = {}
 _PLACEHOLDER: dict = {}
 
 
 def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleaved: bool,
         rotate: bool, norm_eps: float | None = None, x=None, aux=None):
-    """One launch on the current stream (compiled on first use of the geometry): rows
+    """One launch on the current stream (compiled on first use of the geometry; None,
+    nothing launched, where it is not compiled and a CUDA graph is capturing): rows
     ``(N, d)`` contiguous (the pooled rows, or the output's gradient), their statistics
     ``r`` ``(N, 1)`` fp32, the norm weight ``(d,)``, fp32 ``cos`` / ``sin``
     ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``.
@@ -309,22 +309,21 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ROWSUM_MIN_ROWS rows, a head_dim whose torch row-sum order is known."""
     import torch
 
-    from .compile import SmallSpec, compile_small
+    from .compile import SmallSpec, small_kernel
     from .plan import cutlass_dtype
 
     d = rows.shape[1]
     norm = norm_eps is not None
-    key = (rows.dtype, d, rope_dim, interleaved, rotate, backward, norm_eps, rows.device.index)
-    fn = _COMPILED.get(key)
+    eps = 1e-6 if norm_eps is None else norm_eps
+    spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
+                     f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
+                     dtype=str(rows.dtype), head_dim=d)
+    fn = small_kernel(spec, rows.device, lambda: (
+        EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate, backward,
+                     norm, eps),
+        compile_args(rows.dtype, d, rope_dim, interleaved, backward, norm)))
     if fn is None:
-        eps = 1e-6 if norm_eps is None else norm_eps
-        spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
-                         f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
-                         dtype=str(rows.dtype), head_dim=d)
-        fn = _COMPILED[key] = compile_small(spec, lambda: (
-            EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate,
-                         backward, norm, eps),
-            compile_args(rows.dtype, d, rope_dim, interleaved, backward, norm)))
+        return None
 
     def placeholder(shape, dtype):  # never read: one a device
         t = _PLACEHOLDER.get((shape, dtype, rows.device))
@@ -340,5 +339,5 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
         x = placeholder((1, d), rows.dtype)
     if aux is None:
         aux = placeholder((1, d), torch.float32)
-    fn[0](rows, x, r, weight, cos, sin, out, aux)
+    fn(rows, x, r, weight, cos, sin, out, aux)
     return out

@@ -70,20 +70,17 @@ def compile_args() -> tuple:
     return (_fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4), stream)
 
 
-_COMPILED: dict = {}
-
-
 def compressed_offsets(cu, ratio: int):
-    """``(B+1,)`` int32 compressed offsets of the int32 token offsets ``cu``."""
+    """``(B+1,)`` int32 compressed offsets of the int32 token offsets ``cu``, or None
+    where the kernel cannot be had now (compile.small_kernel)."""
     import torch
 
-    key = (cu.device.index, ratio)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        from .compile import SmallSpec, compile_small
+    from .compile import SmallSpec, small_kernel
 
-        fn = _COMPILED[key] = compile_small(SmallSpec("offsets", ratio=ratio),
-                                            lambda: (CompressedOffsets(ratio), compile_args()))
+    fn = small_kernel(SmallSpec("offsets", ratio=ratio), cu.device,
+                      lambda: (CompressedOffsets(ratio), compile_args()))
+    if fn is None:
+        return None
     out = torch.empty_like(cu)
-    fn[0](cu, out)
+    fn(cu, out)
     return out

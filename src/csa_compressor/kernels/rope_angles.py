@@ -77,39 +77,41 @@ def compile_args(kind: str, pairs: int = 0) -> tuple:
             _fake(cutlass.Float32, (N, pairs), 4), stream)
 
 
-_COMPILED: dict = {}
 NO_CAP = (1 << 62)  # positions uncapped: larger than any block index
 
 
 def _get(kind: str, pairs: int, device):
-    key = (kind, pairs, device.index)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        from .compile import SmallSpec, compile_small
+    from .compile import SmallSpec, small_kernel
 
-        fn = _COMPILED[key] = compile_small(
-            SmallSpec("rope_" + kind, head_dim=pairs),
-            lambda: (RopePositions() if kind == "positions" else RopeAngles(pairs),
-                     compile_args(kind, pairs)))
-    return fn[0]
+    return small_kernel(SmallSpec("rope_" + kind, head_dim=pairs), device,
+                        lambda: (RopePositions() if kind == "positions" else RopeAngles(pairs),
+                                 compile_args(kind, pairs)))
 
 
 def positions(cuc, total: int, ratio: int, cap: int | None):
-    """``(total,)`` int64 positions of the THD rows over the int32 row offsets ``cuc``."""
+    """``(total,)`` int64 positions of the THD rows over the int32 row offsets ``cuc``, or
+    None where the kernel cannot be had now (compile.small_kernel)."""
     import torch
 
+    fn = _get("positions", 0, cuc.device)
+    if fn is None:
+        return None
     out = torch.empty(total, dtype=torch.int64, device=cuc.device)
     if total:
-        _get("positions", 0, cuc.device)(cuc, out, NO_CAP if cap is None else cap, ratio)
+        fn(cuc, out, NO_CAP if cap is None else cap, ratio)
     return out
 
 
 def angles(pos, inv_freq):
-    """``(N, pairs)`` fp32 angles of int64 ``pos`` ``(N,)`` and fp64 ``inv_freq``."""
+    """``(N, pairs)`` fp32 angles of int64 ``pos`` ``(N,)`` and fp64 ``inv_freq``, or None
+    where the kernel cannot be had now."""
     import torch
 
     pairs = inv_freq.shape[0]
+    fn = _get("angles", pairs, pos.device)
+    if fn is None:
+        return None
     out = torch.empty((pos.shape[0], pairs), dtype=torch.float32, device=pos.device)
     if out.numel():
-        _get("angles", pairs, pos.device)(pos, inv_freq, out)
+        fn(pos, inv_freq, out)
     return out
