@@ -131,3 +131,25 @@ def test_the_module_with_the_eager_epilogue_is_bitwise_the_same():
         assert torch.equal(a, b)
     assert torch.equal(m._inv_freq[torch.device("cpu")],
                        rope_inv_freq(m.rope_dim, m.rope_theta, m.rope_yarn))
+
+
+@pytest.mark.parametrize("norm_in_kernel", [True, False])
+def test_a_row_kernel_that_cannot_run_now_gives_way_to_the_torch_ops(monkeypatch, norm_in_kernel):
+    """Where the row kernel is chosen but cannot be had (not compiled while a CUDA graph
+    captures: kernels.epilogue_rows.run returns None, nothing written), both directions
+    run the composition's torch ops instead: bitwise eager_epilogue still, the norm's
+    statistics included (the forward must not keep the unwritten ones)."""
+    from csa_compressor import epilogue
+    from csa_compressor.kernels import epilogue_rows
+
+    calls = []
+    monkeypatch.setattr(epilogue, "_rows_kernel", lambda *a: True)
+    monkeypatch.setattr(epilogue, "_norm_in_kernel", lambda *a: norm_in_kernel)
+    monkeypatch.setattr(epilogue_rows, "run", lambda backward, *a, **k: calls.append(backward))
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(40, 128, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(128, generator=gen)).bfloat16()
+    a, b = _both(x, w, _positions("thd", 40), Epilogue(rope_dim=64, rotate=True))
+    assert calls == [False, True]  # each direction asked the kernel first
+    for name, u, v in zip(("out", "grad rows", "grad weight"), a, b):
+        assert torch.equal(u, v), name
