@@ -21,6 +21,7 @@
 #   ddp                  examples/ddp_compressor.py under torchrun on two GPUs (NCCL,
 #                        NVLink multicast off)
 #   module_bench         python -m csa_compressor bench --module (the Compressor module's step)
+#   module_profile       tools/module_profile.py: that step's kernels by name (torch.profiler)
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
@@ -74,6 +75,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         module_bench) echo "python3 -m csa_compressor bench --module" ;;
+        module_profile) echo "python3 tools/module_profile.py" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
