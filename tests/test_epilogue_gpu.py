@@ -104,37 +104,12 @@ def test_few_rows_take_torch_statistics_and_match(monkeypatch, n, d, rotate):
     assert_same(res)
 
 
-def test_the_module_step_with_the_epilogue_node_captures():
-    torch.manual_seed(0)
-    m = C.Compressor(512, 128, 4, rotate=True, device="cuda")
-    cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
-    x = torch.randn(1030, 512, device="cuda").bfloat16().requires_grad_(True)
-    g = torch.randn(257, 128, device="cuda").bfloat16()
-
-    def step():
-        out, _ = m(x, cu, max_seqlen=730)
-        return torch.autograd.grad(out, [x, *m.parameters()], g)
-
-    want = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-        got = step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-
-
-def test_a_capture_before_the_small_kernels_compile_runs_their_torch_ops(monkeypatch):
-    """A CUDA graph captured when the pooling kernels are compiled but the small ones
-    beside them (offsets, rotary positions and angles, the epilogue's rows) are not: they
-    are not compiled inside the capture, their torch ops run instead, and the replayed
-    step is the eager one bit for bit."""
+@pytest.mark.parametrize("small_compiled", [True, False])
+def test_the_module_step_with_the_epilogue_node_captures(monkeypatch, small_compiled):
+    """The module's step captured in a CUDA graph, replayed bit for bit the eager step.
+    ``small_compiled`` False: the pooling kernels are compiled but the small ones beside
+    them (offsets, rotary positions and angles, the epilogue's rows) are not; they are not
+    compiled inside the capture, their torch ops run instead."""
     from csa_compressor.kernels import compile as kcompile
 
     torch.manual_seed(0)
@@ -152,14 +127,16 @@ def test_a_capture_before_the_small_kernels_compile_runs_their_torch_ops(monkeyp
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step()
-    monkeypatch.setattr(kcompile, "_SMALL", {})  # the small kernels as if never compiled
+    if not small_compiled:
+        monkeypatch.setattr(kcompile, "_SMALL", {})  # as if never compiled
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
         got = step()
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     torch.cuda.synchronize()
-    assert kcompile._SMALL == {}
+    if not small_compiled:
+        assert kcompile._SMALL == {}
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
