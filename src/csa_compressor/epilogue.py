@@ -226,10 +226,11 @@ _ROWSUM_AGREES: dict = {}
 
 def _norm_in_kernel(x_in, weight, ep) -> bool:
     """Whether the row kernel also computes the norm's statistics and backward: rows enough
-    that torch's reduce gives a row one warp, and the kernel's order found to be this torch's. Checked once a geometry on a probe of 64 random rows
-    (the same compiled kernel against torch's ops, bit for bit): another torch version
-    may reduce in another order, and then the statistics stay torch's. While a CUDA graph
-    captures, an unchecked geometry takes torch's statistics."""
+    that torch's reduce gives a row one warp, and the kernel's order found to be this
+    torch's. Checked once a geometry on a probe of 64 random rows (the same compiled
+    kernel against torch's ops, bit for bit): another torch version may reduce in another
+    order, and then the statistics stay torch's. While a CUDA graph captures, an
+    unchecked geometry takes torch's statistics."""
     d = x_in.shape[1]
     if x_in.shape[0] < ROWSUM_MIN_ROWS:
         return False

@@ -126,7 +126,7 @@ def ordered_sum(load, n: int, lanes: int, ahead: int, accumulators: int = 1):
 # epilogue's ``x.pow(2).mean(-1)`` and ``(g * x).sum(-1)``), for N >= ROWSUM_MIN_ROWS: one
 # warp a row. Measured bit for bit on the H200 against torch 2.11 over N 16-24576 and d
 # 32-1024 (tools/torch_rowsum_order_probe.py): rows of 128 values or more are read as
-# 4-wide vectors, rows of 64 or fewer one value at a time.
+# 4-wide vectors, shorter rows (96 included) one value at a time.
 ROWSUM_MIN_ROWS = 16  # fewer output rows give a row more than a warp
 ROWSUM_VEC = 4
 ROWSUM_WARP_OFFSETS = (16, 8, 4, 2, 1)  # the warp's shfl_down combine

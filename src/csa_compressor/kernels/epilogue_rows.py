@@ -306,7 +306,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``.
     ``norm_eps`` given: the norm's own math too (``r`` written by the forward; the
     backward reads the pooled rows ``x`` and writes ``aux``, fp32 ``(N, d)``), at least
-    ROWSUM_MIN_ROWS rows, a head_dim whose torch row-sum order is known."""
+    ROWSUM_MIN_ROWS rows."""
     import torch
 
     from .compile import SmallSpec, small_kernel
