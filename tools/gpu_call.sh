@@ -22,6 +22,8 @@
 #                        NVLink multicast off)
 #   module_bench         python -m csa_compressor bench --module (the Compressor module's step)
 #   module_profile       tools/module_profile.py: that step's kernels by name (torch.profiler)
+#   bench_order          tools/bench_order_probe.py: the module bench's graphs timed in
+#                        forward, reverse and sequential order, the SM clock of each
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
@@ -76,6 +78,7 @@ cmd_of() {
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         module_bench) echo "python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;
+        bench_order) echo "python3 tools/bench_order_probe.py" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;

@@ -86,20 +86,55 @@ def capture_graph(step, n_sets: int):
     return graph
 
 
-def time_graphs_interleaved(graphs: dict, rounds: int = 15) -> dict:
+def time_graphs_interleaved(graphs: dict, rounds: int = 16) -> dict:
     """µs per call of each captured graph, the graphs replayed in turn every round (their
     medians over the rounds), so clock drift during a run reaches every one alike: the
-    ratios between them are what the run measures best."""
+    ratios between them are what the run measures best. The order reverses every other
+    round, so no graph always follows the same one (under the power limit the clock a
+    graph gets depends on what ran just before it)."""
     times = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, graph in graphs.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b) * 1e3 / CALLS_PER_GRAPH)
+    keys = list(graphs)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            times[k].append(replay_us(graphs[k]))
     return {k: _median(v) for k, v in times.items()}
+
+
+def replay_us(graph, clocks: list | None = None) -> float:
+    """µs per call of one replay of ``graph``; with ``clocks``, the SM clock (MHz) read
+    while the replay runs is appended to it."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    if clocks is not None:
+        clocks.append(sm_clock_mhz())
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / CALLS_PER_GRAPH
+
+
+_NVML = []
+
+
+def sm_clock_mhz(index: int = 0):
+    """The GPU's current SM clock in MHz through NVML (ctypes, no Python package needed);
+    None where NVML is not there."""
+    import ctypes
+
+    if not _NVML:
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if lib.nvmlInit_v2() or lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)):
+                raise OSError("NVML init failed")
+            _NVML.append((lib, handle))
+        except OSError:
+            _NVML.append(None)
+    if _NVML[0] is None:
+        return None
+    lib, handle = _NVML[0]
+    mhz = ctypes.c_uint()
+    return mhz.value if lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) == 0 else None
 
 
 def wall_clock(call, reps: int = 30) -> float:

@@ -53,7 +53,8 @@ def profile_steps(step, n=3) -> tuple:
     return sum(e.self_device_time_total for e in evs) / n, len(evs) / n
 
 
-def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
+def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_graphs_interleaved):
+    """One row a config; ``timer`` maps the captured graphs to µs a step each."""
     from ..epilogue import rope_positions
     from ..layout import compressed_cu_seqlens
     from ..module import Compressor
@@ -120,7 +121,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print):
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         m.one_projection, m.fused_epilogue = True, True
         # every variant timed in the same rounds: the step / GEMMs ratio is a paired one
-        for key, us in time_graphs_interleaved(graphs).items():
+        for key, us in timer(graphs).items():
             row[f"{key}_us"] = us
         del graphs
         progress(str(row))
