@@ -120,7 +120,10 @@ def test_the_module_step_with_the_epilogue_node_captures(monkeypatch, small_comp
 
     def step():
         out, _ = m(x, cu, max_seqlen=730)
-        return (out, *torch.autograd.grad(out, [x, *m.parameters()], g))
+        grads = torch.autograd.grad(out, [x, *m.parameters()], g)
+        # detached: an output kept with its graph keeps the eager step's AccumulateGrad
+        # nodes (default stream) alive, and the captured backward would wait on that stream
+        return (out.detach(), *grads)
 
     want = step()
     side = torch.cuda.Stream()
