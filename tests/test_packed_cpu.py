@@ -124,3 +124,60 @@ def test_the_module_sbhd_path_projects_once_too():
     assert res[0][0].shape == (4, 3, 16)
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 64), (20, 7, 64)])
+def test_the_one_projection_reads_both_weights_in_place(dtype, shape):
+    """The module keeps wgate's weight right after wkv's in one buffer, and its projection
+    reads the pair as one matrix (no concatenation a step): output, input gradient and
+    both weight gradients (values and layouts) are the concatenation's."""
+    from torch import nn
+
+    from csa_compressor import module
+
+    torch.manual_seed(0)
+    m = Compressor(64, 32, 4, dtype=dtype)
+    wkv, wgate = m.wkv.weight, m.wgate.weight
+    assert module._adjacent(wkv, wgate)
+    assert wgate.data_ptr() == wkv.data_ptr() + wkv.numel() * wkv.element_size()
+    x = torch.randn(*shape).to(dtype).requires_grad_(True)
+    y = m.project(x)
+    assert y.grad_fn is not None and "JointLinear" in type(y.grad_fn).__name__
+    g = torch.randn_like(y)
+    got = (y.detach(), *torch.autograd.grad(y, [x, wkv, wgate], g))
+    x2, wk, wg = (t.detach().clone().requires_grad_(True) for t in (x, wkv, wgate))
+    y2 = nn.functional.linear(x2, torch.cat((wk, wg)))
+    want = (y2.detach(), *torch.autograd.grad(y2, [x2, wk, wg], g))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_the_weights_stay_joined_across_conversions_and_fall_back_when_not():
+    """.to() gives every parameter new storage: the module joins its two weights again (the
+    same Parameter objects). Weights that are not adjacent (a rebound one) take the
+    concatenation: the same step."""
+    import copy
+
+    from csa_compressor import module
+
+    torch.manual_seed(1)
+    m = Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32, pooling="reference")
+    params = list(m.parameters())
+    m.to(torch.float64)
+    assert [id(p) for p in m.parameters()] == [id(p) for p in params]
+    assert m.wkv.weight.dtype == torch.float64 and module._adjacent(m.wkv.weight, m.wgate.weight)
+    m.to(torch.float32)
+    other = copy.deepcopy(m)
+    other.wgate.weight = torch.nn.Parameter(other.wgate.weight.detach().clone())
+    assert not module._adjacent(other.wkv.weight, other.wgate.weight)
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)
+    x = torch.randn(100, 32)
+    res = []
+    for mod in (m, other):
+        xi = x.clone().requires_grad_(True)
+        out, _ = mod(xi, cu)
+        out.square().sum().backward()
+        res.append([out.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)

@@ -18,6 +18,43 @@ from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_cof
 POOLING = ("auto", "fused", "reference")
 
 
+def _adjacent(a, b) -> bool:
+    """Whether ``b`` starts where ``a`` ends in one storage, both 2-D row-major with one
+    width: ``[a; b]`` is then a view of that storage."""
+    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1] and a.dtype == b.dtype
+            and a.device == b.device and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel())
+
+
+class _JointLinear(torch.autograd.Function):
+    """``linear(x, cat((wa, wb)))`` where ``wb`` follows ``wa`` in memory: the GEMMs read the
+    two as one matrix in place (no concatenation copy). Its backward runs the products
+    autograd runs through ``linear`` (``g @ w``; ``g.t() @ x`` for the weight, in that
+    operand order), so the numbers and the gradients' layouts are the concatenation's."""
+
+    @staticmethod
+    def forward(ctx, x, wa, wb):
+        w = wa.as_strided((wa.shape[0] + wb.shape[0], wa.shape[1]), (wa.shape[1], 1),
+                          wa.storage_offset())
+        ctx.save_for_backward(x, wa, wb)
+        return nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, wa, wb = ctx.saved_tensors
+        w = wa.as_strided((wa.shape[0] + wb.shape[0], wa.shape[1]), (wa.shape[1], 1),
+                          wa.storage_offset())
+        g2 = g.reshape(-1, g.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = g2.mm(w).view(x.shape)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+        n = wa.shape[0]
+        return dx, None if dw is None else dw[:n], None if dw is None else dw[n:]
+
+
 class Compressor(nn.Module):
     """Projections ``wkv`` / ``wgate`` (hidden -> coff*head_dim), the gated pooling (fused
     where it can run, else the fp32 reference), RMSNorm over head_dim, rotary embedding on
@@ -89,13 +126,37 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.ape = nn.Parameter(0.02 * torch.randn(ratio, width, dtype=torch.float32, device=device))
         self.norm_weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
+        self._join_weights()
         # THD inputs take one projection GEMM into [kv | score] (one GEMM backward, no add of
         # two input gradients) where the kernels can read its halves in place.
         self.one_projection = (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
 
     def project(self, x):
-        """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``."""
-        return nn.functional.linear(x, torch.cat((self.wkv.weight, self.wgate.weight)))
+        """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``. The two
+        weights live in one buffer (``wgate`` right after ``wkv``), so the GEMM reads them
+        as one matrix in place; where they do not (a caller rebound one), the GEMM takes
+        their concatenation, the same numbers."""
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        if not torch.compiler.is_compiling() and _adjacent(wkv, wgate):
+            return _JointLinear.apply(x, wkv, wgate)
+        return nn.functional.linear(x, torch.cat((wkv, wgate)))
+
+    def _join_weights(self):
+        """Put ``wkv`` and ``wgate``'s weights into one buffer (the same Parameter
+        objects, their data moved): project() then needs no copy of them a step."""
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        if _adjacent(wkv, wgate) or wkv.dtype != wgate.dtype or wkv.device != wgate.device \
+                or wkv.shape != wgate.shape:
+            return
+        with torch.no_grad():
+            joint = torch.cat((wkv.detach(), wgate.detach()))
+        wkv.data, wgate.data = joint[: wkv.shape[0]], joint[wkv.shape[0]:]
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() give every parameter its own storage: join them again
+        out = super()._apply(fn, *args, **kwargs)
+        self._join_weights()
+        return out
 
     def pool_packed(self, kvs, cu, cuc, total_comp):
         """pool() of project()'s output, its halves read in place."""
