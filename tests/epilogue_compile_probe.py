@@ -30,14 +30,14 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 
 def build(spec):
     """The kernel and its arguments: ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]``
-    (epilogue_rows), ``positions`` or ``angles:pairs`` (rope_angles), ``offsets:ratio``."""
+    (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``."""
     if spec.startswith("offsets:"):
         return off.CompressedOffsets(int(spec.split(":")[1])), off.compile_args()
     if spec == "positions":
         return ra.RopePositions(), ra.compile_args("positions")
-    if spec.startswith("angles:"):
-        pairs = int(spec.split(":")[1])
-        return ra.RopeAngles(pairs), ra.compile_args("angles", pairs)
+    if spec.startswith(("angles:", "trig:")):
+        kind, pairs = spec.split(":")
+        return ra.RopeAngles(int(pairs), kind == "trig"), ra.compile_args(kind, int(pairs))
     dt, d, R, inter, rot, bwd, *norm = spec.split(":")
     dtype, d, R = getattr(torch, dt), int(d), int(R)
     inter, rot, bwd = (v == "1" for v in (inter, rot, bwd))

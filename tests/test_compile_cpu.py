@@ -325,8 +325,8 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              "bfloat16:512:64:1:0:1:1", "bfloat16:192:0:1:0:1:1", "float32:64:32:1:0:1:1",
              "float32:32:0:1:1:0:1", "float32:32:0:1:1:1:0",  # one value a lane, no table
              "bfloat16:96:0:1:0:0:1", "bfloat16:160:0:1:0:1:1",  # single values; 40 vectors
-             # kernels.rope_angles: THD positions, the angles of 32, 3 and 1 pairs
-             "positions", "angles:32", "angles:3", "angles:1",
+             # kernels.rope_angles: THD positions, the angles of 32, 3 and 1 pairs, cos and sin
+             "positions", "angles:32", "angles:3", "angles:1", "trig:32", "trig:1",
              "offsets:4", "offsets:128", "offsets:3"]  # kernels.offsets
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))

@@ -70,15 +70,20 @@ def test_angles_are_torchs(pairs, theta, yarn):
     assert torch.equal(got, want)
     for a, b in zip(E._cos_sin(pos, inv), E._torch_cos_sin(pos, inv)):
         assert torch.equal(a, b)
+    # cosines and sines in the angles' launch: the once-a-device check found the kernel's
+    # cosf / sinf to be torch's (on the H200 with torch 2.11), and they are here too
+    cs = rope_angles.cos_sin(pos, inv)
+    assert cs is not None and rope_angles._TRIG_AGREES[pos.device]
+    assert torch.equal(cs[0], torch.cos(want)) and torch.equal(cs[1], torch.sin(want))
 
 
 def test_the_module_takes_the_kernels_and_captures(monkeypatch):
-    """The module's THD step reaches both kernels (one launch each) and, warmed up, runs
-    them inside a CUDA graph to the eager step's bits."""
+    """The module's THD step reaches both kernels (positions; angles with their cosines and
+    sines) and, warmed up, runs them inside a CUDA graph to the eager step's bits."""
     import csa_compressor as C
 
     calls = []
-    for name in ("positions", "angles"):
+    for name in ("positions", "cos_sin"):
         fn = getattr(rope_angles, name)
         monkeypatch.setattr(rope_angles, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
     torch.manual_seed(0)
@@ -86,7 +91,7 @@ def test_the_module_takes_the_kernels_and_captures(monkeypatch):
     cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
     x = torch.randn(1030, 512, device="cuda").bfloat16()
     want = m(x, cu, max_seqlen=730)[0]
-    assert calls == ["positions", "angles"]
+    assert calls == ["positions", "cos_sin"]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

@@ -170,6 +170,9 @@ def _cos_sin(positions, inv_freq):
             and inv_freq.is_contiguous() and inv_freq.device == positions.device):
         from .kernels import rope_angles
 
+        cs = rope_angles.cos_sin(positions, inv_freq)
+        if cs is not None:
+            return cs
         ang = rope_angles.angles(positions, inv_freq)
         if ang is not None:
             return torch.cos(ang), torch.sin(ang)

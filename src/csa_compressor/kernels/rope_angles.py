@@ -7,7 +7,8 @@ dozen small kernels a step (epilogue.rope_positions, epilogue.rope_cos_sin):
   composition gives;
 - ``RopeAngles``: the fp32 angles ``fl32(fl64(position) * inv_freq)``, one IEEE product
   and one rounding each, bitwise torch's ``positions.double()[:, None] * inv_freq``
-  then ``.float()`` (cos and sin stay torch's).
+  then ``.float()``; or, in the same launch, their cosines and sines, bitwise torch's
+  cos and sin kernels where a once-a-device check finds them so.
 
 One thread a row (positions) or an angle; no shared memory.
 """
@@ -42,30 +43,40 @@ class RopePositions:
 
 
 class RopeAngles:
-    def __init__(self, pairs: int):
-        self.pairs = pairs
+    """``trig``: the cosines and sines of the fp32 angles instead (the precise, non-fast-math
+    ``cosf`` / ``sinf``, as torch's cos and sin kernels compute them: the caller checks
+    that once a device, rope_angles.cos_sin)."""
+
+    def __init__(self, pairs: int, trig: bool = False):
+        self.pairs, self.trig = pairs, trig
 
     @cute.jit
-    def __call__(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor, stream):
+    def __call__(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor,
+                 mSin: cute.Tensor, stream):
         total = mPos.shape[0] * self.pairs
-        self.kernel(mPos, mInv, mAng, total).launch(
+        self.kernel(mPos, mInv, mAng, mSin, total).launch(
             grid=[(total + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor, total: Int32):
+    def kernel(self, mPos: cute.Tensor, mInv: cute.Tensor, mAng: cute.Tensor,
+               mSin: cute.Tensor, total: Int32):
         tid, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         i = bx * THREADS + tid
         if i < total:
             row = i // self.pairs
             j = i - row * self.pairs
-            ang = Float64(mPos[row]) * mInv[j]
-            mAng[row, j] = ang.to(Float32)
+            ang = (Float64(mPos[row]) * mInv[j]).to(Float32)
+            if cutlass.const_expr(self.trig):
+                mAng[row, j] = cute.math.cos(ang)
+                mSin[row, j] = cute.math.sin(ang)
+            else:
+                mAng[row, j] = ang
 
 
 def compile_args(kind: str, pairs: int = 0) -> tuple:
     """Symbolic arguments: row and segment counts stay symbolic (one compile, or one a
-    rotary width)."""
+    rotary width). ``kind``: "positions", "angles" or "trig" (cosines and sines)."""
     from .plan import _fake
 
     N, B1 = cute.sym_int32(), cute.sym_int32()
@@ -73,8 +84,9 @@ def compile_args(kind: str, pairs: int = 0) -> tuple:
     if kind == "positions":
         return (_fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int64, (N,), 8), Int64(0),
                 Int32(1), stream)
+    sin = _fake(cutlass.Float32, (N, pairs), 4) if kind == "trig" else _fake(cutlass.Float32, (1, pairs), 4)
     return (_fake(cutlass.Int64, (N,), 8), _fake(cutlass.Float64, (pairs,), 8),
-            _fake(cutlass.Float32, (N, pairs), 4), stream)
+            _fake(cutlass.Float32, (N, pairs), 4), sin, stream)
 
 
 NO_CAP = (1 << 62)  # positions uncapped: larger than any block index
@@ -83,9 +95,12 @@ NO_CAP = (1 << 62)  # positions uncapped: larger than any block index
 def _get(kind: str, pairs: int, device):
     from .compile import SmallSpec, small_kernel
 
-    return small_kernel(SmallSpec("rope_" + kind, head_dim=pairs), device,
-                        lambda: (RopePositions() if kind == "positions" else RopeAngles(pairs),
-                                 compile_args(kind, pairs)))
+    def build():
+        if kind == "positions":
+            return RopePositions(), compile_args(kind)
+        return RopeAngles(pairs, kind == "trig"), compile_args(kind, pairs)
+
+    return small_kernel(SmallSpec("rope_" + kind, head_dim=pairs), device, build)
 
 
 def positions(cuc, total: int, ratio: int, cap: int | None):
@@ -105,13 +120,58 @@ def positions(cuc, total: int, ratio: int, cap: int | None):
 def angles(pos, inv_freq):
     """``(N, pairs)`` fp32 angles of int64 ``pos`` ``(N,)`` and fp64 ``inv_freq``, or None
     where the kernel cannot be had now."""
+    return _launch("angles", pos, inv_freq)
+
+
+def _launch(kind, pos, inv_freq):
     import torch
 
     pairs = inv_freq.shape[0]
-    fn = _get("angles", pairs, pos.device)
+    fn = _get(kind, pairs, pos.device)
     if fn is None:
         return None
     out = torch.empty((pos.shape[0], pairs), dtype=torch.float32, device=pos.device)
+    sin = torch.empty_like(out) if kind == "trig" else _placeholder(pairs, pos.device)
     if out.numel():
-        fn(pos, inv_freq, out)
-    return out
+        fn(pos, inv_freq, out, sin)
+    return (out, sin) if kind == "trig" else out
+
+
+_PLACEHOLDER: dict = {}
+
+
+def _placeholder(pairs, device):  # the angles kernel's unused sine output: never written
+    import torch
+
+    t = _PLACEHOLDER.get((pairs, device))
+    if t is None:
+        t = _PLACEHOLDER[(pairs, device)] = torch.empty((1, pairs), dtype=torch.float32, device=device)
+    return t
+
+
+# device -> whether the kernel's cosf / sinf are torch's, bit for bit
+_TRIG_AGREES: dict = {}
+
+
+def cos_sin(pos, inv_freq):
+    """``(cos, sin)`` ``(N, pairs)`` fp32 of the angles in one launch, bitwise torch's
+    ``torch.cos`` / ``torch.sin`` of them; None where the kernel cannot be had now or its
+    cosf / sinf were found to differ from this torch's on this device (checked once a
+    device, on angles over the range positions reach: another CUDA math library may
+    round otherwise)."""
+    import torch
+
+    agrees = _TRIG_AGREES.get(pos.device)
+    if agrees is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        probe = torch.cat((torch.arange(0, 1 << 20, 97, device=pos.device),
+                           torch.arange(1 << 40, (1 << 40) + 4096, device=pos.device),
+                           torch.tensor([0, 1, (1 << 53) - 1, -7], device=pos.device)))
+        inv = torch.logspace(0, -9, 37, dtype=torch.float64, device=pos.device)
+        ang, got = angles(probe, inv), _launch("trig", probe, inv)
+        if ang is None or got is None:
+            return None
+        agrees = _TRIG_AGREES[pos.device] = (torch.equal(got[0], torch.cos(ang))
+                                             and torch.equal(got[1], torch.sin(ang)))
+    return _launch("trig", pos, inv_freq) if agrees else None
