@@ -181,3 +181,25 @@ def test_the_weights_stay_joined_across_conversions_and_fall_back_when_not():
         res.append([out.detach(), xi.grad] + [p.grad for p in mod.parameters()])
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+def test_under_autocast_the_projection_casts_as_linear_does():
+    """Under autocast the projection is linear's (its inputs cast to the autocast dtype, the
+    gradients back in the parameters' and input's dtypes), as with unjoined weights."""
+    import copy
+
+    torch.manual_seed(3)
+    m = Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32, pooling="reference")
+    other = copy.deepcopy(m)  # its own storage for each weight: the concatenation
+    cu = torch.tensor([0, 37, 37, 100], dtype=torch.int32)
+    x = torch.randn(100, 32)
+    res = []
+    for mod in (m, other):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = mod(xi, cu)
+        out.float().square().sum().backward()
+        res.append([out.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+    assert res[0][0].dtype == torch.bfloat16 and res[0][1].dtype == torch.float32
+    for a, b in zip(*res):
+        assert torch.equal(a, b)

@@ -134,10 +134,11 @@ class Compressor(nn.Module):
     def project(self, x):
         """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``. The two
         weights live in one buffer (``wgate`` right after ``wkv``), so the GEMM reads them
-        as one matrix in place; where they do not (a caller rebound one), the GEMM takes
-        their concatenation, the same numbers."""
+        as one matrix in place; where they do not (a caller rebound one), and under
+        autocast or torch.compile, the GEMM takes their concatenation: the same numbers."""
         wkv, wgate = self.wkv.weight, self.wgate.weight
-        if not torch.compiler.is_compiling() and _adjacent(wkv, wgate):
+        if not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type) \
+                and _adjacent(wkv, wgate):
             return _JointLinear.apply(x, wkv, wgate)
         return nn.functional.linear(x, torch.cat((wkv, wgate)))
 
