@@ -153,3 +153,79 @@ def test_a_row_kernel_that_cannot_run_now_gives_way_to_the_torch_ops(monkeypatch
     assert calls == [False, True]  # each direction asked the kernel first
     for name, u, v in zip(("out", "grad rows", "grad weight"), a, b):
         assert torch.equal(u, v), name
+
+
+def _table(P, rope_dim, theta, yarn=None):
+    """cos / sin of every position below P as the theta path computes a row's angles."""
+    inv = rope_inv_freq(rope_dim, theta, yarn)
+    ang = (torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]).to(torch.float32)
+    return torch.cos(ang), torch.sin(ang)
+
+
+@pytest.mark.parametrize("layout", ["thd", "grouped", "sbhd"])
+@pytest.mark.parametrize("d,rope_dim,interleaved,rotate", [(128, 64, True, True),
+                                                           (128, 64, False, False),
+                                                           (64, 64, True, False)])
+def test_a_caller_rotary_table_is_the_composition_and_the_theta_path(layout, d, rope_dim,
+                                                                     interleaved, rotate):
+    """rope_table (cos, sin indexed by position): the node is the composition on that table,
+    forward and both gradients bit for bit; a table made as the theta path makes its angles
+    gives the theta path's bits; another table gives other rows."""
+    n = 30
+    gen = torch.Generator().manual_seed(d)
+    x = (3 * torch.randn(n, d, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).bfloat16()
+    g = torch.randn(n, d, generator=gen).bfloat16()
+    pos = _positions(layout, n)
+    ep = Epilogue(rope_dim=rope_dim, rope_theta=10000.0, rope_interleaved=interleaved,
+                  rotate=rotate)
+    table = _table(int(pos.max()) + 1, rope_dim, 10000.0)
+    res = []
+    for fn, kw in ((apply_epilogue, dict(rope_table=table)), (eager_epilogue, dict(rope_table=table)),
+                   (apply_epilogue, {})):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep, **kw)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    for want in res[1:]:
+        for a, b in zip(res[0], want):
+            assert torch.equal(a, b)
+    other = _table(int(pos.max()) + 1, rope_dim, 500.0)
+    assert not torch.equal(apply_epilogue(x, w, pos, ep, rope_table=other), res[0][0])
+
+
+def test_a_rotary_table_compiles_fullgraph_to_the_eager_node_bitwise():
+    import torch._dynamo
+
+    x, w, g = torch.randn(24, 128), 1 + 0.1 * torch.randn(128), torch.randn(24, 128)
+    pos = torch.arange(24) * 4
+    ep = Epilogue(rope_dim=64, rotate=True)
+    table = _table(100, 64, 777.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(apply_epilogue, fullgraph=True)
+    res = []
+    for fn in (compiled, apply_epilogue):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep, rope_table=table)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+def test_rotary_table_arguments_are_checked():
+    x, w, pos = torch.randn(4, 64), torch.ones(64), torch.arange(4)
+    ep = Epilogue(rope_dim=32)
+    cos, sin = _table(8, 32, 10000.0)
+    with pytest.raises(TypeError, match="rope_table: expected a \\(cos, sin\\) pair"):
+        apply_epilogue(x, w, pos, ep, rope_table=cos)
+    with pytest.raises(TypeError, match="rope_table\\[1\\] \\(sin\\): expected torch.float32"):
+        apply_epilogue(x, w, pos, ep, rope_table=(cos, sin.double()))
+    with pytest.raises(ValueError, match="rope_table\\[0\\] \\(cos\\): expected shape \\(P >= 1, rope_dim // 2 = 16\\)"):
+        apply_epilogue(x, w, pos, ep, rope_table=(cos[:, :8], sin))
+    with pytest.raises(ValueError, match="rope_table\\[0\\] \\(cos\\): expected shape"):
+        apply_epilogue(x, w, pos, ep, rope_table=(cos[:0], sin[:0]))
+    with pytest.raises(ValueError, match="rope_table: cos and sin must have one shape"):
+        apply_epilogue(x, w, pos, ep, rope_table=(cos, sin[:5]))
+    with pytest.raises(IndexError):  # a position past the table: an indexing error, no read
+        apply_epilogue(x, w, torch.tensor([0, 1, 2, 8]), ep, rope_table=(cos, sin))

@@ -86,6 +86,39 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
     assert_same(res)
 
 
+@pytest.mark.parametrize("interleaved,rotate", [(True, True), (False, False)])
+def test_a_caller_rotary_table_on_the_gpu(monkeypatch, interleaved, rotate):
+    """rope_table (cos, sin by position) through the row kernel: bitwise the composition on
+    that table, and, for a table of the theta path's angles, the theta path's bits."""
+    from csa_compressor.epilogue import rope_inv_freq
+
+    dev = torch.device("cuda")
+    cu = torch.tensor([0, 8192, 8192, 8195, 9198, 24576], dtype=torch.int32, device=dev)
+    cuc = C.compressed_cu_seqlens(cu, 4)
+    n = int(cuc[-1]) + 7
+    pos = rope_positions(cuc, n, 4, max_seqlen=15378)
+    gen = torch.Generator(device=dev).manual_seed(11)
+    x = (3 * torch.randn(n, 128, device=dev, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(128, device=dev, generator=gen)).bfloat16()
+    g = torch.randn(n, 128, device=dev, generator=gen).bfloat16()
+    ep = Epilogue(rope_dim=64, rope_theta=160000.0, rope_interleaved=interleaved, rotate=rotate)
+    inv = rope_inv_freq(64, 160000.0, device=dev)
+    ang = (torch.arange(15378, device=dev, dtype=torch.float64)[:, None] * inv).float()
+    table = (torch.cos(ang), torch.sin(ang))
+    launched = record_launches(monkeypatch, x, w, ep)
+    res = []
+    for fn, kw in ((apply_epilogue, dict(rope_table=table)),
+                   (eager_epilogue, dict(rope_table=table)), (apply_epilogue, {})):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi, pos, ep, **kw)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, wi.grad))
+    assert launched == [(False, True), (True, True), (False, True), (True, True)]
+    for want in res[1:]:
+        for a, b in zip(res[0], want):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33])
 @pytest.mark.parametrize("d,rotate", [(128, True), (512, False)])
 def test_few_rows_take_torch_statistics_and_match(monkeypatch, n, d, rotate):

@@ -156,9 +156,13 @@ class Epilogue:
             raise ValueError(f"head_dim: rotate=True needs a power of two, got {head_dim}")
 
 
-def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor | None = None):
+def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor | None = None,
+                 rope_table=None):
     """fp32 ``(N, rope_dim // 2)`` cosines and sines of the rows' angles (fp64 angles, as
-    apply_rope makes them)."""
+    apply_rope makes them), or the rows ``positions`` of a caller's ``rope_table``."""
+    if rope_table is not None:
+        idx = positions.to(torch.int64)
+        return rope_table[0].index_select(0, idx), rope_table[1].index_select(0, idx)
     if inv_freq is None:
         inv_freq = rope_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, device=positions.device)
     return _cos_sin(positions, inv_freq)
@@ -258,11 +262,11 @@ def _norm_in_kernel(x_in, weight, ep) -> bool:
     return agrees
 
 
-def _forward(x_in, weight, positions, inv_freq, ep):
+def _forward(x_in, weight, positions, inv_freq, ep, rope_table=None):
     """The node's forward: ``(out, r, cos, sin)`` (``cos``/``sin`` None without RoPE)."""
     cos = sin = None
     if ep.rope_dim:
-        cos, sin = rope_cos_sin(positions, ep, inv_freq)
+        cos, sin = rope_cos_sin(positions, ep, inv_freq, rope_table)
     if _rows_kernel(x_in, weight, ep):
         from .kernels import epilogue_rows
 
@@ -343,18 +347,21 @@ def _ep_of(eps, rope_dim, rope_theta, interleaved, yarn, rotate) -> Epilogue:
 
 @torch.library.custom_op("csa_compressor::epilogue_fwd", mutates_args=())
 def epilogue_fwd_op(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                    inv_freq: torch.Tensor | None, eps: float, rope_dim: int, rope_theta: float,
+                    inv_freq: torch.Tensor | None, cos_table: torch.Tensor | None,
+                    sin_table: torch.Tensor | None, eps: float, rope_dim: int, rope_theta: float,
                     interleaved: bool, yarn: list[float], rotate: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ep = _ep_of(eps, rope_dim, rope_theta, interleaved, yarn, rotate)
-    out, r, cos, sin = _forward(x, weight, positions, inv_freq, ep)
+    table = None if cos_table is None else (cos_table, sin_table)
+    out, r, cos, sin = _forward(x, weight, positions, inv_freq, ep, table)
     if cos is None:  # an op returns tensors: empty ones where there is no rotary table
         cos, sin = (x.new_empty((0, 0), dtype=torch.float32) for _ in range(2))
     return out, r, cos, sin
 
 
 @epilogue_fwd_op.register_fake
-def _(x, weight, positions, inv_freq, eps, rope_dim, rope_theta, interleaved, yarn, rotate):
+def _(x, weight, positions, inv_freq, cos_table, sin_table, eps, rope_dim, rope_theta, interleaved,
+      yarn, rotate):
     n = x.shape[0] if rope_dim else 0
     cs = x.new_empty((n, rope_dim // 2), dtype=torch.float32)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -388,11 +395,13 @@ class _EpilogueFn(torch.autograd.Function):
     sum of the kernel's products."""
 
     @staticmethod
-    def forward(ctx, x_in, weight, positions, inv_freq, ep):
+    def forward(ctx, x_in, weight, positions, inv_freq, ep, cos_table, sin_table):
         if torch.compiler.is_compiling():
-            out, r, cos, sin = epilogue_fwd_op(x_in, weight, positions, inv_freq, *_ep_args(ep))
+            out, r, cos, sin = epilogue_fwd_op(x_in, weight, positions, inv_freq, cos_table,
+                                               sin_table, *_ep_args(ep))
         else:
-            out, r, cos, sin = _forward(x_in, weight, positions, inv_freq, ep)
+            table = None if cos_table is None else (cos_table, sin_table)
+            out, r, cos, sin = _forward(x_in, weight, positions, inv_freq, ep, table)
         ctx.save_for_backward(x_in, weight, cos, sin, r)
         ctx.ep = ep
         return out
@@ -404,7 +413,7 @@ class _EpilogueFn(torch.autograd.Function):
             gx, gw = epilogue_bwd_op(g, x_in, weight, cos, sin, r, *_ep_args(ctx.ep))
         else:
             gx, gw = _backward(g, x_in, weight, cos, sin, r, ctx.ep)
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def _rsqrt_stat(x, eps):
@@ -412,10 +421,14 @@ def _rsqrt_stat(x, eps):
 
 
 def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-                   ep: Epilogue, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+                   ep: Epilogue, inv_freq: torch.Tensor | None = None,
+                   rope_table: tuple | None = None) -> torch.Tensor:
     """The epilogue of ``pooled`` ``(N, head_dim)`` rows at ``positions`` ``(N,)``, as one
     autograd node (differentiable in ``pooled`` and ``norm_weight``): fp32 math, the
-    pooled dtype out. ``inv_freq``: the rotary frequencies, where the caller keeps them."""
+    pooled dtype out. ``inv_freq``: the rotary frequencies, where the caller keeps them.
+    ``rope_table``: the caller's ``(cos, sin)``, fp32 ``(P, rope_dim // 2)`` each, row
+    ``p`` the angles of position ``p`` (``ep``'s theta and YaRN are then not used;
+    positions must lie in ``[0, P)``)."""
     if not isinstance(ep, Epilogue):
         raise TypeError(f"ep: expected a csa_compressor.Epilogue, got {type(ep).__name__}")
     for name, t in (("pooled", pooled), ("norm_weight", norm_weight), ("positions", positions)):
@@ -436,14 +449,44 @@ def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: t
         raise ValueError(f"norm_weight: expected shape ({pooled.shape[1]},), got {tuple(norm_weight.shape)}")
     if tuple(positions.shape) != (pooled.shape[0],):
         raise ValueError(f"positions: expected shape ({pooled.shape[0]},), got {tuple(positions.shape)}")
-    return _EpilogueFn.apply(pooled, norm_weight, positions, inv_freq, ep)
+    cos_table = sin_table = None
+    if rope_table is not None:
+        cos_table, sin_table = check_rope_table(rope_table, ep.rope_dim, pooled.device)
+    return _EpilogueFn.apply(pooled, norm_weight, positions, inv_freq, ep, cos_table, sin_table)
 
 
-def eager_epilogue(pooled, norm_weight, positions, ep: Epilogue) -> torch.Tensor:
+def check_rope_table(rope_table, rope_dim: int, device):
+    """``(cos, sin)`` of a caller's rotary table, checked: fp32 ``(P, rope_dim // 2)`` each,
+    ``P >= 1``, on ``device``. Positions outside ``[0, P)`` are an indexing error (on the
+    GPU torch's device-side bounds assert), never a read past the table."""
+    if not isinstance(rope_table, (tuple, list)) or len(rope_table) != 2:
+        raise TypeError(f"rope_table: expected a (cos, sin) pair of tensors, got {type(rope_table).__name__}")
+    cos, sin = rope_table
+    for name, t in (("rope_table[0] (cos)", cos), ("rope_table[1] (sin)", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected torch.float32, got {t.dtype}")
+        if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != rope_dim // 2:
+            raise ValueError(f"{name}: expected shape (P >= 1, rope_dim // 2 = {rope_dim // 2}), "
+                             f"got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected the pooled rows' device {device}, got {t.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope_table: cos and sin must have one shape, got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    return cos, sin
+
+
+def eager_epilogue(pooled, norm_weight, positions, ep: Epilogue, rope_table=None) -> torch.Tensor:
     """The epilogue as a composition of torch ops (autograd records each): the reference."""
     x = pooled.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps) * norm_weight.float()
-    x = apply_rope(x, positions, ep.rope_dim, ep.rope_theta, ep.rope_interleaved, ep.rope_yarn)
+    if rope_table is not None and ep.rope_dim:
+        cos, sin = rope_cos_sin(positions, ep, rope_table=rope_table)
+        x = _rotate(x, cos, sin, ep.rope_dim, ep.rope_interleaved, 1)
+    else:
+        x = apply_rope(x, positions, ep.rope_dim, ep.rope_theta, ep.rope_interleaved, ep.rope_yarn)
     if ep.rotate:
         x = hadamard(x)
     return x.to(pooled.dtype)
