@@ -24,6 +24,8 @@
 #   module_profile       tools/module_profile.py: that step's kernels by name (torch.profiler)
 #   bench_order          tools/bench_order_probe.py: the module bench's graphs timed in
 #                        forward, reverse and sequential order, the SM clock of each
+#   module_host          tools/module_host_profile.py: the module step's host time outside
+#                        graphs against its wall time, and cProfile of it (d128 rotate)
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
@@ -79,6 +81,7 @@ cmd_of() {
         module_bench) echo "python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;
         bench_order) echo "python3 tools/bench_order_probe.py" ;;
+        module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
