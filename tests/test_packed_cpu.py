@@ -203,3 +203,28 @@ def test_under_autocast_the_projection_casts_as_linear_does():
     assert res[0][0].dtype == torch.bfloat16 and res[0][1].dtype == torch.float32
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+def test_tensor_subclass_weights_are_not_joined_and_take_the_concatenation():
+    """Weights that are tensor subclasses (DTensor, low-precision wrappers) are neither
+    moved into one buffer nor read as one: the projection concatenates them."""
+    from torch import nn
+
+    from csa_compressor import module
+
+    class Sub(torch.Tensor):
+        pass
+
+    torch.manual_seed(4)
+    m = Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32, pooling="reference")
+    m.wkv.weight = nn.Parameter(m.wkv.weight.detach().clone().as_subclass(Sub))
+    m.wgate.weight = nn.Parameter(m.wgate.weight.detach().clone().as_subclass(Sub))
+    m._join_weights()
+    assert type(m.wkv.weight.data) is Sub
+    assert m.wkv.weight.untyped_storage().data_ptr() != m.wgate.weight.untyped_storage().data_ptr()
+    assert not module._adjacent(m.wkv.weight, m.wgate.weight)
+    x = torch.randn(10, 32)
+    y = m.project(x)
+    assert "JointLinear" not in type(y.grad_fn).__name__
+    want = nn.functional.linear(x, torch.cat((m.wkv.weight, m.wgate.weight)))
+    assert torch.equal(y, want)

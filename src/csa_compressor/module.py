@@ -19,9 +19,11 @@ POOLING = ("auto", "fused", "reference")
 
 
 def _adjacent(a, b) -> bool:
-    """Whether ``b`` starts where ``a`` ends in one storage, both 2-D row-major with one
-    width: ``[a; b]`` is then a view of that storage."""
-    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1] and a.dtype == b.dtype
+    """Whether ``b`` starts where ``a`` ends in one storage, both plain 2-D row-major tensors
+    of one width (not DTensors or other subclasses): ``[a; b]`` is then a view of that
+    storage."""
+    return (type(a.data) is torch.Tensor and type(b.data) is torch.Tensor
+            and a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1] and a.dtype == b.dtype
             and a.device == b.device and a.is_contiguous() and b.is_contiguous()
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and b.storage_offset() == a.storage_offset() + a.numel())
@@ -146,7 +148,8 @@ class Compressor(nn.Module):
         """Put ``wkv`` and ``wgate``'s weights into one buffer (the same Parameter
         objects, their data moved): project() then needs no copy of them a step."""
         wkv, wgate = self.wkv.weight, self.wgate.weight
-        if _adjacent(wkv, wgate) or wkv.dtype != wgate.dtype or wkv.device != wgate.device \
+        if type(wkv.data) is not torch.Tensor or type(wgate.data) is not torch.Tensor \
+                or _adjacent(wkv, wgate) or wkv.dtype != wgate.dtype or wkv.device != wgate.device \
                 or wkv.shape != wgate.shape:
             return
         with torch.no_grad():
