@@ -226,6 +226,19 @@ def small_kernel(spec: SmallSpec, device: torch.device, build):
     return hit[0]
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small kernel's argument it never touches in this specialisation (an output or
+    input its flags switch off): one zero tensor a (shape, dtype, device), made once."""
+    key = (shape, dtype, device)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
+
+
 def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                head_dim: int) -> Compiled:
     """The compiled kernel for this specialisation under the current tuning, compiling it

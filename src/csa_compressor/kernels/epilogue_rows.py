@@ -294,9 +294,6 @@ def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backwar
             stream)
 
 
-_PLACEHOLDER: dict = {}
-
-
 def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleaved: bool,
         rotate: bool, norm_eps: float | None = None, x=None, aux=None):
     """One launch on the current stream (compiled on first use of the geometry; None,
@@ -309,7 +306,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ROWSUM_MIN_ROWS rows."""
     import torch
 
-    from .compile import SmallSpec, small_kernel
+    from .compile import SmallSpec, placeholder, small_kernel
     from .plan import cutlass_dtype
 
     d = rows.shape[1]
@@ -325,19 +322,12 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     if fn is None:
         return None
 
-    def placeholder(shape, dtype):  # never read: one a device
-        t = _PLACEHOLDER.get((shape, dtype, rows.device))
-        if t is None:
-            t = _PLACEHOLDER[(shape, dtype, rows.device)] = torch.zeros(
-                shape, dtype=dtype, device=rows.device)
-        return t
-
     if cos is None:
         cs = cos_sin_vec(d, interleaved)
-        cos = sin = placeholder((1, cs), torch.float32)
+        cos = sin = placeholder((1, cs), torch.float32, rows.device)
     if x is None:
-        x = placeholder((1, d), rows.dtype)
+        x = placeholder((1, d), rows.dtype, rows.device)
     if aux is None:
-        aux = placeholder((1, d), torch.float32)
+        aux = placeholder((1, d), torch.float32, rows.device)
     fn(rows, x, r, weight, cos, sin, out, aux)
     return out

@@ -126,27 +126,18 @@ def angles(pos, inv_freq):
 def _launch(kind, pos, inv_freq):
     import torch
 
+    from .compile import placeholder
+
     pairs = inv_freq.shape[0]
     fn = _get(kind, pairs, pos.device)
     if fn is None:
         return None
     out = torch.empty((pos.shape[0], pairs), dtype=torch.float32, device=pos.device)
-    sin = torch.empty_like(out) if kind == "trig" else _placeholder(pairs, pos.device)
+    # the angles kernel never writes its sine output
+    sin = torch.empty_like(out) if kind == "trig" else placeholder((1, pairs), torch.float32, pos.device)
     if out.numel():
         fn(pos, inv_freq, out, sin)
     return (out, sin) if kind == "trig" else out
-
-
-_PLACEHOLDER: dict = {}
-
-
-def _placeholder(pairs, device):  # the angles kernel's unused sine output: never written
-    import torch
-
-    t = _PLACEHOLDER.get((pairs, device))
-    if t is None:
-        t = _PLACEHOLDER[(pairs, device)] = torch.empty((1, pairs), dtype=torch.float32, device=device)
-    return t
 
 
 # device -> whether the kernel's cosf / sinf are torch's, bit for bit
@@ -157,21 +148,23 @@ def cos_sin(pos, inv_freq):
     """``(cos, sin)`` ``(N, pairs)`` fp32 of the angles in one launch, bitwise torch's
     ``torch.cos`` / ``torch.sin`` of them; None where the kernel cannot be had now or its
     cosf / sinf were found to differ from this torch's on this device (checked once a
-    device, on angles over the range positions reach: another CUDA math library may
-    round otherwise)."""
+    device, on the caller's frequencies at positions over the range they reach, against
+    the torch composition: another CUDA math library may round otherwise)."""
     import torch
 
     agrees = _TRIG_AGREES.get(pos.device)
     if agrees is None:
         if torch.cuda.is_current_stream_capturing():
             return None
+        from ..epilogue import _torch_cos_sin
+
         probe = torch.cat((torch.arange(0, 1 << 20, 97, device=pos.device),
                            torch.arange(1 << 40, (1 << 40) + 4096, device=pos.device),
                            torch.tensor([0, 1, (1 << 53) - 1, -7], device=pos.device)))
-        inv = torch.logspace(0, -9, 37, dtype=torch.float64, device=pos.device)
-        ang, got = angles(probe, inv), _launch("trig", probe, inv)
-        if ang is None or got is None:
+        got = _launch("trig", probe, inv_freq)
+        if got is None:
             return None
-        agrees = _TRIG_AGREES[pos.device] = (torch.equal(got[0], torch.cos(ang))
-                                             and torch.equal(got[1], torch.sin(ang)))
+        want = _torch_cos_sin(probe, inv_freq)
+        agrees = _TRIG_AGREES[pos.device] = (torch.equal(got[0], want[0])
+                                             and torch.equal(got[1], want[1]))
     return _launch("trig", pos, inv_freq) if agrees else None
