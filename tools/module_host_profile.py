@@ -11,26 +11,12 @@ import time
 
 import torch
 
-CONFIGS = {"d512r4": (512, 4, False), "d128r4rot": (128, 4, True), "d512r128": (512, 128, False)}
+from module_profile import inputs, module_step
 
 
 def main(name="d128r4rot", steps=20):
-    from csa_compressor import Compressor
-
-    d, ratio, rotate = CONFIGS[name]
-    dev = torch.device("cuda")
-    lens, hidden = (8192, 8192, 8192), 4096
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-    x = torch.randn(sum(lens), hidden, device=dev).bfloat16().requires_grad_(True)
-    torch.manual_seed(0)
-    m = Compressor(hidden, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev, pooling="fused")
-    params = [x, *m.parameters()]
-    g = torch.randn_like(m(x, cu, max_seqlen=max(lens))[0])
-
-    def step():
-        out, _ = m(x, cu, max_seqlen=max(lens))
-        torch.autograd.grad(out, params, g)
-
+    x, cu = inputs(torch.device("cuda"))
+    step = module_step(name, x, cu)
     for _ in range(5):
         step()
     torch.cuda.synchronize()

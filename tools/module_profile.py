@@ -13,29 +13,43 @@ import torch
 CONFIGS = {"d512r4": (512, 4, False), "d128r4rot": (128, 4, True), "d512r128": (512, 128, False)}
 
 
+LENS, HIDDEN = (8192, 8192, 8192), 4096
+
+
+def module_step(name, x, cu):
+    """One forward + backward of the package's Compressor in config ``name`` on ``x``
+    ``(sum(LENS), HIDDEN)`` bf16 (requiring grad) and offsets ``cu``."""
+    from csa_compressor import Compressor
+
+    d, ratio, rotate = CONFIGS[name]
+    torch.manual_seed(0)
+    m = Compressor(HIDDEN, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=x.device,
+                   pooling="fused")
+    params = [x, *m.parameters()]
+    g = torch.randn_like(m(x, cu, max_seqlen=max(LENS))[0])
+
+    def step():
+        out, _ = m(x, cu, max_seqlen=max(LENS))
+        torch.autograd.grad(out, params, g)
+
+    return step
+
+
+def inputs(dev):
+    """``(x, cu)``: the module's input and THD offsets over LENS."""
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    x = torch.randn(sum(LENS), HIDDEN, device=dev).bfloat16().requires_grad_(True)
+    return x, cu
+
+
 def main(argv):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from csa_compressor import Compressor
-
-    dev = torch.device("cuda")
-    lens, hidden, steps = (8192, 8192, 8192), 4096, 5
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-    x = torch.randn(sum(lens), hidden, device=dev).bfloat16().requires_grad_(True)
+    steps = 5
+    x, cu = inputs(torch.device("cuda"))
     for name in argv or list(CONFIGS):
-        d, ratio, rotate = CONFIGS[name]
-        torch.manual_seed(0)
-        m = Compressor(hidden, d, ratio, rotate=rotate, dtype=torch.bfloat16, device=dev,
-                       pooling="fused")
-        params = [x, *m.parameters()]
-        out, _ = m(x, cu, max_seqlen=max(lens))
-        g = torch.randn_like(out)
-
-        def step():
-            o, _ = m(x, cu, max_seqlen=max(lens))
-            torch.autograd.grad(o, params, g)
-
+        step = module_step(name, x, cu)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
