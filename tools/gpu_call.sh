@@ -26,6 +26,8 @@
 #                        forward, reverse and sequential order, the SM clock of each
 #   module_host          tools/module_host_profile.py: the module step's host time outside
 #                        graphs against its wall time, and cProfile of it (d128 rotate)
+#   launch_host          tools/launch_host_probe.py: host µs a call of the step's pieces
+#                        (torch launches, the small kernels, dispatch, the ops, the module)
 #   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum order
 #                        (the norm weight's gradient) against candidate orders
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
@@ -84,6 +86,7 @@ cmd_of() {
         module_profile) echo "python3 tools/module_profile.py" ;;
         bench_order) echo "python3 tools/bench_order_probe.py" ;;
         module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;
+        launch_host) echo "python3 tools/launch_host_probe.py" ;;
         colsum_order) echo "python3 tools/torch_colsum_order_probe.py" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;

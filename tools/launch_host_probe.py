@@ -1,0 +1,92 @@
+"""Host µs a call of the pieces of the Compressor module's step outside CUDA graphs: torch's
+own launches, the package's small-kernel launches (TVM-FFI), its dispatch checks, the
+pooling op, the epilogue op, the module's forward and its step, at the module bench's
+d128 rotate config. Each piece is called back to back (no sync inside a batch), so the
+figure is what the host spends, not the GPU.
+
+    python tools/launch_host_probe.py [calls]
+"""
+import sys
+import time
+
+import torch
+
+from module_profile import HIDDEN, LENS, inputs, module_step
+
+
+def host_us(fn, calls):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main(calls=100):
+    from csa_compressor import Epilogue, apply_epilogue, compress_thd_fused_packed, dispatch
+    from csa_compressor.epilogue import rope_cos_sin, rope_inv_freq, rope_positions
+    from csa_compressor.kernels.offsets import compressed_offsets
+    from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
+
+    dev = torch.device("cuda")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; "
+          f"__dlpack_c_exchange_api__: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
+    x, cu = inputs(dev)
+    d, ratio, coff = 128, 4, 2
+    cuc = compressed_cu_seqlens(cu, ratio)
+    n = compressed_capacity(x.shape[0], len(LENS), max(LENS), ratio)
+    w = torch.randn(2 * coff * d, HIDDEN, device=dev, dtype=torch.bfloat16)
+    kvs = torch.nn.functional.linear(x.detach(), w)
+    ape = torch.randn(ratio, coff * d, device=dev)
+    pooled = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    ep = Epilogue(rope_dim=64, rotate=True)
+    inv = rope_inv_freq(64, ep.rope_theta, None, device=dev)
+    pos = rope_positions(cuc, n, ratio, max(LENS))
+    g_rows = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+    xd = x.detach()
+    g_kvs = torch.randn_like(kvs)
+
+    def pool_step():
+        k = kvs.detach().requires_grad_(True)
+        out = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
+        torch.autograd.grad(out, k, g_rows)
+
+    def epilogue_step():
+        out = apply_epilogue(pooled, weight, pos, ep, inv_freq=inv)
+        torch.autograd.grad(out, (pooled, weight), g_rows)
+
+    def gemms():
+        torch.nn.functional.linear(xd, w)
+        g_kvs.mm(w)
+        g_kvs.t().mm(xd)
+
+    rows = [
+        ("torch.empty_like (no launch)", lambda: torch.empty_like(cu)),
+        ("torch add (one launch)", lambda: cu.add(1)),
+        ("dispatch.small_kernels_usable", lambda: dispatch.small_kernels_usable(cu)),
+        ("dispatch._device_reason", lambda: dispatch._device_reason(dev)),
+        ("kernels.offsets.compressed_offsets (alloc + launch)", lambda: compressed_offsets(cu, ratio)),
+        ("layout.compressed_cu_seqlens", lambda: compressed_cu_seqlens(cu, ratio)),
+        ("epilogue.rope_positions", lambda: rope_positions(cuc, n, ratio, max(LENS))),
+        ("epilogue.rope_cos_sin", lambda: rope_cos_sin(pos, ep, inv)),
+        ("compress_thd_fused_packed, no grad", lambda: compress_thd_fused_packed(
+            kvs, ape, cu, cuc, n, ratio=ratio, coff=coff)),
+        ("compress_thd_fused_packed fwd + bwd", pool_step),
+        ("apply_epilogue fwd + bwd", epilogue_step),
+        ("the step's three GEMMs", gemms),
+    ]
+    step = module_step("d128r4rot", x, cu)
+    for name, fn in rows:
+        print(f"{host_us(fn, calls):8.1f} µs  {name}")
+    print(f"{host_us(step, calls // 4):8.1f} µs  module step d128 rotate (fwd + bwd)")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
