@@ -53,14 +53,36 @@ def test_reason_disabled_by_caller():
 
 
 def test_reason_no_gpu_and_capability_and_dsl(monkeypatch):
+    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert dispatch._device_reason(torch.device("cuda", 0)) == "no CUDA GPU available"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert "below 9.0" in dispatch._device_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(dispatch, "dsl_import_error", lambda: "CuTe DSL unavailable (test)")
     assert dispatch._device_reason(torch.device("cuda", 0)) == "CuTe DSL unavailable (test)"
+
+
+def test_a_devices_reason_is_found_once_and_kept(monkeypatch):
+    calls = []
+
+    def capability(d=None):
+        calls.append(d)
+        return (8, 0)
+
+    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    first = [dispatch._device_reason(torch.device("cuda", i)) for i in (0, 1, 0, 1)]
+    assert all("below 9.0" in r for r in first)
+    assert len(calls) == 2  # one query a device
+    # "cuda" without an index means the current device, which may change: not kept
+    dispatch._device_reason(torch.device("cuda"))
+    dispatch._device_reason(torch.device("cuda"))
+    assert len(calls) == 4
 
 
 def test_reason_unsupported_input(monkeypatch):

@@ -7,6 +7,7 @@ figure is what the host spends, not the GPU.
     python tools/launch_host_probe.py [calls]
 """
 import sys
+import threading
 import time
 
 import torch
@@ -29,7 +30,8 @@ def host_us(fn, calls):
 
 
 def main(calls=100):
-    from csa_compressor import Epilogue, apply_epilogue, compress_thd_fused_packed, dispatch
+    from csa_compressor import (Epilogue, apply_epilogue, compress_thd_fused_packed, dispatch,
+                                pool_backward)
     from csa_compressor.epilogue import rope_cos_sin, rope_inv_freq, rope_positions
     from csa_compressor.kernels.offsets import compressed_offsets
     from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
@@ -67,7 +69,52 @@ def main(calls=100):
         g_kvs.mm(w)
         g_kvs.t().mm(xd)
 
+    kv, score = kvs[:, :coff * d], kvs[:, coff * d:]
+    bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
+
+    def pool_backward_direct():
+        pool_backward(kv, score, ape, cu, cuc, g_rows, *bufs, ratio=ratio, coff=coff)
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class OffsetsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            compressed_offsets(cu, ratio)
+            return g * 2
+
+    small = torch.randn(64, device=dev, requires_grad=True)
+    g_small = torch.randn(64, device=dev)
+
+    def in_thread(fn):
+        box = []
+
+        def work():
+            torch.cuda.set_device(dev)
+            box.append(host_us(fn, calls))
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        return box[0]
+
     rows = [
+        ("autograd.grad of a torch mul (Python Function)", lambda: torch.autograd.grad(
+            Twice.apply(small), small, g_small)),
+        ("autograd.grad, the backward also launches compressed_offsets", lambda: torch.autograd.grad(
+            OffsetsInBackward.apply(small), small, g_small)),
+        ("pool_backward (kernel API, main thread)", pool_backward_direct),
         ("torch.empty_like (no launch)", lambda: torch.empty_like(cu)),
         ("torch add (one launch)", lambda: cu.add(1)),
         ("dispatch.small_kernels_usable", lambda: dispatch.small_kernels_usable(cu)),
@@ -86,6 +133,18 @@ def main(calls=100):
     for name, fn in rows:
         print(f"{host_us(fn, calls):8.1f} µs  {name}")
     print(f"{host_us(step, calls // 4):8.1f} µs  module step d128 rotate (fwd + bwd)")
+    print(f"{in_thread(lambda: compressed_offsets(cu, ratio)):8.1f} µs  compressed_offsets "
+          "from another thread")
+    print(f"{in_thread(pool_backward_direct):8.1f} µs  pool_backward from another thread")
+    print(f"{in_thread(lambda: cu.add(1)):8.1f} µs  torch add from another thread")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            pool_step()
+        torch.cuda.synchronize()
+    print("\nthe pooling op's fwd + bwd, 20 calls, by self CPU time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":

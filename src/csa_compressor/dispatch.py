@@ -22,10 +22,27 @@ def _device_reason(device: torch.device):
     return _device_reason_const(device.type, device.index)
 
 
+# (device type, index) -> _probe_device's answer: it cannot change in a process, and the
+# CUDA queries behind it cost host time several times a step outside CUDA graphs.
+_DEVICE_REASONS: dict = {}
+
+
 # Depends only on the device and the installed packages: torch.compile may treat it as a
 # constant instead of tracing CUDA queries (no graph break under fullgraph=True).
 @torch._dynamo.assume_constant_result
 def _device_reason_const(device_type: str, index):
+    key = (device_type, index)
+    try:
+        return _DEVICE_REASONS[key]
+    except KeyError:
+        pass
+    reason = _probe_device(device_type, index)
+    if device_type != "cuda" or index is not None:  # "cuda" alone: whichever device is current
+        _DEVICE_REASONS[key] = reason
+    return reason
+
+
+def _probe_device(device_type: str, index):
     device = torch.device(device_type, index)
     if device.type != "cuda":
         return f"tensors are on {device}, the fused kernels need a CUDA device"
