@@ -69,7 +69,7 @@ def main(calls=100):
         g_kvs.mm(w)
         g_kvs.t().mm(xd)
 
-    kv, score = kvs[:, :coff * d], kvs[:, coff * d:]
+    kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
     bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
 
     def pool_backward_direct():
@@ -110,6 +110,7 @@ def main(calls=100):
         return box[0]
 
     rows = [
+        ("autograd.grad of a torch mul", lambda: torch.autograd.grad(small * 2, small, g_small)),
         ("autograd.grad of a torch mul (Python Function)", lambda: torch.autograd.grad(
             Twice.apply(small), small, g_small)),
         ("autograd.grad, the backward also launches compressed_offsets", lambda: torch.autograd.grad(
