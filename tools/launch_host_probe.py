@@ -101,7 +101,7 @@ def main(calls=100):
         box = []
 
         def work():
-            torch.cuda.set_device(dev)
+            torch.cuda.set_device(torch.cuda.current_device())
             box.append(host_us(fn, calls))
 
         t = threading.Thread(target=work)
@@ -140,12 +140,13 @@ def main(calls=100):
     print(f"{in_thread(lambda: cu.add(1)):8.1f} µs  torch add from another thread")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(20):
-            pool_step()
-        torch.cuda.synchronize()
-    print("\nthe pooling op's fwd + bwd, 20 calls, by self CPU time:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    for name, fn in (("the pooling op's fwd + bwd", pool_step), ("the module step", step)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        print(f"\n{name}, 20 calls, by CPU time:")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70))
 
 
 if __name__ == "__main__":
