@@ -124,7 +124,7 @@ def _forward_sbhd(self, x):
     ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
     original, mod = _state["sbhd"], _state["module"]
     ratio = self.compress_ratio
-    sq, b = x.size(0), x.size(1)
+    sq = x.size(0)
     if sq < ratio:
         return original(self, x)
     reason = _method_reason(self, x)
