@@ -5,7 +5,7 @@ matching candidates bit for bit, before a kernel may claim torch's bits for it.
 The candidates follow this reading of ``setReduceConfig`` (ATen/native/cuda/Reduce.cuh) for
 a reduction over the slow dimension, outputs contiguous: ``vec`` outputs a thread (4, 2
 or 1 as d divides), a block of ``bx`` x ``by`` threads (``bx`` over output vectors, ``by``
-over rows where the rows are split across warps), ``ctas`` blocks along the rows with a
+over rows where the rows are split across warps; at most 512 / ``vec`` threads), ``ctas`` blocks along the rows with a
 global reduction by the last block to finish. Thread ``(c, y)`` takes rows
 ``y + by*c + k*by*ctas``, load ``k`` into accumulator ``k % acc``, the accumulators met in
 order; the block's threads meet in a tree over ``y``; the last block's thread ``y`` adds the
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-MAX_THREADS = 512  # Reduce.cuh's limit for 4-byte accumulators
+MAX_THREADS = 512  # Reduce.cuh's limit for 4-byte accumulators, shared by a thread's outputs
 
 
 def _last_pow2(v):
@@ -33,11 +33,12 @@ def _div_up(a, b):
 def config(N, d, sms, threads_per_sm):
     vec = 4 if d % 4 == 0 else 2 if d % 2 == 0 else 1
     dim0, dim1 = d // vec, N
-    p0 = _last_pow2(dim0) if dim0 < MAX_THREADS else MAX_THREADS
-    p1 = _last_pow2(dim1) if dim1 < MAX_THREADS else MAX_THREADS
+    limit = MAX_THREADS // vec  # set_block_dimension: the thread limit over the output vector
+    p0 = _last_pow2(dim0) if dim0 < limit else limit
+    p1 = _last_pow2(dim1) if dim1 < limit else limit
     bx = min(p0, 32)
-    by = min(p1, MAX_THREADS // bx)
-    bx = min(p0, MAX_THREADS // by)
+    by = min(p1, limit // bx)
+    bx = min(p0, limit // by)
     step_out, step_in = bx, 1
     split = N >= min(by * 16, 256)
     if split:
@@ -106,7 +107,8 @@ def emulate(x, cfg, acc_n, direction):
 
 
 def main(argv):
-    Ns = [int(v) for v in argv[0].split(",")] if argv else [16, 100, 257, 1024, 6144, 24576]
+    Ns = ([int(v) for v in argv[0].split(",")] if argv
+          else [16, 63, 64, 100, 192, 257, 1000, 1024, 6144, 6150, 24576])
     ds = [int(v) for v in argv[1].split(",")] if len(argv) > 1 else [64, 96, 128, 512]
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
