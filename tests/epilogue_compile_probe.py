@@ -18,6 +18,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 
 import cutlass.cute as cute  # noqa: E402
 
+from csa_compressor.kernels import column_sum as cs  # noqa: E402
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
 from csa_compressor.kernels import offsets as off  # noqa: E402
 from csa_compressor.kernels import rope_angles as ra  # noqa: E402
@@ -30,7 +31,11 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 
 def build(spec):
     """The kernel and its arguments: ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]``
-    (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``."""
+    (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``,
+    ``colsum:head_dim:lanes:finish`` (column_sum)."""
+    if spec.startswith("colsum:"):
+        _, d, lanes, finish = spec.split(":")
+        return cs.ColumnSum(int(d), int(lanes), finish == "1"), cs.compile_args(int(d))
     if spec.startswith("offsets:"):
         return off.CompressedOffsets(int(spec.split(":")[1])), off.compile_args()
     if spec == "positions":

@@ -316,7 +316,8 @@ def test_the_sbhd_kernels_compile_spill_free_with_the_thd_copies(arch, cfg):
 def test_the_epilogue_row_kernels_compile_spill_free(arch):
     """kernels.epilogue_rows, forward and backward, at the Compressor's geometries (head_dim
     128 with rotation, 512 without, both rotary layouts, rope_dim 0, fp32), with and without
-    the norm's math, kernels.rope_angles and kernels.offsets: they compile, with no spills or stack."""
+    the norm's math, kernels.rope_angles, kernels.offsets and kernels.column_sum: they
+    compile, with no spills or stack."""
     specs = ["bfloat16:128:64:1:1:0", "bfloat16:128:64:1:1:1", "bfloat16:512:64:1:0:0",
              "bfloat16:512:64:1:0:1", "bfloat16:128:64:0:1:0", "bfloat16:128:64:0:1:1",
              "bfloat16:256:0:1:1:1", "float16:256:0:1:1:0", "float32:512:512:1:1:0",
@@ -327,7 +328,10 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              "bfloat16:96:0:1:0:0:1", "bfloat16:160:0:1:0:1:1",  # single values; 40 vectors
              # kernels.rope_angles: THD positions, the angles of 32, 3 and 1 pairs, cos and sin
              "positions", "angles:32", "angles:3", "angles:1", "trig:32", "trig:1",
-             "offsets:4", "offsets:128", "offsets:3"]  # kernels.offsets
+             "offsets:4", "offsets:128", "offsets:3",  # kernels.offsets
+             # kernels.column_sum: lanes of the CTAs and the finishing sum
+             "colsum:128:4:0", "colsum:512:4:0", "colsum:96:8:0", "colsum:64:1:0",
+             "colsum:32:8:0", "colsum:128:4:1", "colsum:64:8:1"]
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from csa_compressor import reference
-from csa_compressor.softmax_order import (SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes,
+from csa_compressor.softmax_order import (SUM_ACCUMULATORS, colsum_in_order, ordered_sum,
+                                          torch_colsum_order, torch_softmax_lanes,
                                           torch_sum_lanes, torch_sum_lanes_by_rows)
 
 
@@ -97,3 +98,33 @@ def test_lanes_by_rows_cover_every_row_count(n, d):
     for rows in range(1, 300):
         lanes = next(lanes for most, lanes in ranges if most is None or rows <= most)
         assert lanes == torch_sum_lanes(rows, n, d), rows
+
+
+# torch_colsum_order as tools/torch_colsum_order_probe.py measured it on the H200 (132 SMs,
+# 2048 threads an SM; torch 2.11): (rows, head_dim) -> (lanes, ctas)
+@pytest.mark.parametrize("shape,order", [
+    ((16, 64), (1, 1)), ((100, 64), (1, 1)), ((192, 64), (8, 1)), ((1024, 96), (8, 1)),
+    ((6144, 64), (8, 48)), ((6150, 96), (8, 49)), ((24576, 64), (8, 192)),
+    ((63, 128), (1, 1)), ((64, 128), (4, 1)), ((1000, 512), (4, 1)), ((1024, 128), (4, 16)),
+    ((6144, 128), (4, 96)), ((6150, 512), (4, 97)), ((24576, 512), (4, 384))])
+def test_torch_colsum_order_as_measured(shape, order):
+    assert torch_colsum_order(*shape, 132, 2048) == order
+
+
+def test_torch_colsum_order_rejects_what_it_does_not_model():
+    for shape in ((0, 64), (16, 0), (16, 66)):
+        with pytest.raises(ValueError, match="torch_colsum_order"):
+            torch_colsum_order(*shape, 132, 2048)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 200, 1000, 6150])
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_colsum_in_order_adds_every_row_once(rows, head_dim):
+    """On small integers every order gives the exact sum: a row skipped or added twice
+    would show, at every order the GPU gives these shapes."""
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    x = torch.randint(-8, 9, (rows, head_dim), generator=gen).float()
+    lanes, ctas = torch_colsum_order(rows, head_dim, 132, 2048)
+    assert torch.equal(colsum_in_order(x, lanes, ctas), x.sum(0))
+    for lanes, ctas in ((1, 1), (4, 1), (8, 3), (4, 97)):
+        assert torch.equal(colsum_in_order(x, lanes, ctas), x.sum(0)), (lanes, ctas)

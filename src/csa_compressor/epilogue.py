@@ -262,6 +262,43 @@ def _norm_in_kernel(x_in, weight, ep) -> bool:
     return agrees
 
 
+# (device, head_dim, lanes, ctas) -> whether kernels.column_sum's sums were torch's
+_COLSUM_AGREES: dict = {}
+
+
+def _column_sum(prod):
+    """``prod.sum(0)`` of the row kernel's fp32 products (the norm weight's gradient):
+    kernels.column_sum in torch's order (softmax_order.torch_colsum_order) where that
+    order was found torch's for this geometry, once, on a probe of the same shape (another
+    torch or GPU may reduce otherwise), else torch's own sum. While a CUDA graph captures,
+    an unchecked geometry takes torch's."""
+    from .kernels.hardware import sm_count, threads_per_sm
+    from .softmax_order import torch_colsum_order
+
+    N, d = prod.shape
+    if N * d >= 2 ** 31:  # the kernels index in 32 bits
+        return prod.sum(0)
+    dev = prod.device
+    lanes, ctas = torch_colsum_order(N, d, sm_count(dev.index), threads_per_sm(dev.index))
+    key = (dev, d, lanes, ctas)
+    agrees = _COLSUM_AGREES.get(key)
+    from .kernels import column_sum
+
+    if agrees is None:
+        if torch.cuda.is_current_stream_capturing():
+            return prod.sum(0)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        probe = (torch.randn(N, d, device=dev, generator=gen)
+                 * (10 * torch.rand(N, 1, device=dev, generator=gen)))
+        got = column_sum.column_sum(probe, lanes, ctas)
+        agrees = _COLSUM_AGREES[key] = got is not None and torch.equal(got, probe.sum(0))
+    if agrees:
+        out = column_sum.column_sum(prod, lanes, ctas)
+        if out is not None:
+            return out
+    return prod.sum(0)
+
+
 def _forward(x_in, weight, positions, inv_freq, ep, rope_table=None):
     """The node's forward: ``(out, r, cos, sin)`` (``cos``/``sin`` None without RoPE)."""
     cos = sin = None
@@ -305,7 +342,7 @@ def _backward(g, x_in, weight, cos, sin, r, ep):
             prod = torch.empty(xc.shape, dtype=torch.float32, device=g.device)
             if epilogue_rows.run(True, gc, r, wc, cos, sin, gx, ep.rope_dim, ep.rope_interleaved,
                                  ep.rotate, norm_eps=ep.eps, x=xc, aux=prod) is not None:
-                return gx, prod.sum(0).to(weight.dtype)
+                return gx, _column_sum(prod).to(weight.dtype)
         else:
             gy = epilogue_rows.run(True, gc, r, wc, cos, sin,
                                    torch.empty(g.shape, dtype=torch.float32, device=g.device),

@@ -139,3 +139,77 @@ def torch_rowsum_vec(head_dim: int) -> int:
     meet in order and the lanes in ROWSUM_WARP_OFFSETS; the mean is that sum times
     fl(N) / fl(N * d)."""
     return ROWSUM_VEC if head_dim >= 128 else 1
+
+
+# torch's CUDA reduce kernel over the first dim of a contiguous fp32 (N, d) tensor, d a
+# multiple of 4 (the norm weight's gradient, ``prod.sum(0)``): Reduce.cuh's
+# setReduceConfig for a reduction over the slow dimension, 4-wide output vectors. Measured
+# bit for bit on the H200 against torch 2.11 over N 16-24576 and d 64-512
+# (tools/torch_colsum_order_probe.py).
+COLSUM_VEC = 4
+_COLSUM_MIN_VALUES, _COLSUM_MAX_VALUES = 16, 256  # Reduce.cuh's values a thread
+
+
+def torch_colsum_order(rows: int, head_dim: int, sms: int, threads_per_sm: int) -> tuple:
+    """``(lanes, ctas)`` of torch's column sum of a contiguous fp32 ``(rows, head_dim)``
+    tensor on a GPU of ``sms`` SMs of ``threads_per_sm`` threads: lane y of CTA c adds rows
+    y + lanes*c + k*lanes*ctas, its k-th into accumulator k % SUM_ACCUMULATORS, the
+    accumulators met in order; the lanes meet in a halving tree (y takes y + off, off =
+    lanes/2 .. 1); with ctas > 1 lane y then adds the CTAs' results c = y, y + lanes, ...
+    to zero and the same tree follows. ``(1, 1)``: one thread walks every row."""
+    if rows < 1 or head_dim < COLSUM_VEC or head_dim % COLSUM_VEC:
+        raise ValueError(f"torch_colsum_order: rows >= 1 and head_dim a multiple of "
+                         f"{COLSUM_VEC}, got ({rows}, {head_dim})")
+    limit = _REDUCE_THREADS // COLSUM_VEC  # the thread limit is shared by a vector's outputs
+    outs = head_dim // COLSUM_VEC
+    p0 = _last_pow2(outs) if outs < limit else limit
+    p1 = _last_pow2(rows) if rows < limit else limit
+    width = min(p0, _WARP)
+    lanes = min(p1, limit // width)
+    width = min(p0, limit // lanes)
+    if rows < min(lanes * _COLSUM_MIN_VALUES, _COLSUM_MAX_VALUES):
+        return 1, 1  # the block's rows take other outputs: one thread a column vector
+    per_thread = -(-rows // lanes)
+    grid = -(-outs // width)
+    target = sms * (threads_per_sm // (width * lanes))
+    ctas = 1
+    if per_thread >= _COLSUM_MAX_VALUES and grid <= target:
+        ctas = max(min(-(-target // grid), -(-per_thread // _COLSUM_MIN_VALUES)),
+                   -(-per_thread // _COLSUM_MAX_VALUES))
+    return lanes, ctas
+
+
+def colsum_in_order(x, lanes: int, ctas: int):
+    """``x.sum(0)`` of a 2-D fp32 tensor added in torch_colsum_order's order (torch ops, one
+    add at a time): what the column-sum kernel must equal, for tests on any device."""
+    rows = x.shape[0]
+
+    def lane(first, step):
+        acc = [x.new_zeros(x.shape[1:]) for _ in range(SUM_ACCUMULATORS)]
+        for k, r in enumerate(range(first, rows, step)):
+            acc[k % SUM_ACCUMULATORS] = acc[k % SUM_ACCUMULATORS] + x[r]
+        total = acc[0]
+        for a in acc[1:]:
+            total = total + a
+        return total
+
+    def tree(vals):
+        vals = list(vals)
+        off = len(vals) // 2
+        while off:
+            for y in range(off):
+                vals[y] = vals[y] + vals[y + off]
+            off //= 2
+        return vals[0]
+
+    step = lanes * ctas
+    parts = [tree(lane(y + lanes * c, step) for y in range(lanes)) for c in range(ctas)]
+    if ctas == 1:
+        return parts[0]
+    finals = []
+    for y in range(lanes):
+        v = x.new_zeros(x.shape[1:])
+        for c in range(y, ctas, lanes):
+            v = v + parts[c]
+        finals.append(v)
+    return tree(finals)

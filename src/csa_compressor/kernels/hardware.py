@@ -62,3 +62,8 @@ def target_major() -> int:
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def threads_per_sm(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).max_threads_per_multi_processor
