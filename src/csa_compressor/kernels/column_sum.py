@@ -17,7 +17,6 @@ from cutlass import Float32, Int32
 from ..softmax_order import COLSUM_VEC, SUM_ACCUMULATORS
 
 COLUMN_VECTORS = 32  # column vectors a CTA: one warp across, lanes of the order down
-GROUP_UNROLL = 4  # rounds of SUM_ACCUMULATORS rows a lane keeps in flight (16 loads)
 
 
 class ColumnSum:
@@ -75,8 +74,7 @@ class ColumnSum:
                 if first < rows:
                     n = (rows - first + step - 1) // step
                 groups = n // SUM_ACCUMULATORS
-                # unrolled so that later rounds' loads issue before earlier rounds' adds
-                for j in cutlass.range(groups, unroll=GROUP_UNROLL):
+                for j in cutlass.range(groups):
                     base = first + j * (SUM_ACCUMULATORS * step)
                     for a in cutlass.range_constexpr(SUM_ACCUMULATORS):
                         w = gX[(None, (base + a * step, chunk))].load()
