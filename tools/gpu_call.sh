@@ -28,8 +28,8 @@
 #                        graphs against its wall time, and cProfile of it (d128 rotate)
 #   launch_host          tools/launch_host_probe.py: host µs a call of the step's pieces
 #                        (torch launches, the small kernels, dispatch, the ops, the module)
-#   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum order
-#                        (the norm weight's gradient) against candidate orders
+#   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum (the
+#                        norm weight's gradient) against softmax_order's model of its order
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
