@@ -229,3 +229,45 @@ def test_rotary_table_arguments_are_checked():
         apply_epilogue(x, w, pos, ep, rope_table=(cos, sin[:5]))
     with pytest.raises(IndexError):  # a position past the table: an indexing error, no read
         apply_epilogue(x, w, torch.tensor([0, 1, 2, 8]), ep, rope_table=(cos, sin))
+
+
+def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monkeypatch):
+    """epilogue._column_sum: the kernel's order is checked once a geometry on a probe of
+    the same shape; a kernel that differs from torch's sum there is never used (torch's
+    sum instead), one that agrees is used for the rows themselves, and an unchecked
+    geometry while a CUDA graph captures takes torch's sum without checking or keeping."""
+    from csa_compressor import epilogue
+    from csa_compressor.kernels import column_sum, hardware
+
+    monkeypatch.setattr(hardware, "sm_count", lambda i: 132)
+    monkeypatch.setattr(hardware, "threads_per_sm", lambda i: 2048)
+    monkeypatch.setattr(epilogue, "_COLSUM_AGREES", {})
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    seen = []
+
+    def kernel_off_by_one(x, lanes, ctas):  # a kernel whose order is not torch's
+        seen.append((tuple(x.shape), lanes, ctas))
+        return x.sum(0) + 1
+
+    prod = torch.randn(6144, 128)
+    monkeypatch.setattr(column_sum, "column_sum", kernel_off_by_one)
+    assert torch.equal(epilogue._column_sum(prod), prod.sum(0))
+    assert seen == [((6144, 128), 4, 96)]  # the probe only
+    assert epilogue._COLSUM_AGREES == {(prod.device, 128, 4, 96): False}
+    assert torch.equal(epilogue._column_sum(prod), prod.sum(0)) and len(seen) == 1
+
+    def kernel_marked(x, lanes, ctas):  # torch's bits, and marks the rows it summed
+        seen.append(x.data_ptr())
+        return x.sum(0)
+
+    monkeypatch.setattr(column_sum, "column_sum", kernel_marked)
+    prod2 = torch.randn(6144, 512)
+    assert torch.equal(epilogue._column_sum(prod2), prod2.sum(0))
+    assert epilogue._COLSUM_AGREES[(prod2.device, 512, 4, 96)] is True
+    assert seen[-1] == prod2.data_ptr() and len(seen) == 3  # the probe, then the rows
+
+    capturing[0] = True
+    prod3 = torch.randn(192, 512)  # another geometry (one CTA along the rows)
+    assert torch.equal(epilogue._column_sum(prod3), prod3.sum(0))
+    assert len(seen) == 3 and (prod3.device, 512, 4, 1) not in epilogue._COLSUM_AGREES
