@@ -128,3 +128,31 @@ def test_source_commit_is_the_packages_checkout(tmp_path, monkeypatch):
     assert bench.environment()["commit"] == commit
     monkeypatch.setenv("CSA_COMMIT", "abc1234")
     assert bench.environment()["commit"] == "abc1234"
+
+
+def test_the_gate_checks_the_epilogue_node_against_its_composition(monkeypatch):
+    """check.run_epilogue: on the CPU the node runs the composition's torch ops, so every
+    row holds; a node whose output is off in one row is reported and counted."""
+    import torch
+
+    from csa_compressor import epilogue
+    from csa_compressor.cli import check
+
+    lines = []
+    grid, rows = [(128, 64, True, True), (64, 0, True, False)], (37,)
+    assert check.run_epilogue(torch.device("cpu"), ("bf16", "fp32"), lines.append, grid, rows) == 0
+    table = [line for line in lines if line.startswith("| 1") or line.startswith("| 6")]
+    assert len(table) == 2 * 2 * 3 and all(line.endswith("| ok |") for line in table)
+
+    real = epilogue.apply_epilogue
+
+    def perturbed(*a, **k):
+        y = real(*a, **k)
+        return y + torch.zeros_like(y).index_fill_(0, torch.tensor([3]), 1e-2 * y.abs().max().item())
+
+    monkeypatch.setattr(epilogue, "apply_epilogue", perturbed)
+    lines.clear()
+    failed = check.run_epilogue(torch.device("cpu"), ("fp32",), lines.append, grid[:1], rows)
+    assert failed == 1  # the output only: the gradients of y + c are the node's
+    assert sum("FAIL" in line for line in lines) == 1 and any("| out |" in line and "FAIL" in line
+                                                              for line in lines)

@@ -3,7 +3,9 @@
 Every output of the fused op against torch's eager fp32 region (reference mode "fp32")
 on the same GPU: dkv and dscore bitwise, the forward within one unit in the last place on
 at most 0.1% of elements (fp32 outputs: within 4 units), dape within 1e-3, and no output
-further from the fp64 oracle than the upstream (Megatron) region's."""
+further from the fp64 oracle than the upstream (Megatron) region's. Then the epilogue
+node (apply_epilogue) against the composition of torch ops it stands for
+(eager_epilogue): its output and both gradients bitwise."""
 
 from __future__ import annotations
 
@@ -64,5 +66,53 @@ def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
                 out(f"| {spec} | {dname} | {name} | {'yes' if rep.bitwise else 'no'} | "
                     f"{rep.n_diff}/{rep.numel} | {rep.max_ulp:.2f} | {rep.err_fp32:.4g} | "
                     f"{rep.err_upstream:.4g} | {rep.err_fused:.4g} | {verdict} |")
+    out("")
+    failures += run_epilogue(torch.device("cuda"), dtypes, out)
     out(f"\n{'PASS' if failures == 0 else 'FAIL'}: {failures} contract clause(s) failed")
     return 1 if failures else 0
+
+
+# (head_dim, rope_dim, interleaved pairs, rotate): the Compressor's geometries (d512 with
+# RoPE, d128 with RoPE and the rotation, in both pair layouts) and one without RoPE; rows:
+# a pack's worth below the column sum's split and 3x8192 tokens at ratio 4 plus padding.
+EPILOGUE_GRID = [(512, 64, True, False), (128, 64, True, True), (128, 64, False, True),
+                 (64, 0, True, False)]
+EPILOGUE_ROWS = (37, 6147)
+
+
+def run_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print, grid=EPILOGUE_GRID,
+                 rows=EPILOGUE_ROWS) -> int:
+    """The epilogue node against eager_epilogue on ``device``: output, d pooled and d
+    norm_weight bitwise. Returns the number of failing outputs."""
+    from .. import epilogue
+
+    failures = 0
+    out("| epilogue d:rope:interleaved:rotate | rows | dtype | output | bitwise | differ | verdict |")
+    out("|" + "---|" * 7)
+    for d, rope, inter, rot in grid:
+        ep = epilogue.Epilogue(rope_dim=rope, rope_interleaved=inter, rotate=rot)
+        for n in rows:
+            for dname in dtypes:
+                dt = DTYPES[dname]
+                gen = torch.Generator(device=device).manual_seed(n + d)
+                x = (torch.randn(n, d, device=device, generator=gen)
+                     * (4 * torch.rand(n, 1, device=device, generator=gen))).to(dt)
+                w = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).to(dt)
+                g = torch.randn(n, d, device=device, generator=gen).to(dt)
+                pos = torch.arange(n, device=device) * 4
+                got = _epilogue_step(epilogue.apply_epilogue, x, w, pos, ep, g)
+                want = _epilogue_step(epilogue.eager_epilogue, x, w, pos, ep, g)
+                for name, a, b in zip(("out", "d pooled", "d norm_weight"), got, want):
+                    same = torch.equal(a, b)
+                    failures += not same
+                    n_diff = int((a != b).sum()) if a.shape == b.shape else a.numel()
+                    out(f"| {d}:{rope}:{int(inter)}:{int(rot)} | {n} | {dname} | {name} | "
+                        f"{'yes' if same else 'no'} | {n_diff}/{a.numel()} | "
+                        f"{'ok' if same else 'FAIL: not bitwise the composition'} |")
+    return failures
+
+
+def _epilogue_step(fn, x, w, pos, ep, g):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
+    y = fn(*leaves, pos, ep)
+    return (y.detach(), *torch.autograd.grad(y, leaves, g))
