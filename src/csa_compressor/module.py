@@ -36,17 +36,20 @@ class _JointLinear(torch.autograd.Function):
     operand order), so the numbers and the gradients' layouts are the concatenation's."""
 
     @staticmethod
+    def joint(wa, wb):
+        """``[wa; wb]`` as one view of their storage."""
+        return wa.as_strided((wa.shape[0] + wb.shape[0], wa.shape[1]), (wa.shape[1], 1),
+                             wa.storage_offset())
+
+    @staticmethod
     def forward(ctx, x, wa, wb):
-        w = wa.as_strided((wa.shape[0] + wb.shape[0], wa.shape[1]), (wa.shape[1], 1),
-                          wa.storage_offset())
         ctx.save_for_backward(x, wa, wb)
-        return nn.functional.linear(x, w)
+        return nn.functional.linear(x, _JointLinear.joint(wa, wb))
 
     @staticmethod
     def backward(ctx, g):
         x, wa, wb = ctx.saved_tensors
-        w = wa.as_strided((wa.shape[0] + wb.shape[0], wa.shape[1]), (wa.shape[1], 1),
-                          wa.storage_offset())
+        w = _JointLinear.joint(wa, wb)
         g2 = g.reshape(-1, g.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
