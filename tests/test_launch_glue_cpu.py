@@ -82,3 +82,24 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
     (dape_args,) = fake_compile["dape"].calls
     assert dape_args[1].shape == (1, ratio * coff * d)
     assert (which == "bwd_large") == (N >= 4096)
+
+
+def test_a_kernels_check_runs_once_a_key_and_never_while_a_graph_captures(monkeypatch):
+    """compile.checked_once, behind every small kernel that stands in for a torch op whose
+    bits depend on torch's order or math library (row sums, cosines, column sums)."""
+    from csa_compressor.kernels.compile import checked_once
+
+    capturing, runs, table = [True], [], {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    def check(answer):
+        return lambda: runs.append(answer) or answer
+
+    assert checked_once(table, "a", check(True)) is False and runs == [] and table == {}
+    capturing[0] = False
+    assert checked_once(table, "a", check(None)) is False and table == {}  # no kernel now
+    assert checked_once(table, "a", check(True)) is True
+    assert checked_once(table, "b", check(False)) is False
+    capturing[0] = True  # a kept answer holds inside a capture too, nothing reruns
+    assert checked_once(table, "a", check(False)) is True and checked_once(table, "b", check(True)) is False
+    assert runs == [None, True, False] and table == {"a": True, "b": False}

@@ -241,16 +241,12 @@ def _norm_in_kernel(x_in, weight, ep) -> bool:
     d = x_in.shape[1]
     if x_in.shape[0] < ROWSUM_MIN_ROWS:
         return False
-    key = (x_in.device, x_in.dtype, d, ep)
-    agrees = _ROWSUM_AGREES.get(key)
-    if agrees is None:
-        if torch.cuda.is_current_stream_capturing():
-            return False
+    from .kernels.compile import checked_once
+
+    def check():
         from .kernels import epilogue_rows
 
-        gen = torch.Generator(device=x_in.device).manual_seed(0)
-        probe = (torch.randn(64, d, device=x_in.device, generator=gen)
-                 * (10 * torch.rand(64, 1, device=x_in.device, generator=gen))).to(x_in.dtype)
+        probe = _probe_rows(64, d, x_in.device).to(x_in.dtype)
         r = torch.empty((64, 1), dtype=torch.float32, device=x_in.device)
         cs = None
         if ep.rope_dim:
@@ -258,8 +254,17 @@ def _norm_in_kernel(x_in, weight, ep) -> bool:
         epilogue_rows.run(False, probe, r, torch.ones_like(weight), cs, cs,
                           torch.empty_like(probe), ep.rope_dim, ep.rope_interleaved, ep.rotate,
                           norm_eps=ep.eps)
-        agrees = _ROWSUM_AGREES[key] = torch.equal(r, _rsqrt_stat(probe.float(), ep.eps))
-    return agrees
+        return torch.equal(r, _rsqrt_stat(probe.float(), ep.eps))
+
+    return checked_once(_ROWSUM_AGREES, (x_in.device, x_in.dtype, d, ep), check)
+
+
+def _probe_rows(n: int, d: int, device) -> torch.Tensor:
+    """``(n, d)`` fp32 rows for a kernel's once-a-geometry check against torch: random
+    values, each row scaled differently (seeded: the same probe every run)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return (torch.randn(n, d, device=device, generator=gen)
+            * (10 * torch.rand(n, 1, device=device, generator=gen)))
 
 
 # (device, head_dim, lanes, ctas) -> whether kernels.column_sum's sums were torch's
@@ -272,6 +277,8 @@ def _column_sum(prod):
     order was found torch's for this geometry, once, on a probe of the same shape (another
     torch or GPU may reduce otherwise), else torch's own sum. While a CUDA graph captures,
     an unchecked geometry takes torch's."""
+    from .kernels import column_sum
+    from .kernels.compile import checked_once
     from .kernels.hardware import sm_count, threads_per_sm
     from .softmax_order import torch_colsum_order
 
@@ -280,19 +287,13 @@ def _column_sum(prod):
         return prod.sum(0)
     dev = prod.device
     lanes, ctas = torch_colsum_order(N, d, sm_count(dev.index), threads_per_sm(dev.index))
-    key = (dev, d, lanes, ctas)
-    agrees = _COLSUM_AGREES.get(key)
-    from .kernels import column_sum
 
-    if agrees is None:
-        if torch.cuda.is_current_stream_capturing():
-            return prod.sum(0)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        probe = (torch.randn(N, d, device=dev, generator=gen)
-                 * (10 * torch.rand(N, 1, device=dev, generator=gen)))
+    def check():
+        probe = _probe_rows(N, d, dev)
         got = column_sum.column_sum(probe, lanes, ctas)
-        agrees = _COLSUM_AGREES[key] = got is not None and torch.equal(got, probe.sum(0))
-    if agrees:
+        return None if got is None else torch.equal(got, probe.sum(0))
+
+    if checked_once(_COLSUM_AGREES, (dev, d, lanes, ctas), check):
         out = column_sum.column_sum(prod, lanes, ctas)
         if out is not None:
             return out

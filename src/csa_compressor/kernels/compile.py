@@ -226,6 +226,22 @@ def small_kernel(spec: SmallSpec, device: torch.device, build):
     return hit[0]
 
 
+def checked_once(table: dict, key, check) -> bool:
+    """``table[key]``: whether a small kernel gives torch's bits at ``key`` (another torch
+    or GPU may order or round otherwise), from ``check()`` run the first time and kept.
+    ``check()`` returns None where the kernel cannot be had now: nothing is kept. While a
+    CUDA graph captures, an unchecked key is False and no probe runs."""
+    agrees = table.get(key)
+    if agrees is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        agrees = check()
+        if agrees is None:
+            return False
+        table[key] = agrees
+    return agrees
+
+
 _PLACEHOLDERS: dict = {}
 
 

@@ -152,10 +152,9 @@ def cos_sin(pos, inv_freq):
     the torch composition: another CUDA math library may round otherwise)."""
     import torch
 
-    agrees = _TRIG_AGREES.get(pos.device)
-    if agrees is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
+    from .compile import checked_once
+
+    def check():
         from ..epilogue import _torch_cos_sin
 
         probe = torch.cat((torch.arange(0, 1 << 20, 97, device=pos.device),
@@ -165,6 +164,6 @@ def cos_sin(pos, inv_freq):
         if got is None:
             return None
         want = _torch_cos_sin(probe, inv_freq)
-        agrees = _TRIG_AGREES[pos.device] = (torch.equal(got[0], want[0])
-                                             and torch.equal(got[1], want[1]))
-    return _launch("trig", pos, inv_freq) if agrees else None
+        return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    return _launch("trig", pos, inv_freq) if checked_once(_TRIG_AGREES, pos.device, check) else None
