@@ -84,15 +84,11 @@ def main(calls=100):
         def backward(ctx, g):
             return g * 2
 
-    class OffsetsInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-
+    class OffsetsInBackward(Twice):
         @staticmethod
         def backward(ctx, g):
             compressed_offsets(cu, ratio)
-            return g * 2
+            return Twice.backward(ctx, g)
 
     small = torch.randn(64, device=dev, requires_grad=True)
     g_small = torch.randn(64, device=dev)
