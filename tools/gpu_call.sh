@@ -30,6 +30,8 @@
 #                        (torch launches, the small kernels, dispatch, the ops, the module)
 #   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum (the
 #                        norm weight's gradient) against softmax_order's model of its order
+#   colsum_time          the same probe's timing mode: the column sum's µs a call in graphs
+#                        against torch's; colsum_time_base the same of $BASE_SRC's tree
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        (needs MEGATRON_LM_PATH)
@@ -88,6 +90,8 @@ cmd_of() {
         module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;
         launch_host) echo "python3 tools/launch_host_probe.py" ;;
         colsum_order) echo "python3 tools/torch_colsum_order_probe.py" ;;
+        colsum_time) echo "python3 tools/torch_colsum_order_probe.py time" ;;
+        colsum_time_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/torch_colsum_order_probe.py time" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;

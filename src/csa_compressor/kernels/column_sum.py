@@ -43,7 +43,7 @@ class ColumnSum:
                     mX.shape[0], ctas).launch(grid=[grid_x, grid_y, 1],
                                               block=[self.width, self.lanes, 1],
                                               smem=self.smem_bytes, stream=stream,
-                                              use_pdl=self.finish)
+                                              use_pdl=True)
 
     @cute.kernel
     def kernel(self, gX: cute.Tensor, gO: cute.Tensor, rows: Int32, ctas: Int32):
@@ -55,8 +55,14 @@ class ColumnSum:
         v = cute.make_rmem_tensor((COLSUM_VEC,), Float32)
         for e in cutlass.range_constexpr(COLSUM_VEC):
             v[e] = Float32(0.0)
+        # Both launches are programmatic dependents: each starts while its predecessor (the
+        # epilogue's backward, then the first launch) drains, and reads nothing before that
+        # predecessor has completed and flushed. The first lets the second be scheduled at
+        # once (the second has a few CTAs, and they only wait).
+        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.finish):
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.finish):
-            cute.arch.griddepcontrol_wait()  # the partials are the first launch's output
             if chunk < self.cpr:
                 for p in cutlass.range(ty, rows, self.lanes, unroll=4):
                     w = gX[(None, (p, chunk))].load()
