@@ -158,9 +158,9 @@ def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
 
 
 def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch):
-    """compile.small_kernel: compiled once a (device, spec) and kept; while a CUDA graph
-    captures, a kernel not compiled yet is None (its caller runs the torch ops, the same
-    bits) and nothing is compiled."""
+    """compile.small_kernel: compiled once a (device, key) and kept, its SmallSpec made on
+    that miss only; while a CUDA graph captures, a kernel not compiled yet is None (its
+    caller runs the torch ops, the same bits) and nothing is compiled."""
     import torch
 
     from csa_compressor.kernels import compile as cc
@@ -171,10 +171,18 @@ def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch)
                                                                   (f"fn {spec.direction}", None)))
     dev = torch.device("cuda", 0)
     spec = cc.SmallSpec("offsets", ratio=4)
+    made = []
+
+    def make(s):
+        return lambda: (made.append(s) or (s, None))
+
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cc.small_kernel(spec, dev, None) is None and built == []
+    assert cc.small_kernel(("offsets", 4), dev, make(spec)) is None and built == made == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert cc.small_kernel(spec, dev, None) == "fn offsets" and built == [spec]
+    assert cc.small_kernel(("offsets", 4), dev, make(spec)) == "fn offsets" and built == [spec]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cc.small_kernel(spec, dev, None) == "fn offsets" and built == [spec]  # kept
-    assert cc.small_kernel(cc.SmallSpec("offsets", ratio=128), dev, None) is None
+    assert cc.small_kernel(("offsets", 4), dev, make(spec)) == "fn offsets"  # kept
+    assert built == made == [spec]  # the hit made no spec
+    other = cc.SmallSpec("offsets", ratio=128)
+    assert cc.small_kernel(("offsets", 128), dev, make(other)) is None and made == [spec]
+    assert cc.small_kernel(("offsets", 4), torch.device("cuda", 1), make(spec)) is None

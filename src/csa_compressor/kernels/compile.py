@@ -209,20 +209,22 @@ def compile_small(spec: SmallSpec, build) -> tuple:
 _SMALL: dict = {}
 
 
-def small_kernel(spec: SmallSpec, device: torch.device, build):
+def small_kernel(key: tuple, device: torch.device, make):
     """The launchable function of a small kernel on ``device``, compiled (or loaded) on
     first use; None where it is not compiled yet and the stream is capturing a CUDA graph:
     the caller then runs the torch ops the kernel stands in for (the same bits), where the
-    pooling kernels would have to raise."""
-    key = (device.index, spec)
-    hit = _SMALL.get(key)
+    pooling kernels would have to raise. ``key``: the values that specialise it, its name
+    first (plain values: a call is one lookup, several a step on the host's critical
+    path); ``make()``: its ``(SmallSpec, build)`` from those values, on a miss only."""
+    ck = (device.index, key)
+    hit = _SMALL.get(ck)
     if hit is None:
         if torch.cuda.is_current_stream_capturing():
             return None
         with _LOCK:
-            hit = _SMALL.get(key)
+            hit = _SMALL.get(ck)
             if hit is None:
-                hit = _SMALL[key] = compile_small(spec, build)
+                hit = _SMALL[ck] = compile_small(*make())
     return hit[0]
 
 

@@ -31,6 +31,8 @@ import numpy as np
 from cutlass import Float32, Int32
 
 from ..softmax_order import ROWSUM_VEC, ROWSUM_WARP_OFFSETS, torch_rowsum_vec
+from .compile import SmallSpec, placeholder, small_kernel
+from .plan import cutlass_dtype
 from .ptx import div_exact, i64_to_f32, mul_rn, rsqrt_approx
 
 WARPS_PER_CTA = 4  # rows a CTA: one a warp
@@ -306,19 +308,22 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     ROWSUM_MIN_ROWS rows."""
     import torch
 
-    from .compile import SmallSpec, placeholder, small_kernel
-    from .plan import cutlass_dtype
-
     d = rows.shape[1]
     norm = norm_eps is not None
     eps = 1e-6 if norm_eps is None else norm_eps
-    spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
-                     f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
-                     dtype=str(rows.dtype), head_dim=d)
-    fn = small_kernel(spec, rows.device, lambda: (
-        EpilogueRows(cutlass_dtype(rows.dtype), d, rope_dim, interleaved, rotate, backward,
-                     norm, eps),
-        compile_args(rows.dtype, d, rope_dim, interleaved, backward, norm)))
+    dtype = rows.dtype
+
+    def make():
+        spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
+                         f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
+                         dtype=str(dtype), head_dim=d)
+        return spec, lambda: (
+            EpilogueRows(cutlass_dtype(dtype), d, rope_dim, interleaved, rotate, backward,
+                         norm, eps),
+            compile_args(dtype, d, rope_dim, interleaved, backward, norm))
+
+    fn = small_kernel(("epilogue_rows", dtype, d, rope_dim, interleaved, rotate, backward, norm,
+                       eps), rows.device, make)
     if fn is None:
         return None
 

@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, Int64
 
+from .compile import SmallSpec, checked_once, placeholder, small_kernel
 from .segments import find_segment
 
 THREADS = 256
@@ -93,14 +94,13 @@ NO_CAP = (1 << 62)  # positions uncapped: larger than any block index
 
 
 def _get(kind: str, pairs: int, device):
-    from .compile import SmallSpec, small_kernel
-
     def build():
         if kind == "positions":
             return RopePositions(), compile_args(kind)
         return RopeAngles(pairs, kind == "trig"), compile_args(kind, pairs)
 
-    return small_kernel(SmallSpec("rope_" + kind, head_dim=pairs), device, build)
+    return small_kernel(("rope", kind, pairs), device,
+                        lambda: (SmallSpec("rope_" + kind, head_dim=pairs), build))
 
 
 def positions(cuc, total: int, ratio: int, cap: int | None):
@@ -126,8 +126,6 @@ def angles(pos, inv_freq):
 def _launch(kind, pos, inv_freq):
     import torch
 
-    from .compile import placeholder
-
     pairs = inv_freq.shape[0]
     fn = _get(kind, pairs, pos.device)
     if fn is None:
@@ -151,8 +149,6 @@ def cos_sin(pos, inv_freq):
     device, on the caller's frequencies at positions over the range they reach, against
     the torch composition: another CUDA math library may round otherwise)."""
     import torch
-
-    from .compile import checked_once
 
     def check():
         from ..epilogue import _torch_cos_sin
