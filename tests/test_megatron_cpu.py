@@ -353,3 +353,111 @@ def test_megatrons_rotating_compressor_through_the_adapter(megatron_csa, fused_o
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], **tol)
     _assert_parameter_grads_close(got[2], want[2], **tol)
+
+
+def _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn=None, rotate=False, pooling="reference"):
+    """The package's Compressor with Megatron's parameters, settings and numerics="megatron"."""
+    from csa_compressor import Compressor
+    from csa_compressor.epilogue import YaRN
+
+    ours = Compressor(mg.linear_wkv.weight.shape[1], head_dim, ratio, rope_dim=rope_dim,
+                      rope_theta=10000.0, rope_interleaved=True, norm_eps=1e-5, rotate=rotate,
+                      dtype=dtype, pooling=pooling, megatron_layout=True, numerics="megatron",
+                      rope_yarn=None if yarn is None else YaRN(
+                          factor=yarn[0], original_max_position_embeddings=yarn[1]))
+    ours.load_megatron_state_dict(mg.state_dict())
+    return ours
+
+
+def _assert_bitwise_megatron(got, want, ours):
+    """got: (output, input gradient, {our parameter name: gradient}) of ``ours``; want: a
+    Megatron step."""
+    from csa_compressor import Compressor
+
+    assert torch.equal(got[0], want[0]), "output"
+    assert torch.equal(got[1], want[1]), "input gradient"
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        # Megatron keeps the norm weight in fp32; ours is a parameter of the dtype
+        dtype = dict(ours.named_parameters())[ok].dtype
+        want_grad = want[2][mk].to(dtype).float() if mk == "norm.weight" else want[2][mk]
+        assert torch.equal(got[2][ok].float(), want_grad), mk
+
+
+def _ours_thd_step(ours, x, cu, max_seqlen):
+    ours.zero_grad(set_to_none=True)
+    xs = x.clone().requires_grad_(True)
+    out, cuc = ours(xs, cu, max_seqlen=max_seqlen)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    g[int(cuc[-1]):] = 0
+    out.backward(g)
+    return out.detach().float(), xs.grad.float(), {n: p.grad for n, p in ours.named_parameters()}
+
+
+@pytest.mark.parametrize("ratio,head_dim,rope_dim,yarn,dtype", [
+    (4, 512, 64, None, torch.bfloat16),
+    (4, 128, 64, (4.0, 64), torch.bfloat16),
+    (4, 64, 64, None, torch.float16),
+    (128, 512, 64, None, torch.bfloat16),
+    (128, 128, 0, None, torch.bfloat16),
+    (128, 256, 64, (16.0, 256), torch.bfloat16),
+    (4, 32, 16, None, torch.float32),
+])
+def test_megatron_numerics_reproduce_megatrons_compressor_bit_for_bit(
+        megatron_csa, fused_on_cpu, ratio, head_dim, rope_dim, yarn, dtype):
+    """Compressor(numerics="megatron") against Megatron's own Compressor with its pooling
+    in fp32 (the adapter installed, the fp32 reference standing in for the kernels: what
+    Megatron's fused path computes): the output, padding rows included, and every gradient
+    bit for bit, on a ragged pack (an empty segment, a segment shorter than a block, a
+    tail past the last block) with capacity padding rows."""
+    mg = build_compressor(megatron_csa, hidden=256, head_dim=head_dim, ratio=ratio,
+                          rope_dim=rope_dim, dtype=dtype, yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0], "original_max_position_embeddings": yarn[1]})
+    ours = _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn)
+    lens = [701, 0, 3, 517, 262] if ratio == 4 else [1300, 0, 127, 2000]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]) + 5, 1, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with megatron.installed():
+        want = thd_step(mg, x, cu, max(lens))
+    assert fused_on_cpu, "Megatron's pooling did not take the fp32 path"
+    got = _ours_thd_step(ours, x, cu, max(lens))
+    assert got[0].shape[0] > sum(n // ratio for n in lens)  # capacity padding rows compared too
+    _assert_bitwise_megatron(got, want, ours)
+    if dtype != torch.float32:  # the default numerics round elsewhere: the test can tell them apart
+        fp32 = _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn)
+        fp32.numerics, fp32.one_projection = "fp32", True
+        other = _ours_thd_step(fp32, x, cu, max(lens))
+        assert not torch.equal(other[1], want[1])  # one GEMM's input gradient, not two added
+        assert torch.equal(other[0], want[0]) == (rope_dim == 0)  # the rotation rounds once
+
+
+def test_megatron_numerics_on_the_sbhd_path(megatron_csa, fused_on_cpu):
+    """SBHD (3 sequences of 301 tokens, a tail past the last block): bit for bit too."""
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=128, ratio=4, rope_dim=64,
+                          dtype=torch.bfloat16)
+    ours = _module_like(mg, 4, 128, 64, torch.bfloat16)
+    x = torch.randn(301, 3, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with megatron.installed():
+        want = _sbhd_step(mg, x)
+    _assert_bitwise_megatron(_sbhd_step(ours, x), want, ours)
+
+
+def test_megatron_numerics_with_the_rotation(megatron_csa, fused_on_cpu, hadamard_standin):
+    """rotate=True (Megatron's rotation, a CUDA package, stood in by the same transform in
+    fp32 with one rounding): bit for bit against that stand-in."""
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=128, ratio=4, rope_dim=64,
+                          rotate=True, dtype=torch.bfloat16)
+    ours = _module_like(mg, 4, 128, 64, torch.bfloat16, rotate=True)
+    lens = [97, 0, 3, 260]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]), 1, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with megatron.installed():
+        want = thd_step(mg, x, cu, max(lens))
+    _assert_bitwise_megatron(_ours_thd_step(ours, x, cu, max(lens)), want, ours)
+    assert len(hadamard_standin) == 1
+
+
+def test_megatron_numerics_is_checked():
+    from csa_compressor import Compressor
+
+    with pytest.raises(ValueError, match="numerics: expected one of"):
+        Compressor(64, 32, 4, numerics="bf16")

@@ -162,3 +162,46 @@ def test_megatrons_rotating_compressor_on_the_fused_kernels(megatron_csa, monkey
     for a, b in zip(got, want):
         scale = b.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("ratio,head_dim,yarn,rotate", [
+    (4, 512, None, False), (4, 128, (4.0, 4096), True), (128, 512, (16.0, 4096), False),
+    (128, 128, None, False)])
+def test_megatron_numerics_reproduce_megatrons_compressor_on_the_fused_kernels(
+        megatron_csa, monkeypatch, hadamard_standin, ratio, head_dim, yarn, rotate):
+    """Compressor(numerics="megatron", pooling="fused") against Megatron's Compressor with the
+    adapter installed (its pooling on the same fused kernels, fp32 as Megatron's own fused
+    path): a pack of 8192 + 8191 + 5000 + 3 + 0 tokens, hidden 1024, bf16; the output and
+    every gradient bit for bit (rotate: Megatron's rotation stood in, tests/conftest.py)."""
+    from csa_compressor import Compressor
+    from csa_compressor.epilogue import YaRN
+
+    hidden = 1024
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                          rotate=rotate, dtype=torch.bfloat16, yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0],
+                              "original_max_position_embeddings": yarn[1]}).cuda()
+    ours = Compressor(hidden, head_dim, ratio, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
+                      rotate=rotate, dtype=torch.bfloat16, device="cuda", pooling="fused",
+                      megatron_layout=True, numerics="megatron",
+                      rope_yarn=None if yarn is None else YaRN(
+                          factor=yarn[0], original_max_position_embeddings=yarn[1]))
+    ours.load_megatron_state_dict(mg.state_dict())
+    lens = [8192, 8191, 5000, 3, 0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    x = torch.randn(int(cu[-1]), 1, hidden, device="cuda").to(torch.bfloat16)
+    want, launched = _installed_step(lambda: thd_step(mg, x, cu, max(lens)), monkeypatch)
+    assert len(launched) == 1, megatron.fallback_reasons()
+    xs = x.clone().requires_grad_(True)
+    out, cuc = ours(xs, cu, max_seqlen=max(lens))
+    g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    g = g.to(out.dtype)
+    g[int(cuc[-1]):] = 0
+    out.backward(g)
+    params = dict(ours.named_parameters())
+    pairs = [("output", out.detach().float(), want[0]), ("input gradient", xs.grad.float(), want[1])]
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        w = want[2][mk].to(params[ok].dtype).float()  # Megatron's norm weight is fp32
+        pairs.append((mk, params[ok].grad.float(), w))
+    differ = {name: int((a != b).sum()) for name, a, b in pairs}
+    assert not any(differ.values()), f"elements that differ: {differ}"

@@ -85,6 +85,7 @@ cmd_of() {
         fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
+        vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
         module_bench) echo "python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;
         bench_order) echo "python3 tools/bench_order_probe.py" ;;

@@ -1,6 +1,9 @@
-"""The package's Compressor module (fused pooling, fp32 epilogue, megatron_layout, Megatron's
-parameters loaded) against Megatron-LM's own Compressor (its eager bf16 region) at scale:
-how many bf16 ulps apart the output and every gradient are.
+"""The package's Compressor module (fused pooling, megatron_layout, Megatron's parameters
+loaded) against Megatron-LM's own Compressor at scale: how many bf16 ulps apart the output
+and every gradient are, in two pairings: the module's default numerics ("fp32") against
+Megatron's eager region (which rounds its softmax weights and products to bf16), and
+numerics="megatron" against Megatron with csa_compressor.megatron installed (its pooling
+fused, in fp32, as Megatron's own fused path computes it).
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/module_vs_megatron.py [--tokens 3x8192]
 
@@ -11,6 +14,8 @@ ulps apart, and the largest difference relative to the tensor's largest magnitud
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -37,7 +42,7 @@ def main(argv=None):
     import megatron.core.transformer.experimental_attention_variant.csa as csa
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from csa_compressor import Compressor
+    from csa_compressor import Compressor, megatron
     from csa_compressor.testing import megatron_compressor, megatron_one_process
 
     megatron_one_process(tempfile.mkdtemp())
@@ -47,18 +52,25 @@ def main(argv=None):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n,
                           max_seqlen_kv=n)
-    print(f"| config | tensor | max ulps | > 1 ulp | > 2 ulps | max |diff| / max |ref| |")
-    print("|---|---|---|---|---|---|")
-    for d, ratio in ((512, 4), (512, 128), (128, 4)):
+
+    print("| config | module numerics vs Megatron | tensor | max ulps | > 1 ulp | > 2 ulps | "
+          "max |diff| / max |ref| |")
+    print("|---|---|---|---|---|---|---|")
+    for (d, ratio), numerics in itertools.product(((512, 4), (512, 128), (128, 4)),
+                                                  ("fp32", "megatron")):
         mg = megatron_compressor(csa, args.hidden, d, ratio, 64, dtype=torch.bfloat16).to(dev)
         ours = Compressor(args.hidden, d, ratio, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
-                          dtype=torch.bfloat16, device=dev, megatron_layout=True, pooling="fused")
+                          dtype=torch.bfloat16, device=dev, megatron_layout=True, pooling="fused",
+                          numerics=numerics)
         ours.load_megatron_state_dict(mg.state_dict())
         x = torch.randn(sum(lens), 1, args.hidden, device=dev).bfloat16()
+        against = "eager" if numerics == "fp32" else "installed"
         res = []
         for which in ("megatron", "ours"):
             xi = x.clone().requires_grad_(True)
-            out, cuc = mg(xi, psp) if which == "megatron" else ours(xi, cu, max_seqlen=n)
+            with megatron.installed() if which == "megatron" and against == "installed" \
+                    else contextlib.nullcontext():
+                out, cuc = mg(xi, psp) if which == "megatron" else ours(xi, cu, max_seqlen=n)
             g = torch.randn(out.shape, device=dev, generator=torch.Generator(dev).manual_seed(1))
             g = g.bfloat16()
             g[int(cuc[-1]):] = 0
@@ -71,7 +83,7 @@ def main(argv=None):
             a, ref = res[1][key].float(), res[0][key].float()
             u = ulps(a, ref)
             rel = ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-            print(f"| d{d} r{ratio} | {key} | {int(u.max())} | {(u > 1).float().mean().item():.2e} | "
+            print(f"| d{d} r{ratio} | {numerics} vs {against} | {key} | {int(u.max())} | {(u > 1).float().mean().item():.2e} | "
                   f"{(u > 2).float().mean().item():.2e} | {rel:.2e} |", flush=True)
         del mg, ours
         torch.cuda.empty_cache()

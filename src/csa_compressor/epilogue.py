@@ -528,3 +528,58 @@ def eager_epilogue(pooled, norm_weight, positions, ep: Epilogue, rope_table=None
     if ep.rotate:
         x = hadamard(x)
     return x.to(pooled.dtype)
+
+
+def megatron_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """The rotary frequencies as Megatron-LM's RotaryEmbedding / YarnRotaryEmbedding make
+    them: fp32 throughout (``1 / theta ** (2i / rope_dim)``; YaRN's two tables and its fp32
+    ramp), on ``device``."""
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim
+    extra = 1.0 / (theta ** exponent)
+    if yarn is None:
+        return extra
+    inter = 1.0 / (yarn.factor * theta ** exponent)
+
+    def correction_dim(rotations):
+        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp
+    return inter * (1 - keep) + extra * keep
+
+
+def megatron_epilogue(pooled, norm_weight, positions, ep: Epilogue, inv_freq=None) -> torch.Tensor:
+    """The epilogue rounded where Megatron-LM's Compressor rounds it (its unfused path):
+    the RMSNorm in fp32 rounded to the rows' dtype, the rotary angles in fp32
+    (megatron_inv_freq, ``position * inv_freq``), their cosines and sines rounded to the
+    dtype, each product and sum of the rotation rounded to it, the Hadamard rotation in
+    fp32 with one rounding. A composition of torch ops (autograd records each, so the
+    gradients round where Megatron's do too)."""
+    dt = pooled.dtype
+    x = pooled.float()
+    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps) * norm_weight.float()).to(dt)
+    if ep.rope_dim:
+        if inv_freq is None:
+            inv_freq = megatron_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, pooled.device)
+        ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = torch.cos(ang).to(dt), torch.sin(ang).to(dt)
+        rot = y[..., -ep.rope_dim:]
+        if ep.rope_interleaved:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+        else:
+            a, b = rot[..., : ep.rope_dim // 2], rot[..., ep.rope_dim // 2:]
+        ra, rb = a * cos + (-b) * sin, b * cos + a * sin
+        out = torch.stack((ra, rb), dim=-1).flatten(-2) if ep.rope_interleaved else torch.cat((ra, rb), -1)
+        y = torch.cat((y[..., :-ep.rope_dim], out), dim=-1)
+    if ep.rotate:
+        y = hadamard(y).to(dt)
+    return y

@@ -10,12 +10,14 @@ from torch import nn
 
 from . import reference
 from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, eager_epilogue,  # noqa: F401
-                       hadamard, rope_inv_freq, rope_positions, sbhd_positions)
+                       hadamard, megatron_epilogue, rope_inv_freq, rope_positions,
+                       sbhd_positions)
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
 
 POOLING = ("auto", "fused", "reference")
+NUMERICS = ("fp32", "megatron")
 
 
 def _adjacent(a, b) -> bool:
@@ -67,7 +69,11 @@ class Compressor(nn.Module):
     optional Hadamard rotation. ``coff`` defaults to 2 at ratio 4, else 1.
     ``megatron_layout``: THD outputs shaped as Megatron-LM's Compressor returns them,
     ``(N, 1, head_dim)``, and ``(None, cu_seqlens_comp)`` when no row compresses;
-    ``load_megatron_state_dict`` takes its parameters."""
+    ``load_megatron_state_dict`` takes its parameters. ``numerics``: "fp32" (the pooling and
+    the epilogue in fp32, one rounding each; the fused epilogue) or "megatron": rounded
+    where Megatron-LM's Compressor rounds around an fp32 pooling (what its fused path
+    computes): two projection GEMMs whose input gradients add in the dtype, and the
+    epilogue of megatron_epilogue (torch ops, Megatron's fp32 rotary angles)."""
 
     MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
                      "ape": "ape", "norm.weight": "norm_weight"}
@@ -91,7 +97,8 @@ class Compressor(nn.Module):
                  rope_dim: int | None = None, rope_theta: float = 160000.0,
                  rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
                  dtype=torch.bfloat16, device=None, pooling: str = "auto",
-                 megatron_layout: bool = False, rope_yarn: YaRN | None = None):
+                 megatron_layout: bool = False, rope_yarn: YaRN | None = None,
+                 numerics: str = "fp32"):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("head_dim", head_dim, 1)
@@ -118,10 +125,13 @@ class Compressor(nn.Module):
             raise TypeError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
         if pooling not in POOLING:
             raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
+        self.numerics = numerics
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
         # False: the epilogue as the composition of torch ops it is bitwise equal to
@@ -134,7 +144,8 @@ class Compressor(nn.Module):
         self._join_weights()
         # THD inputs take one projection GEMM into [kv | score] (one GEMM backward, no add of
         # two input gradients) where the kernels can read its halves in place.
-        self.one_projection = (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
+        self.one_projection = numerics == "fp32" and \
+            (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
 
     def project(self, x):
         """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``. The two
@@ -208,6 +219,8 @@ class Compressor(nn.Module):
         return fallback()
 
     def _finish(self, pooled, pos):
+        if self.numerics == "megatron":
+            return megatron_epilogue(pooled, self.norm_weight, pos, self.epilogue)
         if not self.fused_epilogue:
             return eager_epilogue(pooled, self.norm_weight, pos, self.epilogue)
         return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue,

@@ -63,7 +63,8 @@ def megatron_compressor(csa, hidden, head_dim, ratio, rope_dim, rotate=False, se
         from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
             YarnRotaryEmbedding)
 
+        # its tables made where Megatron's default config makes them (the GPU where there is one)
         rope = YarnRotaryEmbedding(kv_channels=rope_dim, rotary_percent=1.0,
-                                   use_cpu_initialization=True, **yarn)
+                                   use_cpu_initialization=not torch.cuda.is_available(), **yarn)
     return csa.Compressor(cfg, sub, compress_ratio=ratio, head_dim=head_dim, rotate=rotate,
                           rotary_pos_emb=rope)
