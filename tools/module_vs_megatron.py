@@ -62,6 +62,8 @@ def main(argv=None):
         ours = Compressor(args.hidden, d, ratio, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
                           dtype=torch.bfloat16, device=dev, megatron_layout=True, pooling="fused",
                           numerics=numerics)
+        with torch.no_grad():  # what Float16Module leaves it: the dtype (and not all ones)
+            mg.norm.weight.data = (1 + 0.1 * torch.randn(d, device=dev)).bfloat16()
         ours.load_megatron_state_dict(mg.state_dict())
         x = torch.randn(sum(lens), 1, args.hidden, device=dev).bfloat16()
         against = "eager" if numerics == "fp32" else "installed"

@@ -559,14 +559,15 @@ def megatron_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
 
 def megatron_epilogue(pooled, norm_weight, positions, ep: Epilogue, inv_freq=None) -> torch.Tensor:
     """The epilogue rounded where Megatron-LM's Compressor rounds it (its unfused path):
-    the RMSNorm in fp32 rounded to the rows' dtype, the rotary angles in fp32
+    torch's rms_norm as Megatron's torch norm calls it (fp32 inside, the rows' dtype out),
+    the rotary angles in fp32
     (megatron_inv_freq, ``position * inv_freq``), their cosines and sines rounded to the
     dtype, each product and sum of the rotation rounded to it, the Hadamard rotation in
     fp32 with one rounding. A composition of torch ops (autograd records each, so the
     gradients round where Megatron's do too)."""
     dt = pooled.dtype
-    x = pooled.float()
-    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep.eps) * norm_weight.float()).to(dt)
+    # the op Megatron's WrappedTorchNorm calls: torch picks the same kernel for the same dtypes
+    y = torch.nn.functional.rms_norm(pooled, (pooled.shape[-1],), norm_weight, ep.eps)
     if ep.rope_dim:
         if inv_freq is None:
             inv_freq = megatron_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, pooled.device)
