@@ -51,12 +51,26 @@ def build(spec):
             er.compile_args(dtype, d, R, inter, bwd, norm))
 
 
+DUMP = os.environ["CUTE_DSL_DUMP_DIR"]
+
 for spec in sys.argv[1:]:
     kernel, args = build(spec)
+    # a file name comes from the argument types, so another specialisation may rewrite one
+    before = {f: os.stat(os.path.join(DUMP, f)).st_mtime_ns for f in os.listdir(DUMP)}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         _compile(kernel, *args)
     log = buf.getvalue()
-    print(json.dumps({"spec": spec, "regs": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
+    ptx = "".join(open(os.path.join(DUMP, f)).read() for f in os.listdir(DUMP)
+                  if f.endswith(".ptx")
+                  and before.get(f) != os.stat(os.path.join(DUMP, f)).st_mtime_ns)
+    # as tests/compile_probe.py: a programmatic dependent touches no global memory before
+    # griddepcontrol.wait (-1: no wait)
+    wait_at = ptx.find("griddepcontrol.wait")
+    first_mem = re.search(r"\b(?:ld|st|cp\.async|atom|red)\.[a-z0-9.:]*global", ptx)
+    print(json.dumps({"spec": spec, "ptx": bool(ptx), "pdl_wait": wait_at >= 0,
+                      "pdl_wait_first": wait_at >= 0 and (first_mem is None
+                                                          or wait_at < first_mem.start()),
+                      "regs": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
                       "spills": [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)],
                       "stack": [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]}))

@@ -341,3 +341,6 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
     assert [i["spec"] for i in infos] == specs
     for info in infos:
         assert info["regs"] and all(s == 0 for s in info["spills"] + info["stack"]), info
+        # the row kernels and the column sum launch as programmatic dependents (use_pdl)
+        if info["spec"].split(":")[0] not in ("positions", "angles", "trig", "offsets"):
+            assert info["ptx"] and info["pdl_wait"] and info["pdl_wait_first"], info

@@ -86,7 +86,8 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
-        module_bench) echo "python3 -m csa_compressor bench --module" ;;
+        module_bench*) echo "python3 -m csa_compressor bench --module" ;;
+        base_module_bench*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;
         bench_order) echo "python3 tools/bench_order_probe.py" ;;
         module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;

@@ -6,7 +6,8 @@ calls over inputs rotated past the L2; the variants' graphs replayed in turn, ro
 round, so the ratios pair their times): the module with one projection GEMM into
 ``[kv | score]`` (the packed op) and with two (the plain op on two projections, the
 layout before) and, as the module was before its epilogue node, two projections with the
-epilogue as eager torch ops; the projection GEMMs alone (forward and input + weight
+epilogue as eager torch ops; with ``numerics="megatron"`` (two projections, Megatron's
+roundings in torch ops); the projection GEMMs alone (forward and input + weight
 gradients of one GEMM of both weights) as the floor the whole step is measured against;
 and the op alone on the projections' output: pooling + the epilogue node against pooling
 + the eager epilogue. Kernel launches a step from torch.profiler.
@@ -101,16 +102,18 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
 
         row = {"config": name, "tokens": T, "hidden": HIDDEN}
         graphs = {}
-        for key, step, one, node in (("gemms", gemm_step, None, True),
-                                     ("one_projection", module_step, True, True),
-                                     ("two_projections", module_step, False, True),
-                                     ("before", module_step, False, False),
-                                     ("op_node", op_step, True, True),
-                                     ("op_eager", op_step, True, False)):
+        for key, step, one, node, numerics in (
+                ("gemms", gemm_step, None, True, "fp32"),
+                ("one_projection", module_step, True, True, "fp32"),
+                ("two_projections", module_step, False, True, "fp32"),
+                ("before", module_step, False, False, "fp32"),
+                ("megatron_numerics", module_step, False, True, "megatron"),
+                ("op_node", op_step, True, True, "fp32"),
+                ("op_eager", op_step, True, False, "fp32")):
             progress(f"{name} {key} ...")
             if one is not None:
                 m.one_projection = one
-            m.fused_epilogue = node  # read while the graph captures
+            m.fused_epilogue, m.numerics = node, numerics  # read while the graph captures
             try:
                 step(0)  # warm-up
                 torch.cuda.synchronize()
@@ -119,7 +122,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
                 graphs[key] = capture_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        m.one_projection, m.fused_epilogue = True, True
+        m.one_projection, m.fused_epilogue, m.numerics = True, True, "fp32"
         # every variant timed in the same rounds: the step / GEMMs ratio is a paired one
         for key, us in timer(graphs).items():
             row[f"{key}_us"] = us
@@ -140,12 +143,13 @@ def table(rows) -> str:
         return f"{r[f'{a}_us'] / r[f'{b}_us']:.2f}x" if f"{a}_us" in r and f"{b}_us" in r else "-"
 
     lines = ["| config | module µs (kernels) | two projections | two projections, eager "
-             "epilogue (the module before) | projection GEMMs alone | step / GEMMs | pooling + "
-             "epilogue node | pooling + eager epilogue |",
-             "|---|---|---|---|---|---|---|---|"]
+             "epilogue (the module before) | numerics=\"megatron\" | projection GEMMs alone | "
+             "step / GEMMs | pooling + epilogue node | pooling + eager epilogue |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {cell(r, 'one_projection')} | "
-                     f"{cell(r, 'two_projections')} | {cell(r, 'before')} | {cell(r, 'gemms')} | "
+                     f"{cell(r, 'two_projections')} | {cell(r, 'before')} | "
+                     f"{cell(r, 'megatron_numerics')} | {cell(r, 'gemms')} | "
                      f"{ratio(r, 'one_projection', 'gemms')} | {cell(r, 'op_node')} | "
                      f"{cell(r, 'op_eager')} |")
     return "\n".join(lines)

@@ -106,7 +106,7 @@ class EpilogueRows:
                     cute.zipped_divide(mSin, (1, self.cs_vec)),
                     cute.zipped_divide(mOut, (1, E)), cute.zipped_divide(mAux, (1, E)),
                     rows).launch(grid=[grid, 1, 1], block=[32, WARPS_PER_CTA, 1],
-                                 smem=self.smem_bytes, stream=stream)
+                                 smem=self.smem_bytes, stream=stream, use_pdl=True)
 
     @cute.jit
     def row_sum(self, sRow: cute.Tensor, warp, lane):
@@ -206,6 +206,9 @@ class EpilogueRows:
             smem = cutlass.memory.SmemAllocator()
             sRow = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, self.d),
                                                                   stride=(self.d, 1)), 16)
+        # A programmatic dependent: its launch overlaps the pooling forward's (or the
+        # gradient's producer's) tail; nothing is read or written before that has completed.
+        cute.arch.griddepcontrol_wait()
         if row < rows:  # uniform over the warp: its shuffles see every lane
             v = cute.make_rmem_tensor((E,), Float32)
             x = gIn[(None, (row, lane))].load().to(Float32)
