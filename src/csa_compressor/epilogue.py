@@ -55,6 +55,13 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
     extra = theta ** (-exponent)
     if yarn is None:
         return extra
+    keep = _yarn_keep(rope_dim, theta, yarn, torch.float64, device)
+    return extra / yarn.factor * (1 - keep) + extra * keep
+
+
+def _yarn_keep(rope_dim: int, theta: float, yarn: YaRN, dtype, device) -> torch.Tensor:
+    """Per channel pair, 1 where YaRN keeps the original frequency, 0 where it interpolates,
+    a linear ramp between (computed in ``dtype``, the ramp's arithmetic as Megatron's)."""
 
     def correction_dim(rotations):
         return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
@@ -66,10 +73,9 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
     low, high = max(low, 0), min(high, rope_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device=device) - low)
+    ramp = ((torch.arange(rope_dim // 2, dtype=dtype, device=device) - low)
             / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
-    return extra / yarn.factor * (1 - keep) + extra * keep
+    return 1.0 - ramp
 
 
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, interleaved: bool,
@@ -540,20 +546,7 @@ def megatron_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
     if yarn is None:
         return extra
     inter = 1.0 / (yarn.factor * theta ** exponent)
-
-    def correction_dim(rotations):
-        return (rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.round_to_int:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=device) - low)
-            / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp
+    keep = _yarn_keep(rope_dim, theta, yarn, torch.float32, device)
     return inter * (1 - keep) + extra * keep
 
 
