@@ -20,7 +20,8 @@ def _installed_step(step, monkeypatch):
 
     fused, launched = dispatch.fused_from_validated, []
     monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p: launched.append(p.total_comp * max(p.batch, 1)) or fused(p))
+                        lambda p, *a: launched.append(p.total_comp * max(p.batch, 1))
+                        or fused(p, *a))
     with megatron.installed():
         return step(), launched
 
@@ -215,4 +216,38 @@ def test_megatron_numerics_reproduce_megatrons_compressor_on_the_fused_kernels(
     for mk, ok in Compressor.MEGATRON_KEYS.items():
         pairs.append((mk, params[ok].grad.float(), want[2][mk]))
     differ = {name: int((a != b).sum()) for name, a, b in pairs}
+    assert not any(differ.values()), f"elements that differ: {differ}"
+
+
+@pytest.mark.parametrize("ratio,head_dim", [(4, 512), (128, 128)])
+def test_megatron_numerics_on_megatrons_sbhd_path(megatron_csa, monkeypatch, ratio, head_dim):
+    """SBHD (2 sequences of 4100 tokens, a tail past the last block): Compressor(numerics=
+    "megatron", pooling="fused") against Megatron's SBHD path installed, bit for bit."""
+    from csa_compressor import Compressor
+
+    hidden = 1024
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio,
+                          rope_dim=64, dtype=torch.bfloat16).cuda()
+    ours = Compressor(hidden, head_dim, ratio, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
+                      dtype=torch.bfloat16, device="cuda", pooling="fused", numerics="megatron")
+    with torch.no_grad():
+        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
+    ours.load_megatron_state_dict(mg.state_dict())
+    x = torch.randn(4100, 2, hidden, device="cuda").to(torch.bfloat16)
+
+    def step(comp):
+        comp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = comp(xi)
+        out = out[0] if isinstance(out, tuple) else out
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        out.backward(g.to(out.dtype))
+        return out.detach(), xi.grad, dict(comp.named_parameters())
+
+    want, launched = _installed_step(lambda: step(mg), monkeypatch)
+    assert launched == [2 * (4100 // ratio)], megatron.fallback_reasons()
+    got = step(ours)
+    differ = {"output": int((got[0] != want[0]).sum()), "input gradient": int((got[1] != want[1]).sum())}
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        differ[mk] = int((got[2][ok].grad != want[2][mk].grad).sum())
     assert not any(differ.values()), f"elements that differ: {differ}"
