@@ -8,7 +8,8 @@ of every slice it adds up): bitwise the composition of torch ops, ``eager_epilog
 forward and backward; on the GPU one kernel a direction (kernels.epilogue_rows), after
 the pooling kernels, not inside them. The positions come from the layout: ``rope_positions``
 (THD: ``block_index * ratio``), ``grouped_positions`` (``max(id, 0) * ratio``),
-``sbhd_positions``.
+``sbhd_positions``. ``megatron_epilogue`` rounds where Megatron-LM's Compressor rounds
+instead (torch ops, the module's ``numerics="megatron"``).
 """
 
 from __future__ import annotations
