@@ -78,9 +78,8 @@ def hadamard_standin(megatron_csa, monkeypatch):
     Hadamard times ``scale``, fp32 math, the input's dtype out, differentiable) stands in,
     the same for Megatron's eager code and the installed adapter."""
     import importlib
-    import math
 
-    from csa_compressor.module import hadamard
+    from csa_compressor.epilogue import walsh_hadamard
 
     dsa = importlib.import_module(megatron_csa.__name__.rsplit(".", 1)[0] + ".dsa")
 
@@ -88,7 +87,7 @@ def hadamard_standin(megatron_csa, monkeypatch):
 
     def transform(x, scale=1.0):
         calls.append(tuple(x.shape))
-        return (hadamard(x) * (math.sqrt(x.shape[-1]) * scale)).to(x.dtype)
+        return (walsh_hadamard(x) * scale).view(x.shape).to(x.dtype)
 
     monkeypatch.setattr(dsa, "hadamard_transform", transform)
     return calls

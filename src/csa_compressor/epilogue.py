@@ -24,6 +24,11 @@ from .softmax_order import ROWSUM_MIN_ROWS
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
+    return (walsh_hadamard(x) / math.sqrt(x.shape[-1])).view(x.shape)
+
+
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalised Walsh-Hadamard transform over the last dim, in fp32 (rows x dim)."""
     d = x.shape[-1]
     y = x.float().reshape(-1, d)
     h = 1
@@ -31,7 +36,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = y.view(-1, d // (2 * h), 2, h)
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
         h *= 2
-    return (y / math.sqrt(d)).view(x.shape)
+    return y
 
 
 @dataclass(frozen=True)
@@ -553,12 +558,12 @@ def megatron_inv_freq(rope_dim: int, theta: float, yarn: YaRN | None = None,
 
 def megatron_epilogue(pooled, norm_weight, positions, ep: Epilogue, inv_freq=None) -> torch.Tensor:
     """The epilogue rounded where Megatron-LM's Compressor rounds it (its unfused path):
-    torch's rms_norm as Megatron's torch norm calls it (fp32 inside, the rows' dtype out),
-    the rotary angles in fp32
-    (megatron_inv_freq, ``position * inv_freq``), their cosines and sines rounded to the
-    dtype, each product and sum of the rotation rounded to it, the Hadamard rotation in
-    fp32 with one rounding. A composition of torch ops (autograd records each, so the
-    gradients round where Megatron's do too)."""
+    torch's rms_norm as Megatron's torch norm calls it (fp32 inside, the rows' dtype
+    out), the rotary angles in fp32 (megatron_inv_freq, ``position * inv_freq``), their
+    cosines and sines rounded to the dtype, each product and sum of the rotation rounded
+    to it, the Hadamard rotation unnormalised in fp32 times ``head_dim ** -0.5``, one
+    rounding. A composition of torch ops (autograd records each, so the gradients round
+    where Megatron's do too)."""
     dt = pooled.dtype
     # the op Megatron's WrappedTorchNorm calls: torch picks the same kernel for the same dtypes
     y = torch.nn.functional.rms_norm(pooled, (pooled.shape[-1],), norm_weight, ep.eps)
@@ -575,6 +580,6 @@ def megatron_epilogue(pooled, norm_weight, positions, ep: Epilogue, inv_freq=Non
         ra, rb = a * cos + (-b) * sin, b * cos + a * sin
         out = torch.stack((ra, rb), dim=-1).flatten(-2) if ep.rope_interleaved else torch.cat((ra, rb), -1)
         y = torch.cat((y[..., :-ep.rope_dim], out), dim=-1)
-    if ep.rotate:
-        y = hadamard(y).to(dt)
+    if ep.rotate:  # as Megatron calls it: hadamard_transform(y, scale=head_dim ** -0.5)
+        y = (walsh_hadamard(y) * y.shape[-1] ** -0.5).view(y.shape).to(dt)
     return y
