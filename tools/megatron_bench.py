@@ -62,13 +62,12 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
         standin = False
     except ImportError:  # Megatron's rotate_activation calls dsa.hadamard_transform
         import importlib
-        import math
 
-        from csa_compressor.module import hadamard
+        from csa_compressor.epilogue import walsh_hadamard
 
         dsa = importlib.import_module(csa.__name__.rsplit(".", 1)[0] + ".dsa")
         dsa.hadamard_transform = lambda v, scale=1.0: (
-            hadamard(v) * (math.sqrt(v.shape[-1]) * scale)).to(v.dtype)
+            walsh_hadamard(v) * scale).view(v.shape).to(v.dtype)
         standin = True
     dev = torch.device(device)
     T = sum(lens)
