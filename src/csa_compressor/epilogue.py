@@ -201,8 +201,8 @@ def _torch_cos_sin(positions, inv_freq):
 
 
 def _rotate(y, cos, sin, rope_dim, interleaved, sign):
-    """``y`` (fp32, ... x channels) with its last ``rope_dim`` channels rotated by the
-    angles (``sign`` -1: back)."""
+    """``y`` (... x channels) with its last ``rope_dim`` channels rotated by the angles
+    (``sign`` -1: back), in ``y``'s dtype."""
     rot = y[..., -rope_dim:]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
@@ -571,15 +571,9 @@ def megatron_epilogue(pooled, norm_weight, positions, ep: Epilogue, inv_freq=Non
         if inv_freq is None:
             inv_freq = megatron_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, pooled.device)
         ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        cos, sin = torch.cos(ang).to(dt), torch.sin(ang).to(dt)
-        rot = y[..., -ep.rope_dim:]
-        if ep.rope_interleaved:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-        else:
-            a, b = rot[..., : ep.rope_dim // 2], rot[..., ep.rope_dim // 2:]
-        ra, rb = a * cos + (-b) * sin, b * cos + a * sin
-        out = torch.stack((ra, rb), dim=-1).flatten(-2) if ep.rope_interleaved else torch.cat((ra, rb), -1)
-        y = torch.cat((y[..., :-ep.rope_dim], out), dim=-1)
+        # in the dtype: each product and sum rounds, as Megatron's `t * cos + rot(t) * sin`
+        y = _rotate(y, torch.cos(ang).to(dt), torch.sin(ang).to(dt), ep.rope_dim,
+                    ep.rope_interleaved, 1)
     if ep.rotate:  # as Megatron calls it: hadamard_transform(y, scale=head_dim ** -0.5)
         y = (walsh_hadamard(y) * y.shape[-1] ** -0.5).view(y.shape).to(dt)
     return y
