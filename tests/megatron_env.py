@@ -70,3 +70,53 @@ def thd_step(comp, x, cu, max_seqlen):
     out.backward(g)
     return (out.detach().float(), x.grad.float(),
             {n: p.grad.float() for n, p in comp.named_parameters()})
+
+
+def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None, ids=None):
+    """What install(epilogue=True) computes, composed by hand from other parts: Megatron's
+    projections, the pooling (``pooling``: "reference", the fp32 reference that stands in for
+    the kernels on a CPU, or "fused", the package's op), eager_epilogue with
+    Megatron's norm weight and eps and a rotary table cut from Megatron's own
+    (``mg.rotary_pos_emb``), at Megatron's positions. Returns the output."""
+    import csa_compressor as C
+    from csa_compressor import reference
+    from csa_compressor.epilogue import (Epilogue, eager_epilogue, grouped_positions,
+                                         rope_positions, sbhd_positions)
+    from csa_compressor.grouped import grouped_offsets
+    from csa_compressor.layout import compressed_cu_seqlens
+
+    ratio, coff, d, r = mg.compress_ratio, mg.coff, mg.head_dim, mg.qk_pos_emb_head_dim
+    kv, score = mg.linear_wkv(x)[0], mg.linear_wgate(x)[0]
+    kw = dict(ratio=ratio, coff=coff)
+    fused = pooling == "fused"
+    if path == "sbhd":
+        pooled = (C.compress_sbhd_fused(kv, score, mg.ape, **kw) if fused
+                  else reference.compress_sbhd(kv, score, mg.ape, **kw, mode="fp32"))
+        n, b = pooled.shape[:2]
+        rows, pos = pooled.reshape(n * b, d), sbhd_positions(n, b, ratio, x.device)
+    else:
+        kv, score = kv.reshape(kv.shape[0], -1), score.reshape(score.shape[0], -1)
+        if path == "grouped":
+            cu, cuc = grouped_offsets(ids, ratio)
+            total, pos = ids.numel(), grouped_positions(ids, ratio)
+        else:
+            cuc = compressed_cu_seqlens(cu, ratio)
+            pos = rope_positions(cuc, total, ratio, max_seqlen)
+        rows = (C.compress_thd_fused(kv, score, mg.ape, cu, cuc, total, **kw) if fused
+                else reference.compress_thd(kv, score, mg.ape, cu, cuc, total, **kw, mode="fp32"))
+    table = None
+    if r:
+        emb = mg.rotary_pos_emb(int(pos.max()) + 1, packed_seq=True)
+        ang = (emb[0] if isinstance(emb, tuple) else emb)[:, 0, 0, : r // 2]
+        table = (torch.cos(ang), torch.sin(ang))
+    ep = Epilogue(eps=mg.norm.eps, rope_dim=r, rope_interleaved=True, rotate=mg.rotate)
+    out = eager_epilogue(rows, mg.norm.weight, pos, ep, rope_table=table)
+    return out.view(n, b, d) if path == "sbhd" else out.unsqueeze(1)
+
+
+def bf16_ulps(a, b):
+    """|a - b| in bf16 ulps of max(|b|, b's RMS over the last dim), fp32."""
+    a, b = a.float(), b.float()
+    rms = b.pow(2).mean(-1, keepdim=True).sqrt()
+    ref = torch.maximum(b.abs(), rms).clamp_min(torch.finfo(torch.float32).tiny)
+    return (a - b).abs() / (ref * 2.0 ** -7)

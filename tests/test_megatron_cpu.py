@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from csa_compressor import megatron
-from megatron_env import build_compressor, thd_step
+from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
 
 
 @pytest.fixture
@@ -291,10 +291,13 @@ def test_grouped_calls_megatron_cannot_fuse_keep_its_eager_region(megatron_csa):
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
 
 
-def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_csa, fused_on_cpu):
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_csa, fused_on_cpu,
+                                                                     epilogue):
     """Megatron's own fused path refuses deterministic mode and torch.compile; installed,
     ours takes both (its backward is bitwise reproducible without atomics): the fused
-    pooling runs, and the compiled step gives the eager step's output and gradients."""
+    pooling runs, and the compiled step gives the eager step's output and gradients (with
+    the fused epilogue too)."""
     import torch._dynamo
 
     comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
@@ -303,7 +306,8 @@ def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_cs
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with megatron.installed():
+        megatron.clear_fallback_reasons()
+        with megatron.installed(epilogue=epilogue):
             want = thd_step(comp, x, cu, 63)
             assert fused_on_cpu, megatron.fallback_reasons()
             launched = len(fused_on_cpu)
@@ -311,6 +315,7 @@ def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_cs
             compiled = torch.compile(comp, backend="aot_eager")
             got = thd_step(compiled, x, cu, 63)
             assert len(fused_on_cpu) > launched  # the compiled step pooled through the hook too
+            assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     finally:
         torch.use_deterministic_algorithms(was)
         torch._dynamo.reset()
@@ -463,3 +468,151 @@ def test_megatron_numerics_is_checked():
 
     with pytest.raises(ValueError, match="numerics: expected one of"):
         Compressor(64, 32, 4, numerics="bf16")
+
+
+# install(epilogue=True): Megatron's norm, RoPE and rotation as the fused epilogue
+
+def _epilogue_case(megatron_csa, path, ratio, head_dim, rope_dim, yarn, rotate):
+    """Megatron's Compressor (bf16, its norm weight as Float16Module leaves it and not all
+    ones), its input, and a step function of a forward: (output, input gradient,
+    {name: parameter gradient})."""
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=head_dim, ratio=ratio,
+                          rope_dim=rope_dim, rotate=rotate, dtype=torch.bfloat16,
+                          yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0], "original_max_position_embeddings": yarn[1]})
+    with torch.no_grad():
+        w = 1 + 0.1 * torch.randn(head_dim, generator=torch.Generator().manual_seed(7))
+        mg.norm.weight.data = w.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    if path == "thd":
+        lens = [701, 0, 3, 517, 262] if ratio == 4 else [1300, 0, 127, 700]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(int(cu[-1]) + 5, 1, 128, generator=gen).to(torch.bfloat16)
+        extra = dict(cu=cu, max_seqlen=max(lens))
+        forward = lambda comp, xi: comp(xi, _psp(cu, max(lens)))[0]  # noqa: E731
+    elif path == "sbhd":
+        x = torch.randn(301 if ratio == 4 else 600, 3, 128, generator=gen).to(torch.bfloat16)
+        extra = {}
+        forward = lambda comp, xi: comp(xi)  # noqa: E731
+    else:
+        ids = torch.tensor([3, 4, 5, 0, 1, 2, 0, -1] if ratio == 4 else [7, 8, 0, 1, -1],
+                           dtype=torch.int32)
+        x = torch.randn(ids.numel() * ratio, 1, 128, generator=gen).to(torch.bfloat16)
+        mx = (int(ids.max()) + 1) * ratio
+        extra = dict(ids=ids, max_seqlen=mx)
+        forward = lambda comp, xi: comp._forward_thd(  # noqa: E731
+            xi, torch.tensor([0, xi.shape[0]], dtype=torch.int32), max_seqlen_q=mx,
+            compressed_group_ids=ids)[0]
+    return mg, x, extra, forward
+
+
+def _psp(cu, max_seqlen):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def _step_of(comp, x, forward):
+    """(output, input gradient, {name: parameter gradient}) of one forward + backward, the
+    incoming gradient random and the same for every call of a shape."""
+    comp.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_(True)
+    out = forward(comp, xi)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(g)
+    return out.detach(), xi.grad, {n: p.grad for n, p in comp.named_parameters()}
+
+
+@pytest.mark.parametrize("path,ratio,head_dim,rope_dim,yarn,rotate", [
+    ("thd", 4, 512, 64, None, False),
+    ("thd", 4, 128, 64, (4.0, 64), True),
+    ("thd", 128, 256, 64, (16.0, 256), False),
+    ("thd", 128, 128, 0, None, False),
+    ("sbhd", 4, 128, 64, None, True),
+    ("sbhd", 128, 256, 64, None, False),
+    ("grouped", 4, 128, 64, None, True),
+    ("grouped", 128, 256, 64, (16.0, 256), False),
+])
+def test_the_fused_epilogue_on_megatrons_compressor(megatron_csa, fused_on_cpu, hadamard_standin,
+                                                    path, ratio, head_dim, rope_dim, yarn, rotate):
+    """install(epilogue=True), the fused pooling standing in as the fp32 reference: the
+    output and every gradient bit for bit what Megatron's projections, that pooling and the
+    epilogue composed by hand give (Megatron's norm weight and eps, its rotary table, its
+    positions; capacity padding rows, halo and padding groups included); Megatron's norm and
+    rotation never called; and within a few bf16 ulps of Megatron's own epilogue (installed
+    without it), which rounds after the norm and in every step of its bf16 rotary embedding."""
+    mg, x, extra, forward = _epilogue_case(megatron_csa, path, ratio, head_dim, rope_dim, yarn,
+                                           rotate)
+    with megatron.installed():
+        want = _step_of(mg, x, forward)
+    megatron.clear_fallback_reasons()
+    norm_calls = []
+    handle = mg.norm.register_forward_hook(lambda *a: norm_calls.append(1))
+    rotations = len(hadamard_standin)
+    try:
+        with megatron.installed(epilogue=True):
+            got = _step_of(mg, x, forward)
+    finally:
+        handle.remove()
+    assert norm_calls == [] and len(hadamard_standin) == rotations, "Megatron's epilogue ran"
+    assert not any(r.startswith("epilogue: ") for r in megatron.fallback_reasons())
+    assert got[0].shape == want[0].shape
+
+    xr = x.clone().requires_grad_(True)
+    mg.zero_grad(set_to_none=True)
+    out = epilogue_by_hand(mg, xr, path, "reference", total=got[0].shape[0], **extra)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype))
+    assert torch.equal(got[0], out.detach()), "output"
+    assert torch.equal(got[1], xr.grad), "input gradient"
+    for n, p in mg.named_parameters():
+        assert torch.equal(got[2][n], p.grad), n
+
+    # against Megatron's own epilogue: only its roundings apart (measured here at most 2 ulps
+    # on the output, 4 on a gradient, and 0.6% of output elements over 1 ulp)
+    ulps = {"output": bf16_ulps(got[0], want[0]), "input gradient": bf16_ulps(got[1], want[1])}
+    for n in want[2]:
+        ulps[n] = bf16_ulps(got[2][n], want[2][n])
+    worst = {n: float(u.max()) for n, u in ulps.items()}
+    assert worst["output"] <= 4 and all(w <= 8 for w in worst.values()), worst
+    assert float((ulps["output"] > 1).float().mean()) <= 0.02, worst
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda mg: setattr(mg.config, "layernorm_zero_centered_gamma", True), "zero-centred gamma"),
+    (lambda mg: setattr(mg.rotary_pos_emb, "seq_len_interpolation_factor", 2.0),
+     "seq_len_interpolation_factor"),
+    (lambda mg: setattr(mg.rotary_pos_emb, "rotary_interleaved", True), "rotary_interleaved"),
+    (lambda mg: setattr(mg.norm, "eps", None), "eps"),
+])
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_a_configuration_the_fused_epilogue_does_not_compute_keeps_megatrons(
+        megatron_csa, fused_on_cpu, mutate, words, path):
+    """Where Megatron's configuration is not what the fused epilogue computes, its own norm,
+    RoPE and rotation run after the fused pooling (bit for bit install() without the
+    epilogue), and fallback_reasons() says why."""
+    mg, x, _, forward = _epilogue_case(megatron_csa, path, 4, 64, 32, None, False)
+    mutate(mg)
+    with megatron.installed():
+        want = _step_of(mg, x, forward)
+    launched = len(fused_on_cpu)
+    with megatron.installed(epilogue=True):
+        got = _step_of(mg, x, forward)
+    assert len(fused_on_cpu) == launched + 1, "the pooling was not fused"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+    assert any(r.startswith("epilogue: ") and words in r for r in megatron.fallback_reasons()), \
+        megatron.fallback_reasons()
+
+
+def test_install_epilogue_is_checked_and_restored(stub_csa):
+    with pytest.raises(TypeError, match="epilogue: expected True or False"):
+        megatron.install(epilogue="yes")
+    megatron.install()
+    with megatron.installed(epilogue=True):
+        assert megatron._state["epilogue"]
+    assert megatron.is_installed() and not megatron._state["epilogue"]
+    megatron.uninstall()
+    with megatron.installed(epilogue=True):
+        pass
+    assert not megatron.is_installed() and not megatron._state["epilogue"]

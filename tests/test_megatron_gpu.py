@@ -8,7 +8,7 @@ import torch
 
 import csa_compressor as C
 from csa_compressor import megatron
-from megatron_env import build_compressor, thd_step
+from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
 
 pytestmark = pytest.mark.gpu
 
@@ -239,3 +239,96 @@ def test_megatron_numerics_on_megatrons_sbhd_path(megatron_csa, monkeypatch, rat
     for mk, ok in Compressor.MEGATRON_KEYS.items():
         differ[mk] = int((got[2][ok] != want[2][mk]).sum())
     assert not any(differ.values()), f"elements that differ: {differ}"
+
+
+@pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
+    ("thd", 4, 512, None, False), ("thd", 4, 128, (4.0, 4096), True),
+    ("thd", 128, 512, (16.0, 4096), False), ("sbhd", 4, 128, None, True),
+    ("sbhd", 128, 512, None, False), ("grouped", 4, 512, None, False),
+    ("grouped", 128, 128, None, True)])
+def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
+        megatron_csa, hadamard_standin, path, ratio, head_dim, yarn, rotate):
+    """install(epilogue=True) on the H200 (hidden 1024, bf16; THD 8192 + 8191 + 5000 + 3 + 0
+    tokens with capacity padding, SBHD 2 x 4100, pre-grouped 8192 tokens as groups with a
+    halo, continuations and padding): the output and every gradient bit for bit Megatron's
+    projections + the fused pooling op + the epilogue composed of torch ops (Megatron's
+    norm weight, eps, rotary table and positions); Megatron's rotation never called; within
+    a few bf16 ulps of Megatron's own epilogue after the same pooling."""
+    hidden = 1024
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                          rotate=rotate, dtype=torch.bfloat16, yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0],
+                              "original_max_position_embeddings": yarn[1]}).cuda()
+    with torch.no_grad():  # what Float16Module leaves it: the dtype (and not all ones)
+        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(2)
+    if path == "thd":
+        lens = [8192, 8191, 5000, 3, 0]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        extra = dict(cu=cu, max_seqlen=max(lens))
+
+        def forward(xi):
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            return mg(xi, psp)[0]
+    elif path == "sbhd":
+        x = torch.randn(4100, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        extra = {}
+
+        def forward(xi):
+            return mg(xi)
+    else:
+        n = 8192 // ratio
+        ids = torch.cat([torch.arange(5, n // 2), torch.arange(n // 2 - 7),
+                         torch.full((7,), -1)]).to(device="cuda", dtype=torch.int32)
+        x = torch.randn(ids.numel() * ratio, 1, hidden, device="cuda",
+                        generator=gen).to(torch.bfloat16)
+        extra = dict(ids=ids, max_seqlen=8192)
+
+        def forward(xi):
+            cu1 = torch.tensor([0, xi.shape[0]], dtype=torch.int32, device="cuda")
+            return mg._forward_thd(xi, cu1, max_seqlen_q=8192, compressed_group_ids=ids)[0]
+
+    g = None
+
+    def step():
+        nonlocal g
+        mg.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = forward(xi)
+        if g is None:
+            g = torch.randn(out.shape, device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1)).to(out.dtype)
+            if path == "grouped" and ratio == 4:
+                g[0] = 0  # the halo row: not consumed downstream
+        out.backward(g)
+        return [out.detach(), xi.grad] + [p.grad for _, p in mg.named_parameters()]
+
+    names = ["output", "input gradient"] + [n for n, _ in mg.named_parameters()]
+    with megatron.installed():
+        want = step()
+    megatron.clear_fallback_reasons()
+    rotations = len(hadamard_standin)
+    with megatron.installed(epilogue=True):
+        got = step()
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    assert len(hadamard_standin) == rotations, "Megatron's rotation ran"
+
+    xr = x.clone().requires_grad_(True)
+    mg.zero_grad(set_to_none=True)
+    out = epilogue_by_hand(mg, xr, path, "fused", total=got[0].shape[0], **extra)
+    out.backward(g)
+    hand = [out.detach(), xr.grad] + [p.grad for _, p in mg.named_parameters()]
+    differ = {n: int((a != b).sum()) for n, a, b in zip(names, got, hand)}
+    assert not any(differ.values()), f"elements that differ from the composition: {differ}"
+
+    worst = {n: float(bf16_ulps(a, b).max()) for n, a, b in zip(names, got, want)}
+    over1 = float((bf16_ulps(got[0], want[0]) > 1).float().mean())
+    print(f"\n{path} ratio {ratio} d{head_dim}: max bf16 ulps against Megatron's epilogue "
+          f"{ {n: round(w, 2) for n, w in worst.items()} }, output elements > 1 ulp {over1:.4%}")
+    assert worst["output"] <= 4 and all(w <= 8 for w in worst.values()) and over1 <= 0.02, \
+        (worst, over1)

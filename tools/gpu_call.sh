@@ -35,7 +35,9 @@
 #                        against torch's; colsum_time_base the same of $BASE_SRC's tree
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
-#                        (needs MEGATRON_LM_PATH)
+#                        vs installed with the fused epilogue (needs MEGATRON_LM_PATH)
+#   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
+#                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
 #   bench_fused          the bench's fused rows alone; bench_base the same of the package
 #                        tree in $BASE_SRC (another commit's src/, labelled $BASE_COMMIT):
@@ -86,6 +88,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
+        megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
         module_bench*) echo "python3 -m csa_compressor bench --module" ;;
         base_module_bench*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;

@@ -1,5 +1,6 @@
 """Megatron-LM's own Compressor, forward + backward on the GPU: its eager pooling against
-csa_compressor.megatron installed, side by side in one run.
+csa_compressor.megatron installed, and installed with the fused epilogue
+(``install(epilogue=True)``), side by side in one run.
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
 
@@ -13,7 +14,8 @@ same tokens as groups) and on the SBHD path (no packed_seq_params: the B sequenc
 median of 5; host time included, no CUDA graph: Megatron's step is not capturable as
 called), GPU time (the sum of the step's kernel and memory-op durations from
 torch.profiler over 3 steps) and kernel launches. A row is reported only where the
-installed step really ran the fused pooling (a fallback is an error in the row).
+installed steps really ran the fused pooling and, with the epilogue, the fused epilogue
+(a fallback is an error in the row).
 """
 
 from __future__ import annotations
@@ -127,26 +129,32 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                 try:
                     with megatron.installed():
                         row["installed"] = _measure(step)
+                    if not launched:
+                        raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
+                    megatron.clear_fallback_reasons()
+                    with megatron.installed(epilogue=True):
+                        row["epilogue"] = _measure(step)
+                    if megatron.fallback_reasons():
+                        raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
                 finally:
                     dispatch.fused_from_validated = fused
-                if not launched:
-                    raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
             except Exception as exc:  # report, never hide
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
             print(_row(row), file=sys.stderr, flush=True)
-        del comp, x, xg, xs
+        comp = x = xg = xs = None  # free them before the next config
         torch.cuda.empty_cache()
     return rows
 
 
 def _row(r):
     if "error" in r:
-        return f"| {r['config']} | {r['path']} | {r['error']} | | | | |"
-    e, i = r["eager"], r["installed"]
-    return (f"| {r['config']} | {r['path']} | {e['wall_us']:.0f} / {i['wall_us']:.0f} | "
-            f"{e['wall_us'] / i['wall_us']:.2f}x | {e['gpu_us']:.0f} / {i['gpu_us']:.0f} | "
-            f"{e['gpu_us'] / i['gpu_us']:.2f}x | {e['launches']:.0f} / {i['launches']:.0f} |")
+        return f"| {r['config']} | {r['path']} | {r['error']} | | | |"
+    e, i, f = r["eager"], r["installed"], r["epilogue"]
+    return (f"| {r['config']} | {r['path']} | {e['wall_us']:.0f} / {i['wall_us']:.0f} / "
+            f"{f['wall_us']:.0f} | {e['gpu_us']:.0f} / {i['gpu_us']:.0f} / {f['gpu_us']:.0f} | "
+            f"{e['gpu_us'] / i['gpu_us']:.2f}x / {e['gpu_us'] / f['gpu_us']:.2f}x | "
+            f"{e['launches']:.0f} / {i['launches']:.0f} / {f['launches']:.0f} |")
 
 
 def main(argv=None):
@@ -164,9 +172,10 @@ def main(argv=None):
     print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
           f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
           f"{args.tokens} tokens, forward + backward a step")
-    print("| config | path | wall µs eager / installed | speedup | GPU µs eager / installed "
-          "| speedup | kernels a step eager / installed |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | path | wall µs eager / installed / + epilogue | GPU µs eager / installed / "
+          "+ epilogue | GPU speedup installed / + epilogue | kernels a step eager / installed / "
+          "+ epilogue |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))
     return 0

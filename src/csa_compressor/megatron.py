@@ -33,6 +33,16 @@ eager code fills row 0's previous-block slots from the buffer's last group
 previous rank's halo (its boundary window is ``2 * ratio`` tokens at ratio 4, the only
 overlapping ratio), so its output is never consumed and takes no gradient.
 
+``install(epilogue=True)`` also replaces what follows the pooling on all three paths:
+Megatron's norm, rotary embedding and rotation run as this package's fused epilogue
+(``apply_epilogue``: fp32 math, one rounding; Megatron rounds after the norm and at each
+step of its bf16 rotary embedding), with Megatron's own norm weight and eps, its rotary
+frequencies (read from its rotary module, so YaRN included) and its positions. Where its
+configuration is one the epilogue does not compute (another norm, zero-centred gamma,
+interleaved rotary tables, interpolated positions, context parallelism outside the
+pre-grouped path), Megatron's own epilogue runs after the fused pooling and
+``fallback_reasons()`` says why.
+
 Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 """
 
@@ -41,15 +51,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import weakref
 
 import torch
 
 CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
 HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
-_state = {"module": None, "original": None, "sbhd": None, "thd": None, "respect_enabled": False}
+_state = {"module": None, "original": None, "sbhd": None, "thd": None, "respect_enabled": False,
+          "epilogue": False}
 _reasons: dict = {}
 _DISABLED = "disabled by Megatron (use_fused_dsa_kernels is False)"
+_EPILOGUE = "epilogue: "  # the prefix of the reasons Megatron's own epilogue ran
+_freqs = weakref.WeakKeyDictionary()  # rotary module -> its fp64 frequencies (_rope_freqs)
 
 
 def _csa_module():
@@ -69,15 +83,24 @@ def _csa_module():
 
 def _fallback(reason: str):
     if reason not in _reasons:
-        _log.warning("csa_compressor: Megatron's Compressor keeps its eager pooling: %s", reason)
+        what = ("its norm, RoPE and rotation" if reason.startswith(_EPILOGUE)
+                else "its eager pooling")
+        _log.warning("csa_compressor: Megatron's Compressor keeps %s: %s", what, reason)
         _reasons[reason] = 0
     _reasons[reason] += 1
     return None
 
 
 def fallback_reasons() -> dict:
-    """Each reason a call kept Megatron's eager pooling, with how many calls it was."""
+    """Each reason a call kept Megatron's eager pooling (or, prefixed ``"epilogue: "``,
+    Megatron's own norm, RoPE and rotation under ``install(epilogue=True)``), with how
+    many calls it was."""
     return dict(_reasons)
+
+
+def clear_fallback_reasons() -> None:
+    """Forget the reasons recorded so far (each is logged again the next time it occurs)."""
+    _reasons.clear()
 
 
 def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
@@ -119,6 +142,86 @@ def _method_reason(comp, x):
     return _device_reason(x.device)
 
 
+def _epilogue_reason(comp, grouped: bool):
+    """Why Megatron's own norm, RoPE and rotation run after the fused pooling under
+    install(epilogue=True), or None where the fused epilogue computes what they do."""
+    norm, d = comp.norm, comp.head_dim
+    if type(norm).__name__ != "RMSNorm":  # torch's (WrappedTorchNorm) or Transformer Engine's
+        return f"norm: expected an RMSNorm, got {type(norm).__name__}"
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (d,):
+        return f"norm: expected a ({d},) weight, got {tuple(getattr(w, 'shape', ())) or None}"
+    if getattr(norm, "bias", None) is not None:
+        return "norm: it has a bias"
+    if getattr(norm, "zero_centered_gamma", False) or \
+            getattr(comp.config, "layernorm_zero_centered_gamma", False):
+        return "norm: zero-centred gamma"
+    eps = getattr(norm, "eps", None)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        return f"norm: expected an eps > 0, got {eps!r}"
+    rope_dim = comp.qk_pos_emb_head_dim
+    if rope_dim:
+        rope = comp.rotary_pos_emb
+        if not callable(getattr(rope, "get_emb", None)):
+            return f"rotary_pos_emb: expected Megatron's RotaryEmbedding, got {type(rope).__name__}"
+        if getattr(comp.config, "rotary_interleaved", False) or getattr(rope, "rotary_interleaved", False):
+            return "rotary_interleaved tables"
+        if getattr(rope, "seq_len_interpolation_factor", None) is not None:
+            return "rotary seq_len_interpolation_factor"
+    if comp.rotate and d & (d - 1):
+        return f"rotate: head_dim {d} is not a power of two"
+    cp = getattr(comp.pg_collection, "cp", None)
+    if not grouped and cp is not None and cp.size() > 1:  # its positions follow the CP split
+        return "context parallelism outside the pre-grouped path"
+    return None
+
+
+def _rope_freqs(comp, device):
+    """Megatron's fp32 rotary frequencies of ``comp`` (its rotary module's angles at position
+    1: RoPE base, llama scaling or YaRN as that module makes them), as fp64 on ``device``;
+    a fp32 product of a position and these is Megatron's angle bit for bit. Kept a module
+    and device, made afresh while torch.compile traces or a CUDA graph captures."""
+    rope, half = comp.rotary_pos_emb, comp.qk_pos_emb_head_dim // 2
+    fresh = torch.compiler.is_compiling() or (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    hit = None if fresh else _freqs.get(rope)
+    if hit is not None and hit.device == device:
+        return hit
+    emb = rope.get_emb(2)
+    emb = emb[0] if isinstance(emb, tuple) else emb  # YaRN's (emb, mscale); mscale is 1 here
+    if emb.shape[-1] != 2 * half:
+        raise ValueError(f"rotary_pos_emb: its tables have {emb.shape[-1]} channels, expected "
+                         f"qk_pos_emb_head_dim = {2 * half}")
+    freqs = emb[1].reshape(-1)[:half].to(device=device, dtype=torch.float64)
+    if not fresh:
+        _freqs[rope] = freqs
+    return freqs
+
+
+def _fused_epilogue(comp, rows, positions):
+    """``rows`` ``(N, head_dim)`` through the fused epilogue with ``comp``'s norm weight and
+    eps, its rotary frequencies (interleaved pairs, as Megatron's MLA rotary embedding
+    takes them) and its rotation."""
+    from .epilogue import Epilogue, apply_epilogue
+
+    rope_dim = comp.qk_pos_emb_head_dim
+    freqs = _rope_freqs(comp, rows.device) if rope_dim else None
+    # rope_theta is not read: the frequencies are given
+    ep = Epilogue(float(comp.norm.eps), rope_dim, 10000.0, True, None, bool(comp.rotate))
+    return apply_epilogue(rows, comp.norm.weight, positions, ep, inv_freq=freqs)
+
+
+def _epilogue_on(comp, grouped: bool) -> bool:
+    """Whether install(epilogue=True) asked for the fused epilogue and ``comp`` takes it
+    (the reason recorded where it does not)."""
+    if not _state["epilogue"]:
+        return False
+    reason = _epilogue_reason(comp, grouped)
+    if reason is not None:
+        _fallback(_EPILOGUE + reason)
+    return reason is None
+
+
 def _forward_sbhd(self, x):
     """Megatron's ``Compressor._forward_sbhd`` with the pooling fused: ``x`` is
     ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
@@ -144,6 +247,12 @@ def _forward_sbhd(self, x):
     if pooled is None:
         _fallback(reason)
         return original(self, x)
+    if _epilogue_on(self, grouped=False):
+        from .epilogue import sbhd_positions
+
+        b, d = pooled.shape[1], pooled.shape[2]
+        rows = pooled.to(x.dtype).reshape(n * b, d)
+        return _fused_epilogue(self, rows, sbhd_positions(n, b, ratio, x.device)).view(n, b, d)
     kv = self.norm(pooled.to(x.dtype))
     kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,
                          self.rotary_pos_emb, self.config, n, ratio=ratio,
@@ -166,6 +275,8 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
                              fixed_total_comp)
 
     ids = compressed_group_ids
+    if ids is None and _state["epilogue"]:
+        return _thd_with_epilogue(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager)
     if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
         return eager()
     reason = _method_reason(self, x)
@@ -187,6 +298,11 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
                                 cu, cuc, G, ratio, self.coff)
     if pooled is None:
         return eager()
+    if _epilogue_on(self, grouped=True):
+        from .epilogue import grouped_positions
+
+        out = _fused_epilogue(self, pooled.to(x.dtype), grouped_positions(ids, ratio))
+        return out.unsqueeze(1), None
     out = self.norm(pooled.unsqueeze(1).to(x.dtype))
     rope_dim = self.qk_pos_emb_head_dim
     position_ids = ids.clamp_min(0) * ratio
@@ -207,16 +323,48 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
     return out, None
 
 
-def install(respect_enabled: bool = False) -> None:
-    """Route Megatron's Compressor through the fused kernels (idempotent)."""
-    if not isinstance(respect_enabled, bool):
-        raise TypeError(f"respect_enabled: expected True or False, got {respect_enabled!r}")
+def _thd_with_epilogue(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
+    """Megatron's THD path under install(epilogue=True): its projections, the fused pooling
+    (the hook, as its own method calls it) and the fused epilogue at its positions
+    (``block_index * ratio``, capacity padding rows held where its rotary table ends).
+    Anything else runs its own method: a call the pooling cannot take (its reason
+    recorded), or one without ``max_seqlen_q`` (Megatron raises its own error)."""
+    from .epilogue import rope_positions
+    from .layout import compressed_cu_seqlens
+
+    # where the pooling cannot be fused, Megatron's method asks the hook, which says why
+    if _method_reason(self, x) is not None or max_seqlen_q is None \
+            or not _epilogue_on(self, grouped=False):
+        return eager()
+    ratio = self.compress_ratio
+    cuc = compressed_cu_seqlens(cu_seqlens, ratio).to(cu_seqlens.dtype)
+    total_comp = int(fixed_total_comp) if fixed_total_comp is not None else int(cuc[-1].item())
+    if total_comp == 0:
+        return None, cuc
+    kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
+    score, _ = self.linear_wgate(x)
+    pooled = maybe_compress_thd_fused(kv, score, self.ape, cu_seqlens, cuc, total_comp,
+                                      ratio=ratio, head_dim=self.head_dim, coff=self.coff,
+                                      enabled=self.use_fused_compressor)
+    if pooled is None:
+        return eager()
+    positions = rope_positions(cuc, total_comp, ratio, int(max_seqlen_q))
+    out = _fused_epilogue(self, pooled.squeeze(1).to(x.dtype), positions)
+    return out.unsqueeze(1), cuc
+
+
+def install(respect_enabled: bool = False, epilogue: bool = False) -> None:
+    """Route Megatron's Compressor through the fused kernels (idempotent). ``epilogue``: its
+    norm, RoPE and rotation too (fp32 math, one rounding), not only the pooling."""
+    for name, value in (("respect_enabled", respect_enabled), ("epilogue", epilogue)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True or False, got {value!r}")
     mod = _csa_module()
     if _state["module"] is None:
         _state["module"], _state["original"] = mod, getattr(mod, HOOK)
         _state["sbhd"] = getattr(mod.Compressor, "_forward_sbhd", None)
         _state["thd"] = getattr(mod.Compressor, "_forward_thd", None)
-    _state["respect_enabled"] = respect_enabled
+    _state["respect_enabled"], _state["epilogue"] = respect_enabled, epilogue
     setattr(mod, HOOK, maybe_compress_thd_fused)
     if _state["sbhd"] is not None:
         mod.Compressor._forward_sbhd = _forward_sbhd
@@ -232,6 +380,7 @@ def uninstall() -> None:
             if _state[name] is not None:
                 setattr(_state["module"].Compressor, f"_forward_{name}", _state[name])
         _state["module"] = _state["original"] = _state["sbhd"] = _state["thd"] = None
+        _state["epilogue"] = False
 
 
 def is_installed() -> bool:
@@ -239,14 +388,14 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(respect_enabled: bool = False):
+def installed(respect_enabled: bool = False, epilogue: bool = False):
     """``install()`` for the block, then Megatron's hook back as it was."""
-    was, before = is_installed(), _state["respect_enabled"]
-    install(respect_enabled)
+    was, before = is_installed(), (_state["respect_enabled"], _state["epilogue"])
+    install(respect_enabled, epilogue)
     try:
         yield
     finally:
         if was:
-            _state["respect_enabled"] = before
+            _state["respect_enabled"], _state["epilogue"] = before
         else:
             uninstall()
