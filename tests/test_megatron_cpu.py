@@ -141,12 +141,13 @@ def test_megatrons_compressor_through_the_hook(megatron_csa, fused_on_cpu, ratio
     _assert_parameter_grads_close(got[2], want[2], **tol)
 
 
-def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa):
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_megatrons_compressor_on_the_cpu_keeps_its_eager_pooling(megatron_csa, epilogue):
     comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
     cu = torch.tensor([0, 37, 100], dtype=torch.int32)
     x = torch.randn(100, 1, 64)
     want = thd_step(comp, x, cu, 63)
-    with megatron.installed():
+    with megatron.installed(epilogue=epilogue):
         got = thd_step(comp, x, cu, 63)
     assert torch.equal(got[0], want[0])
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
