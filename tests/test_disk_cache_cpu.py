@@ -142,24 +142,27 @@ def test_the_small_kernels_are_kept_too(tmp_path):
 
 
 def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
-    from csa_compressor.kernels import disk_cache
-    from csa_compressor.kernels.compile import SmallSpec
+    """small_kernel names a kernel's entry by its whole key: keys that differ in any value
+    (a ratio, a width, a dtype, an eps, a flag) or in the target name different entries."""
+    import torch
 
-    specs = [SmallSpec("offsets", ratio=4), SmallSpec("offsets", ratio=128),
-             SmallSpec("rope_angles", head_dim=32), SmallSpec("rope_angles", head_dim=16),
-             SmallSpec("rope_positions"),
-             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-06", "torch.bfloat16", head_dim=128),
-             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-05", "torch.bfloat16", head_dim=128),
-             SmallSpec("epilogue_rows rope=64 norm=True eps=1e-06", "torch.float16", head_dim=128)]
-    names = [disk_cache.entry_name(s, "sm_90a") for s in specs]
+    from csa_compressor.kernels import disk_cache
+    from csa_compressor.kernels.compile import small_spec
+
+    keys = [("offsets", 4), ("offsets", 128), ("rope", "angles", 32), ("rope", "angles", 16),
+            ("rope", "positions", 0), ("column_sum", 128, 4, True), ("column_sum", 128, 4, False)]
+    rows = ("epilogue_rows", torch.bfloat16, 128, 64, True, False, False, True, 1e-06)
+    keys += [rows, rows[:-1] + (1e-05,), rows[:1] + (torch.float16,) + rows[2:],
+             rows[:6] + (True,) + rows[7:]]
+    names = [disk_cache.entry_name(small_spec(k), "sm_90a") for k in keys]
     assert len(set(names)) == len(names)
-    assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_100a") != names[0]
-    assert disk_cache.entry_name(SmallSpec("offsets", ratio=4), "sm_90a") == names[0]
+    assert disk_cache.entry_name(small_spec(("offsets", 4)), "sm_100a") != names[0]
+    assert disk_cache.entry_name(small_spec(("offsets", 4)), "sm_90a") == names[0]
 
 
 def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch):
-    """compile.small_kernel: compiled once a (device, key) and kept, its SmallSpec made on
-    that miss only; while a CUDA graph captures, a kernel not compiled yet is None (its
+    """compile.small_kernel: compiled once a (device, key) and kept, its entry named by the
+    key; while a CUDA graph captures, a kernel not compiled yet is None (its
     caller runs the torch ops, the same bits) and nothing is compiled."""
     import torch
 
@@ -167,22 +170,21 @@ def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch)
 
     built = []
     monkeypatch.setattr(cc, "_SMALL", {})
-    monkeypatch.setattr(cc, "compile_small", lambda spec, build: (built.append(spec) or
+    monkeypatch.setattr(cc, "compile_small", lambda spec, build: (built.append((spec, build)) or
                                                                   (f"fn {spec.direction}", None)))
     dev = torch.device("cuda", 0)
-    spec = cc.SmallSpec("offsets", ratio=4)
-    made = []
 
-    def make(s):
-        return lambda: (made.append(s) or (s, None))
+    def build():
+        raise AssertionError("small_kernel leaves the build to compile_small")
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cc.small_kernel(("offsets", 4), dev, make(spec)) is None and built == made == []
+    assert cc.small_kernel(("offsets", 4), dev, build) is None and built == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert cc.small_kernel(("offsets", 4), dev, make(spec)) == "fn offsets" and built == [spec]
+    assert cc.small_kernel(("offsets", 4), dev, build) == "fn offsets 4"
+    assert built == [(cc.small_spec(("offsets", 4)), build)]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cc.small_kernel(("offsets", 4), dev, make(spec)) == "fn offsets"  # kept
-    assert built == made == [spec]  # the hit made no spec
-    other = cc.SmallSpec("offsets", ratio=128)
-    assert cc.small_kernel(("offsets", 128), dev, make(other)) is None and made == [spec]
-    assert cc.small_kernel(("offsets", 4), torch.device("cuda", 1), make(spec)) is None
+    assert cc.small_kernel(("offsets", 4), dev, build) == "fn offsets 4"  # kept
+    assert len(built) == 1
+    assert cc.small_kernel(("offsets", 128), dev, build) is None
+    assert cc.small_kernel(("offsets", 4), torch.device("cuda", 1), build) is None
+    assert len(built) == 1

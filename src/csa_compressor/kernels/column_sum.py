@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..softmax_order import COLSUM_VEC, SUM_ACCUMULATORS
-from .compile import SmallSpec, small_kernel
+from .compile import small_kernel
 
 COLUMN_VECTORS = 32  # column vectors a CTA: one warp across, lanes of the order down
 
@@ -127,9 +127,8 @@ def compile_args(head_dim: int) -> tuple:
 
 
 def _get(head_dim: int, lanes: int, finish: bool, device):
-    return small_kernel(("column_sum", head_dim, lanes, finish), device, lambda: (
-        SmallSpec(f"column_sum lanes={lanes} finish={finish}", head_dim=head_dim),
-        lambda: (ColumnSum(head_dim, lanes, finish), compile_args(head_dim))))
+    return small_kernel(("column_sum", head_dim, lanes, finish), device,
+                        lambda: (ColumnSum(head_dim, lanes, finish), compile_args(head_dim)))
 
 
 def column_sum(x, lanes: int, ctas: int):

@@ -180,8 +180,8 @@ def _direct(fn):
 @dataclass(frozen=True)
 class SmallSpec:
     """What specialises one of the small kernels beside the pooling (epilogue_rows,
-    rope_angles, offsets): the fields disk_cache keys its entries on, ``direction``
-    naming the kernel and its flags."""
+    rope_angles, offsets, column_sum): the fields disk_cache keys its entries on;
+    small_kernel puts its whole key into ``direction``."""
 
     direction: str
     dtype: object = None
@@ -191,6 +191,11 @@ class SmallSpec:
     tuning: object = None
     row_stride: int = 0
     batch: int = 0
+
+
+def small_spec(key: tuple) -> SmallSpec:
+    """The disk-cache identity of a small kernel's ``key`` (small_kernel): all of it."""
+    return SmallSpec(" ".join(map(str, key)))
 
 
 def compile_small(spec: SmallSpec, build) -> tuple:
@@ -209,13 +214,14 @@ def compile_small(spec: SmallSpec, build) -> tuple:
 _SMALL: dict = {}
 
 
-def small_kernel(key: tuple, device: torch.device, make):
+def small_kernel(key: tuple, device: torch.device, build):
     """The launchable function of a small kernel on ``device``, compiled (or loaded) on
     first use; None where it is not compiled yet and the stream is capturing a CUDA graph:
     the caller then runs the torch ops the kernel stands in for (the same bits), where the
     pooling kernels would have to raise. ``key``: the values that specialise it, its name
     first (plain values: a call is one lookup, several a step on the host's critical
-    path); ``make()``: its ``(SmallSpec, build)`` from those values, on a miss only."""
+    path), which also name its disk-cache entry; ``build()``: its ``(kernel, args)``, on
+    a miss only."""
     ck = (device.index, key)
     hit = _SMALL.get(ck)
     if hit is None:
@@ -224,7 +230,7 @@ def small_kernel(key: tuple, device: torch.device, make):
         with _LOCK:
             hit = _SMALL.get(ck)
             if hit is None:
-                hit = _SMALL[ck] = compile_small(*make())
+                hit = _SMALL[ck] = compile_small(small_spec(key), build)
     return hit[0]
 
 

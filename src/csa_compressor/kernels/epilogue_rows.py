@@ -31,7 +31,7 @@ import numpy as np
 from cutlass import Float32, Int32
 
 from ..softmax_order import ROWSUM_VEC, ROWSUM_WARP_OFFSETS, torch_rowsum_vec
-from .compile import SmallSpec, placeholder, small_kernel
+from .compile import placeholder, small_kernel
 from .plan import cutlass_dtype
 from .ptx import div_exact, i64_to_f32, mul_rn, rsqrt_approx
 
@@ -316,17 +316,13 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     eps = 1e-6 if norm_eps is None else norm_eps
     dtype = rows.dtype
 
-    def make():
-        spec = SmallSpec(f"epilogue_rows rope={rope_dim} interleaved={interleaved} "
-                         f"rotate={rotate} backward={backward} norm={norm} eps={eps!r}",
-                         dtype=str(dtype), head_dim=d)
-        return spec, lambda: (
-            EpilogueRows(cutlass_dtype(dtype), d, rope_dim, interleaved, rotate, backward,
-                         norm, eps),
-            compile_args(dtype, d, rope_dim, interleaved, backward, norm))
+    def build():
+        return (EpilogueRows(cutlass_dtype(dtype), d, rope_dim, interleaved, rotate, backward,
+                             norm, eps),
+                compile_args(dtype, d, rope_dim, interleaved, backward, norm))
 
     fn = small_kernel(("epilogue_rows", dtype, d, rope_dim, interleaved, rotate, backward, norm,
-                       eps), rows.device, make)
+                       eps), rows.device, build)
     if fn is None:
         return None
 

@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .compile import SmallSpec, small_kernel
+from .compile import small_kernel
 
 THREADS = 1024
 SCAN_STEPS = 10  # log2(THREADS)
@@ -77,8 +77,8 @@ def compressed_offsets(cu, ratio: int):
     where the kernel cannot be had now (compile.small_kernel)."""
     import torch
 
-    fn = small_kernel(("offsets", ratio), cu.device, lambda: (
-        SmallSpec("offsets", ratio=ratio), lambda: (CompressedOffsets(ratio), compile_args())))
+    fn = small_kernel(("offsets", ratio), cu.device,
+                      lambda: (CompressedOffsets(ratio), compile_args()))
     if fn is None:
         return None
     out = torch.empty_like(cu)

@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, Int64
 
-from .compile import SmallSpec, checked_once, placeholder, small_kernel
+from .compile import checked_once, placeholder, small_kernel
 from .segments import find_segment
 
 THREADS = 256
@@ -99,8 +99,7 @@ def _get(kind: str, pairs: int, device):
             return RopePositions(), compile_args(kind)
         return RopeAngles(pairs, kind == "trig"), compile_args(kind, pairs)
 
-    return small_kernel(("rope", kind, pairs), device,
-                        lambda: (SmallSpec("rope_" + kind, head_dim=pairs), build))
+    return small_kernel(("rope", kind, pairs), device, build)
 
 
 def positions(cuc, total: int, ratio: int, cap: int | None):
