@@ -182,7 +182,7 @@ def parts():
             ("bwd+dape", bwd), ("fwd+bwd+dape", step))]
         print(f"{name:32s} sets {n:2d} row CTAs {row_ctas:4d} zero CTAs {zero_ctas:5d} | "
               + " | ".join(cells) + " µs")
-        del sets, outs, grads, works
+        sets = outs = grads = works = None  # free them before the next shape
         torch.cuda.empty_cache()
 
 
@@ -336,7 +336,7 @@ def reads():
             us = bench.time_graph(f, n)
             print(f"{name} {step_bytes / 1e6:.1f} MB {label}: {us:.2f} µs "
                   f"({step_bytes / us / 1e6:.2f} TB/s; floor {step_floor:.2f} µs)", flush=True)
-        del sets, outs, xs, ys, srcs, dsts, gws, grads
+        sets = outs = xs = ys = srcs = dsts = gws = grads = None  # freed before the next shape
         torch.cuda.empty_cache()
 
 

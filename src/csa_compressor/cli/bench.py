@@ -301,7 +301,7 @@ def run(shapes, dtype=torch.bfloat16, impl_names=("eager", "compile", "fused"), 
                     row[f"{key}_pct_floor"] = 100 * row[f"floor_{key}_us"] / row[f"{key}_us"]
                     row[f"{key}_tbps"] = (fwd_b if key == "fwd" else all_b) / row[f"{key}_us"] / 1e6
             rows.append(row)
-        del sets
+        sets = None  # free them before the next shape
         torch.cuda.empty_cache()
     return {"environment": environment(), "copy_bandwidth_tbps": bw / 1e12, "dtype": str(dtype),
             "calls_per_graph": CALLS_PER_GRAPH, "same_inputs": same_inputs, "rows": rows}

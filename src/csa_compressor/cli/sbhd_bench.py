@@ -67,7 +67,7 @@ def run(configs=CONFIGS, dtype=torch.bfloat16, progress=print):
             except Exception as exc:  # report, never hide
                 row[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         rows.append(row)
-        del sets
+        sets = None  # free them before the next shape
         torch.cuda.empty_cache()
     return rows
 
