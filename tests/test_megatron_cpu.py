@@ -585,6 +585,8 @@ def test_the_fused_epilogue_on_megatrons_compressor(megatron_csa, fused_on_cpu, 
      "seq_len_interpolation_factor"),
     (lambda mg: setattr(mg.rotary_pos_emb, "rotary_interleaved", True), "rotary_interleaved"),
     (lambda mg: setattr(mg.norm, "eps", None), "eps"),
+    (lambda mg: setattr(mg.rotary_pos_emb, "inv_freq", mg.rotary_pos_emb.inv_freq[:8]),
+     "its tables have 16 channels"),
 ])
 @pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
 def test_a_configuration_the_fused_epilogue_does_not_compute_keeps_megatrons(

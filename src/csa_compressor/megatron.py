@@ -168,6 +168,10 @@ def _epilogue_reason(comp, grouped: bool):
             return "rotary_interleaved tables"
         if getattr(rope, "seq_len_interpolation_factor", None) is not None:
             return "rotary seq_len_interpolation_factor"
+        inv = getattr(rope, "inv_freq", None)
+        if not isinstance(inv, torch.Tensor) or 2 * inv.numel() != rope_dim:
+            return (f"rotary_pos_emb: its tables have {2 * getattr(inv, 'numel', lambda: 0)()} "
+                    f"channels, expected qk_pos_emb_head_dim = {rope_dim}")
     if comp.rotate and d & (d - 1):
         return f"rotate: head_dim {d} is not a power of two"
     cp = getattr(comp.pg_collection, "cp", None)
