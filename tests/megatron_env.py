@@ -72,12 +72,14 @@ def thd_step(comp, x, cu, max_seqlen):
             {n: p.grad.float() for n, p in comp.named_parameters()})
 
 
-def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None, ids=None):
+def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None, ids=None,
+                     joint=False):
     """What install(epilogue=True) computes, composed by hand from other parts: Megatron's
     projections, the pooling (``pooling``: "reference", the fp32 reference that stands in for
     the kernels on a CPU, or "fused", the package's op), eager_epilogue with
     Megatron's norm weight and eps and a rotary table cut from Megatron's own
-    (``mg.rotary_pos_emb``), at Megatron's positions. Returns the output."""
+    (``mg.rotary_pos_emb``), at Megatron's positions. ``joint``: the projections as one
+    GEMM on the two weights' concatenation, the pooling on its halves. Returns the output."""
     import csa_compressor as C
     from csa_compressor import reference
     from csa_compressor.epilogue import (Epilogue, eager_epilogue, grouped_positions,
@@ -86,7 +88,11 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     from csa_compressor.layout import compressed_cu_seqlens
 
     ratio, coff, d, r = mg.compress_ratio, mg.coff, mg.head_dim, mg.qk_pos_emb_head_dim
-    kv, score = mg.linear_wkv(x)[0], mg.linear_wgate(x)[0]
+    if joint:
+        kvs = torch.nn.functional.linear(x, torch.cat((mg.linear_wkv.weight, mg.linear_wgate.weight)))
+        kv, score = kvs[..., : coff * d], kvs[..., coff * d:]
+    else:
+        kv, score = mg.linear_wkv(x)[0], mg.linear_wgate(x)[0]
     kw = dict(ratio=ratio, coff=coff)
     fused = pooling == "fused"
     if path == "sbhd":

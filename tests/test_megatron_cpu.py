@@ -13,6 +13,12 @@ from csa_compressor import megatron
 from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fallback_reasons():
+    """Each test reads the reasons its own calls recorded."""
+    megatron.clear_fallback_reasons()
+
+
 @pytest.fixture
 def stub_csa(monkeypatch):
     """A stand-in for Megatron's csa module: just the names the adapter needs."""
@@ -525,6 +531,7 @@ def _step_of(comp, x, forward):
     return out.detach(), xi.grad, {n: p.grad for n, p in comp.named_parameters()}
 
 
+@pytest.mark.parametrize("projection", [False, True])
 @pytest.mark.parametrize("path,ratio,head_dim,rope_dim,yarn,rotate", [
     ("thd", 4, 512, 64, None, False),
     ("thd", 4, 128, 64, (4.0, 64), True),
@@ -536,33 +543,40 @@ def _step_of(comp, x, forward):
     ("grouped", 128, 256, 64, (16.0, 256), False),
 ])
 def test_the_fused_epilogue_on_megatrons_compressor(megatron_csa, fused_on_cpu, hadamard_standin,
-                                                    path, ratio, head_dim, rope_dim, yarn, rotate):
-    """install(epilogue=True), the fused pooling standing in as the fp32 reference: the
-    output and every gradient bit for bit what Megatron's projections, that pooling and the
-    epilogue composed by hand give (Megatron's norm weight and eps, its rotary table, its
-    positions; capacity padding rows, halo and padding groups included); Megatron's norm and
-    rotation never called; and within a few bf16 ulps of Megatron's own epilogue (installed
-    without it), which rounds after the norm and in every step of its bf16 rotary embedding."""
+                                                    path, ratio, head_dim, rope_dim, yarn, rotate,
+                                                    projection):
+    """install(epilogue=True) (and projection=True: one GEMM on the two linears' weights),
+    the fused pooling standing in as the fp32 reference: the output and every gradient bit
+    for bit what Megatron's projections (or that GEMM), that pooling and the epilogue
+    composed by hand give (Megatron's norm weight and eps, its rotary table, its positions;
+    capacity padding rows, halo and padding groups included); Megatron's norm and rotation
+    (and with projection=True its linears) never called; and within a few bf16 ulps of
+    Megatron's own epilogue (installed without it), which rounds after the norm and in every
+    step of its bf16 rotary embedding."""
     mg, x, extra, forward = _epilogue_case(megatron_csa, path, ratio, head_dim, rope_dim, yarn,
                                            rotate)
     with megatron.installed():
         want = _step_of(mg, x, forward)
     megatron.clear_fallback_reasons()
-    norm_calls = []
-    handle = mg.norm.register_forward_hook(lambda *a: norm_calls.append(1))
+    calls = []
+    handles = [m.register_forward_hook(lambda m, *a: calls.append(type(m).__name__))
+               for m in (mg.norm, mg.linear_wkv, mg.linear_wgate)]
     rotations = len(hadamard_standin)
     try:
-        with megatron.installed(epilogue=True):
+        with megatron.installed(epilogue=True, projection=projection):
             got = _step_of(mg, x, forward)
     finally:
-        handle.remove()
-    assert norm_calls == [] and len(hadamard_standin) == rotations, "Megatron's epilogue ran"
-    assert not any(r.startswith("epilogue: ") for r in megatron.fallback_reasons())
+        for h in handles:
+            h.remove()
+    assert len(hadamard_standin) == rotations and "RMSNorm" not in calls, "Megatron's epilogue ran"
+    assert len(calls) == (0 if projection else 2), calls
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     assert got[0].shape == want[0].shape
 
     xr = x.clone().requires_grad_(True)
     mg.zero_grad(set_to_none=True)
-    out = epilogue_by_hand(mg, xr, path, "reference", total=got[0].shape[0], **extra)
+    out = epilogue_by_hand(mg, xr, path, "reference", total=got[0].shape[0], joint=projection,
+                           **extra)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype))
     assert torch.equal(got[0], out.detach()), "output"
     assert torch.equal(got[1], xr.grad), "input gradient"
@@ -619,3 +633,91 @@ def test_install_epilogue_is_checked_and_restored(stub_csa):
     with megatron.installed(epilogue=True):
         pass
     assert not megatron.is_installed() and not megatron._state["epilogue"]
+
+
+@pytest.mark.parametrize("path,ratio,head_dim,rope_dim,yarn,rotate", [
+    ("thd", 4, 128, 64, (4.0, 64), True), ("thd", 128, 256, 64, None, False),
+    ("sbhd", 4, 128, 64, None, False), ("sbhd", 128, 64, 0, None, False)])
+def test_megatrons_whole_compressor_fused_is_the_packages_module(
+        megatron_csa, fused_on_cpu, hadamard_standin, path, ratio, head_dim, rope_dim, yarn,
+        rotate):
+    """install(epilogue=True, projection=True): Megatron's Compressor then computes what the
+    package's Compressor (default numerics, megatron_layout) computes with its parameters
+    and its rotary frequencies: the output and every gradient bit for bit."""
+    from csa_compressor import Compressor
+    from csa_compressor.epilogue import YaRN, megatron_inv_freq
+
+    mg, x, extra, forward = _epilogue_case(megatron_csa, path, ratio, head_dim, rope_dim, yarn,
+                                           rotate)
+    with megatron.installed(epilogue=True, projection=True):
+        want = _step_of(mg, x, forward)
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    ours = Compressor(128, head_dim, ratio, rope_dim=rope_dim, norm_eps=1e-5, rotate=rotate,
+                      dtype=torch.bfloat16, pooling="reference", megatron_layout=True)
+    ours.load_megatron_state_dict(mg.state_dict())
+    assert ours.one_projection and ours.numerics == "fp32"
+    if rope_dim:  # Megatron's fp32 frequencies, where the module makes fp64 ones
+        y = None if yarn is None else YaRN(factor=yarn[0], original_max_position_embeddings=yarn[1])
+        ours._inv_freq[x.device] = megatron_inv_freq(rope_dim, 10000.0, y).double()
+    if path == "thd":
+        got = _step_of(ours, x, lambda comp, xi: comp(xi, extra["cu"],
+                                                       max_seqlen=extra["max_seqlen"])[0])
+    else:
+        got = _step_of(ours, x, lambda comp, xi: comp(xi))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        assert torch.equal(got[2][ok], want[2][mk]), mk
+
+
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_one_projection_gemm_with_megatrons_own_epilogue(megatron_csa, fused_on_cpu,
+                                                         hadamard_standin, path):
+    """install(projection=True) alone: Megatron's two linears never called, its norm, RoPE
+    and rotation still run; the output and every gradient within the bf16 rounding of its
+    two GEMMs' input gradients added in the dtype (installed without it)."""
+    mg, x, _, forward = _epilogue_case(megatron_csa, path, 4, 128, 64, None, True)
+    with megatron.installed():
+        want = _step_of(mg, x, forward)
+    calls = []
+    handles = [m.register_forward_hook(lambda m, *a: calls.append(m))
+               for m in (mg.norm, mg.linear_wkv, mg.linear_wgate)]
+    rotations = len(hadamard_standin)
+    try:
+        with megatron.installed(projection=True):
+            got = _step_of(mg, x, forward)
+    finally:
+        for h in handles:
+            h.remove()
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    assert calls == [mg.norm] and len(hadamard_standin) == rotations + 1
+    worst = {"output": float(bf16_ulps(got[0], want[0]).max()),
+             "input gradient": float(bf16_ulps(got[1], want[1]).max())}
+    worst.update({n: float(bf16_ulps(got[2][n], want[2][n]).max()) for n in want[2]})
+    assert all(w <= 4 for w in worst.values()), worst
+    assert not torch.equal(got[1], want[1])  # one GEMM's input gradient, not two added
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda mg: setattr(mg.config, "delay_wgrad_compute", True), "delay_wgrad_compute"),
+    (lambda mg: setattr(mg.linear_wgate, "sequence_parallel", True),
+     "linear_wgate: sequence_parallel"),
+    (lambda mg: setattr(mg.linear_wkv, "bias", torch.nn.Parameter(
+        torch.zeros(mg.linear_wkv.weight.shape[0], dtype=mg.linear_wkv.weight.dtype))),
+     "linear_wkv: it has a bias"),
+])
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_linears_one_gemm_does_not_compute_keep_megatrons(megatron_csa, fused_on_cpu, mutate,
+                                                          words, path):
+    """Where Megatron's linears do more than a plain GEMM, they run (bit for bit install()
+    without projection=True), and fallback_reasons() says why."""
+    mg, x, _, forward = _epilogue_case(megatron_csa, path, 4, 64, 32, None, False)
+    mutate(mg)
+    with megatron.installed():
+        want = _step_of(mg, x, forward)
+    megatron.clear_fallback_reasons()
+    with megatron.installed(projection=True):
+        got = _step_of(mg, x, forward)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+    assert list(megatron.fallback_reasons()) == ["projection: " + words], \
+        megatron.fallback_reasons()

@@ -13,6 +13,12 @@ from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fallback_reasons():
+    """Each test reads the reasons its own calls recorded."""
+    megatron.clear_fallback_reasons()
+
+
 def _installed_step(step, monkeypatch):
     """``step()`` with the adapter installed, and the row counts the fused pooling ran on
     (an SBHD launch's: every sequence's)."""
@@ -241,19 +247,21 @@ def test_megatron_numerics_on_megatrons_sbhd_path(megatron_csa, monkeypatch, rat
     assert not any(differ.values()), f"elements that differ: {differ}"
 
 
+@pytest.mark.parametrize("projection", [False, True])
 @pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
     ("thd", 4, 512, None, False), ("thd", 4, 128, (4.0, 4096), True),
     ("thd", 128, 512, (16.0, 4096), False), ("sbhd", 4, 128, None, True),
     ("sbhd", 128, 512, None, False), ("grouped", 4, 512, None, False),
     ("grouped", 128, 128, None, True)])
 def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
-        megatron_csa, hadamard_standin, path, ratio, head_dim, yarn, rotate):
-    """install(epilogue=True) on the H200 (hidden 1024, bf16; THD 8192 + 8191 + 5000 + 3 + 0
-    tokens with capacity padding, SBHD 2 x 4100, pre-grouped 8192 tokens as groups with a
-    halo, continuations and padding): the output and every gradient bit for bit Megatron's
-    projections + the fused pooling op + the epilogue composed of torch ops (Megatron's
-    norm weight, eps, rotary table and positions); Megatron's rotation never called; within
-    a few bf16 ulps of Megatron's own epilogue after the same pooling."""
+        megatron_csa, hadamard_standin, path, ratio, head_dim, yarn, rotate, projection):
+    """install(epilogue=True) (and projection=True: one GEMM on the two linears' weights) on
+    the H200 (hidden 1024, bf16; THD 8192 + 8191 + 5000 + 3 + 0 tokens with capacity
+    padding, SBHD 2 x 4100, pre-grouped 8192 tokens as groups with a halo, continuations and
+    padding): the output and every gradient bit for bit Megatron's projections (or that
+    GEMM) + the fused pooling op + the epilogue composed of torch ops (Megatron's norm
+    weight, eps, rotary table and positions); Megatron's rotation never called; within a
+    few bf16 ulps of Megatron's own epilogue after the same pooling."""
     hidden = 1024
     mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
                           rotate=rotate, dtype=torch.bfloat16, yarn=None if yarn is None else {
@@ -313,14 +321,15 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
         want = step()
     megatron.clear_fallback_reasons()
     rotations = len(hadamard_standin)
-    with megatron.installed(epilogue=True):
+    with megatron.installed(epilogue=True, projection=projection):
         got = step()
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     assert len(hadamard_standin) == rotations, "Megatron's rotation ran"
 
     xr = x.clone().requires_grad_(True)
     mg.zero_grad(set_to_none=True)
-    out = epilogue_by_hand(mg, xr, path, "fused", total=got[0].shape[0], **extra)
+    out = epilogue_by_hand(mg, xr, path, "fused", total=got[0].shape[0], joint=projection,
+                           **extra)
     out.backward(g)
     hand = [out.detach(), xr.grad] + [p.grad for _, p in mg.named_parameters()]
     differ = {n: int((a != b).sum()) for n, a, b in zip(names, got, hand)}
@@ -328,7 +337,59 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
 
     worst = {n: float(bf16_ulps(a, b).max()) for n, a, b in zip(names, got, want)}
     over1 = float((bf16_ulps(got[0], want[0]) > 1).float().mean())
-    print(f"\n{path} ratio {ratio} d{head_dim}: max bf16 ulps against Megatron's epilogue "
+    print(f"\n{path} ratio {ratio} d{head_dim} projection={projection}: max bf16 ulps against Megatron's epilogue "
           f"{ {n: round(w, 2) for n, w in worst.items()} }, output elements > 1 ulp {over1:.4%}")
     assert worst["output"] <= 4 and all(w <= 8 for w in worst.values()) and over1 <= 0.02, \
         (worst, over1)
+
+
+@pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
+    ("thd", 4, 512, None, False), ("thd", 4, 128, (4.0, 4096), True), ("sbhd", 128, 512, None, False)])
+def test_megatrons_whole_compressor_fused_is_the_packages_module_on_the_fused_kernels(
+        megatron_csa, path, ratio, head_dim, yarn, rotate):
+    """install(epilogue=True, projection=True) on the H200 (hidden 1024, bf16; THD 8192 +
+    8191 + 5000 + 3 + 0 tokens, SBHD 2 x 4100): Megatron's Compressor computes what the
+    package's Compressor (default numerics, pooling="fused", Megatron's parameters and
+    rotary frequencies) computes, the output and every gradient bit for bit."""
+    from csa_compressor import Compressor
+    from csa_compressor.epilogue import YaRN, megatron_inv_freq
+
+    hidden = 1024
+    y = None if yarn is None else {"scaling_factor": yarn[0],
+                                   "original_max_position_embeddings": yarn[1]}
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                          rotate=rotate, dtype=torch.bfloat16, yarn=y).cuda()
+    with torch.no_grad():
+        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
+    ours = Compressor(hidden, head_dim, ratio, rope_dim=64, norm_eps=1e-5, rotate=rotate,
+                      dtype=torch.bfloat16, device="cuda", pooling="fused", megatron_layout=True)
+    ours.load_megatron_state_dict(mg.state_dict())
+    ours._inv_freq[torch.device("cuda", torch.cuda.current_device())] = megatron_inv_freq(
+        64, 10000.0, None if yarn is None else YaRN(factor=yarn[0],
+                                                    original_max_position_embeddings=yarn[1]),
+        "cuda").double()
+    if path == "thd":
+        lens = [8192, 8191, 5000, 3, 0]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda").to(torch.bfloat16)
+        with megatron.installed(epilogue=True, projection=True):
+            want = thd_step(mg, x, cu, max(lens))
+        xs = x.clone().requires_grad_(True)
+        out, cuc = ours(xs, cu, max_seqlen=max(lens))
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        g = g.to(out.dtype)
+        g[int(cuc[-1]):] = 0
+        out.backward(g)
+        got = (out.detach().float(), xs.grad.float(),
+               {n: p.grad.float() for n, p in ours.named_parameters()})
+    else:
+        x = torch.randn(4100, 2, hidden, device="cuda").to(torch.bfloat16)
+        with megatron.installed(epilogue=True, projection=True):
+            want = _sbhd_step(mg, x)
+        got = _sbhd_step(ours, x)
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    differ = {"output": int((got[0] != want[0]).sum()), "input gradient": int((got[1] != want[1]).sum())}
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        differ[mk] = int((got[2][ok] != want[2][mk]).sum())
+    assert not any(differ.values()), f"elements that differ: {differ}"

@@ -1,6 +1,7 @@
 """Megatron-LM's own Compressor, forward + backward on the GPU: its eager pooling against
-csa_compressor.megatron installed, and installed with the fused epilogue
-(``install(epilogue=True)``), side by side in one run.
+csa_compressor.megatron installed, installed with the fused epilogue
+(``install(epilogue=True)``), and with the epilogue and one projection GEMM
+(``install(epilogue=True, projection=True)``), side by side in one run.
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
 
@@ -14,8 +15,8 @@ same tokens as groups) and on the SBHD path (no packed_seq_params: the B sequenc
 median of 5; host time included, no CUDA graph: Megatron's step is not capturable as
 called), GPU time (the sum of the step's kernel and memory-op durations from
 torch.profiler over 3 steps) and kernel launches. A row is reported only where the
-installed steps really ran the fused pooling and, with the epilogue, the fused epilogue
-(a fallback is an error in the row).
+installed steps really ran the fused pooling and, where asked, the fused epilogue and the
+one projection GEMM (a fallback is an error in the row).
 """
 
 from __future__ import annotations
@@ -131,11 +132,12 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                         row["installed"] = _measure(step)
                     if not launched:
                         raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
-                    megatron.clear_fallback_reasons()
-                    with megatron.installed(epilogue=True):
-                        row["epilogue"] = _measure(step)
-                    if megatron.fallback_reasons():
-                        raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
+                    for key, projection in (("epilogue", False), ("projection", True)):
+                        megatron.clear_fallback_reasons()
+                        with megatron.installed(epilogue=True, projection=projection):
+                            row[key] = _measure(step)
+                        if megatron.fallback_reasons():
+                            raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
                 finally:
                     dispatch.fused_from_validated = fused
             except Exception as exc:  # report, never hide
@@ -147,14 +149,20 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
     return rows
 
 
+VARIANTS = ("eager", "installed", "epilogue", "projection")
+
+
 def _row(r):
     if "error" in r:
         return f"| {r['config']} | {r['path']} | {r['error']} | | | |"
-    e, i, f = r["eager"], r["installed"], r["epilogue"]
-    return (f"| {r['config']} | {r['path']} | {e['wall_us']:.0f} / {i['wall_us']:.0f} / "
-            f"{f['wall_us']:.0f} | {e['gpu_us']:.0f} / {i['gpu_us']:.0f} / {f['gpu_us']:.0f} | "
-            f"{e['gpu_us'] / i['gpu_us']:.2f}x / {e['gpu_us'] / f['gpu_us']:.2f}x | "
-            f"{e['launches']:.0f} / {i['launches']:.0f} / {f['launches']:.0f} |")
+    m = [r[v] for v in VARIANTS]
+
+    def cells(key):
+        return " / ".join(f"{v[key]:.0f}" for v in m)
+
+    speedup = " / ".join(f"{m[0]['gpu_us'] / v['gpu_us']:.2f}x" for v in m[1:])
+    return (f"| {r['config']} | {r['path']} | {cells('wall_us')} | {cells('gpu_us')} | {speedup} "
+            f"| {cells('launches')} |")
 
 
 def main(argv=None):
@@ -172,9 +180,9 @@ def main(argv=None):
     print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
           f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
           f"{args.tokens} tokens, forward + backward a step")
-    print("| config | path | wall µs eager / installed / + epilogue | GPU µs eager / installed / "
-          "+ epilogue | GPU speedup installed / + epilogue | kernels a step eager / installed / "
-          "+ epilogue |")
+    cols = "eager / installed / + epilogue / + epilogue + projection"
+    print(f"| config | path | wall µs {cols} | GPU µs {cols} | GPU speedup over eager: "
+          f"installed / + epilogue / + epilogue + projection | kernels a step {cols} |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))

@@ -43,6 +43,17 @@ interleaved rotary tables, interpolated positions, context parallelism outside t
 pre-grouped path), Megatron's own epilogue runs after the fused pooling and
 ``fallback_reasons()`` says why.
 
+``install(projection=True)`` runs Megatron's two projections (``linear_wkv``,
+``linear_wgate``) as one GEMM into ``[kv | score]`` on all three paths, whose halves the
+pooling reads in place: the backward then has one input-gradient GEMM and no add of two
+``(T, hidden)`` gradients. It reads the two linears' weights (their concatenation a step,
+or in place where one follows the other in memory) and takes their gradients through
+autograd (``.grad``, which Megatron's DDP hooks add into ``main_grad``). Where the linears
+do more than a plain GEMM (a bias, sequence or tensor parallelism, fp8,
+``delay_wgrad_compute``), Megatron's linears run and ``fallback_reasons()`` says why.
+With both, ``install(epilogue=True, projection=True)``, Megatron's Compressor computes
+what this package's ``Compressor`` computes with its parameters.
+
 Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 """
 
@@ -59,10 +70,11 @@ CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
 HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
 _state = {"module": None, "original": None, "sbhd": None, "thd": None, "respect_enabled": False,
-          "epilogue": False}
+          "epilogue": False, "projection": False}
 _reasons: dict = {}
 _DISABLED = "disabled by Megatron (use_fused_dsa_kernels is False)"
 _EPILOGUE = "epilogue: "  # the prefix of the reasons Megatron's own epilogue ran
+_PROJECTION = "projection: "  # ... and its own two linears
 _freqs = weakref.WeakKeyDictionary()  # rotary module -> its fp64 frequencies (_rope_freqs)
 
 
@@ -84,7 +96,7 @@ def _csa_module():
 def _fallback(reason: str):
     if reason not in _reasons:
         what = ("its norm, RoPE and rotation" if reason.startswith(_EPILOGUE)
-                else "its eager pooling")
+                else "its two linears" if reason.startswith(_PROJECTION) else "its eager pooling")
         _log.warning("csa_compressor: Megatron's Compressor keeps %s: %s", what, reason)
         _reasons[reason] = 0
     _reasons[reason] += 1
@@ -93,7 +105,8 @@ def _fallback(reason: str):
 
 def fallback_reasons() -> dict:
     """Each reason a call kept Megatron's eager pooling (or, prefixed ``"epilogue: "``,
-    Megatron's own norm, RoPE and rotation under ``install(epilogue=True)``), with how
+    Megatron's own norm, RoPE and rotation under ``install(epilogue=True)``; prefixed
+    ``"projection: "``, its own two linears under ``install(projection=True)``), with how
     many calls it was."""
     return dict(_reasons)
 
@@ -130,6 +143,18 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     if reason is not None:
         return _fallback(reason)
     return fused_from_validated(p)
+
+
+def _packed_or_fallback(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+    """_fused_or_fallback for ``[kv | score]`` as one ``(T, 2 * coff * d)`` tensor."""
+    from .dispatch import fused_packed_or_reason
+
+    try:
+        pooled, reason = fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp,
+                                                total_comp, ratio=ratio, coff=coff)
+    except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
+        pooled, reason = None, str(exc)
+    return pooled if reason is None else _fallback(reason)
 
 
 def _method_reason(comp, x):
@@ -226,6 +251,50 @@ def _epilogue_on(comp, grouped: bool) -> bool:
     return reason is None
 
 
+def _projection_reason(comp):
+    """Why Megatron's two linears run under install(projection=True), or None where one
+    GEMM on their weights computes what they compute."""
+    cfg, width = comp.config, comp.coff * comp.head_dim
+    if getattr(cfg, "fp8", None):
+        return "fp8 training"
+    if getattr(cfg, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute"
+    ws = []
+    for name in ("linear_wkv", "linear_wgate"):
+        lin = getattr(comp, name)
+        w = getattr(lin, "weight", None)
+        if not isinstance(w, torch.Tensor) or type(w.data) is not torch.Tensor or w.dim() != 2 \
+                or w.shape[0] != width:
+            return f"{name}: expected a plain ({width}, hidden) weight"
+        if isinstance(getattr(lin, "bias", None), torch.Tensor):
+            return f"{name}: it has a bias"
+        for flag in ("sequence_parallel", "allreduce_dgrad", "explicit_expert_comm"):
+            if getattr(lin, flag, False):
+                return f"{name}: {flag}"
+        ws.append(w)
+    if ws[0].shape != ws[1].shape or ws[0].dtype != ws[1].dtype or ws[0].device != ws[1].device:
+        return "linear_wkv and linear_wgate: weights of different shapes, dtypes or devices"
+    return None
+
+
+def _projection_on(comp) -> bool:
+    """Whether install(projection=True) asked for one projection GEMM and ``comp`` takes it
+    (the reason recorded where it does not)."""
+    if not _state["projection"]:
+        return False
+    reason = _projection_reason(comp)
+    if reason is not None:
+        _fallback(_PROJECTION + reason)
+    return reason is None
+
+
+def _joint(comp, x):
+    """``[kv | score]`` of ``x`` through one GEMM on ``comp``'s two linears' weights."""
+    from .module import joint_projection
+
+    return joint_projection(x, comp.linear_wkv.weight, comp.linear_wgate.weight)
+
+
 def _forward_sbhd(self, x):
     """Megatron's ``Compressor._forward_sbhd`` with the pooling fused: ``x`` is
     ``(sq, b, hidden)``; returns ``(sq // ratio, b, head_dim)``, or None when ``sq < ratio``."""
@@ -238,14 +307,19 @@ def _forward_sbhd(self, x):
     if reason is not None:
         _fallback(reason)
         return original(self, x)
+    joint = _projection_on(self)
     with mod.get_fp8_disabled_context(self.config):
-        kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
-        score, _ = self.linear_wgate(x)
+        if joint:
+            kv, score = _joint(self, x), None  # (sq, b, 2 * coff * head_dim)
+        else:
+            kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
+            score, _ = self.linear_wgate(x)
     from .dispatch import fused_sbhd_or_reason
 
     n = sq // ratio
     try:
-        pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff)
+        pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
+                                              packed=joint)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         pooled, reason = None, str(exc)
     if pooled is None:
@@ -279,8 +353,8 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
                              fixed_total_comp)
 
     ids = compressed_group_ids
-    if ids is None and _state["epilogue"]:
-        return _thd_with_epilogue(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager)
+    if ids is None and (_state["epilogue"] or _state["projection"]):
+        return _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager)
     if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
         return eager()
     reason = _method_reason(self, x)
@@ -293,13 +367,17 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
         _fallback(reason)
         return eager()
     ratio, G = self.compress_ratio, ids.numel()
-    kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
-    score, _ = self.linear_wgate(x)
     cu, cuc = grouped_offsets(ids.to(torch.int32), ratio)
     # The THD op itself, not compress_grouped: padding groups (ids < 0) take gradient like
     # Megatron's continuations do.
-    pooled = _fused_or_fallback(kv.view(G * ratio, -1), score.view(G * ratio, -1), self.ape,
-                                cu, cuc, G, ratio, self.coff)
+    if _projection_on(self):
+        pooled = _packed_or_fallback(_joint(self, x).view(G * ratio, -1), self.ape, cu, cuc, G,
+                                     ratio, self.coff)
+    else:
+        kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
+        score, _ = self.linear_wgate(x)
+        pooled = _fused_or_fallback(kv.view(G * ratio, -1), score.view(G * ratio, -1),
+                                    self.ape, cu, cuc, G, ratio, self.coff)
     if pooled is None:
         return eager()
     if _epilogue_on(self, grouped=True):
@@ -327,40 +405,62 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
     return out, None
 
 
-def _thd_with_epilogue(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
-    """Megatron's THD path under install(epilogue=True): its projections, the fused pooling
-    (the hook, as its own method calls it) and the fused epilogue at its positions
-    (``block_index * ratio``, capacity padding rows held where its rotary table ends).
-    Anything else runs its own method: a call the pooling cannot take (its reason
-    recorded), or one without ``max_seqlen_q`` (Megatron raises its own error)."""
+def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
+    """Megatron's THD path under install(epilogue=True) and / or install(projection=True):
+    its projections (one GEMM where asked and taken), the fused pooling, then the fused
+    epilogue at its positions (``block_index * ratio``, capacity padding rows held where its
+    rotary table ends) or its own norm, RoPE and rotation. Its own method runs a call
+    neither applies to, one the pooling cannot take (the reason recorded), or one without
+    ``max_seqlen_q`` (Megatron raises its own error)."""
     from .epilogue import rope_positions
     from .layout import compressed_cu_seqlens
 
     # where the pooling cannot be fused, Megatron's method asks the hook, which says why
-    if _method_reason(self, x) is not None or max_seqlen_q is None \
-            or not _epilogue_on(self, grouped=False):
+    if _method_reason(self, x) is not None or max_seqlen_q is None:
         return eager()
-    ratio = self.compress_ratio
+    fused_epilogue, joint = _epilogue_on(self, grouped=False), _projection_on(self)
+    if not (fused_epilogue or joint):
+        return eager()
+    ratio, mod = self.compress_ratio, _state["module"]
     cuc = compressed_cu_seqlens(cu_seqlens, ratio).to(cu_seqlens.dtype)
     total_comp = int(fixed_total_comp) if fixed_total_comp is not None else int(cuc[-1].item())
     if total_comp == 0:
         return None, cuc
-    kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
-    score, _ = self.linear_wgate(x)
-    pooled = maybe_compress_thd_fused(kv, score, self.ape, cu_seqlens, cuc, total_comp,
-                                      ratio=ratio, head_dim=self.head_dim, coff=self.coff,
-                                      enabled=self.use_fused_compressor)
+    if joint:
+        kvs = _joint(self, x)  # (total, 1, 2 * coff * head_dim)
+        pooled = _packed_or_fallback(kvs.view(kvs.shape[0], -1), self.ape, cu_seqlens, cuc,
+                                     total_comp, ratio, self.coff)
+    else:
+        kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
+        score, _ = self.linear_wgate(x)
+        pooled = maybe_compress_thd_fused(kv, score, self.ape, cu_seqlens, cuc, total_comp,
+                                          ratio=ratio, head_dim=self.head_dim, coff=self.coff,
+                                          enabled=self.use_fused_compressor)
+        pooled = None if pooled is None else pooled.squeeze(1)
     if pooled is None:
         return eager()
-    positions = rope_positions(cuc, total_comp, ratio, int(max_seqlen_q))
-    out = _fused_epilogue(self, pooled.squeeze(1).to(x.dtype), positions)
-    return out.unsqueeze(1), cuc
+    rows = pooled.to(x.dtype)
+    if fused_epilogue:
+        positions = rope_positions(cuc, total_comp, ratio, int(max_seqlen_q))
+        return _fused_epilogue(self, rows, positions).unsqueeze(1), cuc
+    # Megatron's own THD epilogue, as its method runs it
+    out = self.norm(rows.unsqueeze(1))
+    r = self.qk_pos_emb_head_dim
+    out = mod._apply_rope(out, self.head_dim - r, r, self.rotary_pos_emb, self.config,
+                          rotary_seq_len=0, ratio=ratio, cp_group=self.pg_collection.cp,
+                          cu_seqlens=cuc, max_seqlen_rope=(max_seqlen_q // ratio) * ratio)
+    if self.rotate:
+        out = mod.rotate_activation(out)
+    return out, cuc
 
 
-def install(respect_enabled: bool = False, epilogue: bool = False) -> None:
+def install(respect_enabled: bool = False, epilogue: bool = False,
+            projection: bool = False) -> None:
     """Route Megatron's Compressor through the fused kernels (idempotent). ``epilogue``: its
-    norm, RoPE and rotation too (fp32 math, one rounding), not only the pooling."""
-    for name, value in (("respect_enabled", respect_enabled), ("epilogue", epilogue)):
+    norm, RoPE and rotation too (fp32 math, one rounding), not only the pooling.
+    ``projection``: its two linears as one GEMM."""
+    for name, value in (("respect_enabled", respect_enabled), ("epilogue", epilogue),
+                        ("projection", projection)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected True or False, got {value!r}")
     mod = _csa_module()
@@ -369,6 +469,7 @@ def install(respect_enabled: bool = False, epilogue: bool = False) -> None:
         _state["sbhd"] = getattr(mod.Compressor, "_forward_sbhd", None)
         _state["thd"] = getattr(mod.Compressor, "_forward_thd", None)
     _state["respect_enabled"], _state["epilogue"] = respect_enabled, epilogue
+    _state["projection"] = projection
     setattr(mod, HOOK, maybe_compress_thd_fused)
     if _state["sbhd"] is not None:
         mod.Compressor._forward_sbhd = _forward_sbhd
@@ -384,7 +485,7 @@ def uninstall() -> None:
             if _state[name] is not None:
                 setattr(_state["module"].Compressor, f"_forward_{name}", _state[name])
         _state["module"] = _state["original"] = _state["sbhd"] = _state["thd"] = None
-        _state["epilogue"] = False
+        _state["epilogue"] = _state["projection"] = False
 
 
 def is_installed() -> bool:
@@ -392,14 +493,16 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(respect_enabled: bool = False, epilogue: bool = False):
+def installed(respect_enabled: bool = False, epilogue: bool = False, projection: bool = False):
     """``install()`` for the block, then Megatron's hook back as it was."""
-    was, before = is_installed(), (_state["respect_enabled"], _state["epilogue"])
-    install(respect_enabled, epilogue)
+    flags = ("respect_enabled", "epilogue", "projection")
+    was, before = is_installed(), [_state[f] for f in flags]
+    install(respect_enabled, epilogue, projection)
     try:
         yield
     finally:
         if was:
-            _state["respect_enabled"], _state["epilogue"] = before
+            for f, v in zip(flags, before):
+                _state[f] = v
         else:
             uninstall()

@@ -62,6 +62,17 @@ class _JointLinear(torch.autograd.Function):
         return dx, None if dw is None else dw[:n], None if dw is None else dw[n:]
 
 
+def joint_projection(x, wkv, wgate):
+    """``[kv | score]`` of ``x``: one GEMM into ``(..., wkv.shape[0] + wgate.shape[0])``. Where
+    ``wgate`` follows ``wkv`` in one buffer the GEMM reads them as one matrix in place;
+    elsewhere, and under autocast or torch.compile, it takes their concatenation: the same
+    numbers."""
+    if not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type) \
+            and _adjacent(wkv, wgate):
+        return _JointLinear.apply(x, wkv, wgate)
+    return nn.functional.linear(x, torch.cat((wkv, wgate)))
+
+
 class Compressor(nn.Module):
     """Projections ``wkv`` / ``wgate`` (hidden -> coff*head_dim), the gated pooling (fused
     where it can run, else the fp32 reference), RMSNorm over head_dim, rotary embedding on
@@ -148,15 +159,10 @@ class Compressor(nn.Module):
             (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
 
     def project(self, x):
-        """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``. The two
-        weights live in one buffer (``wgate`` right after ``wkv``), so the GEMM reads them
-        as one matrix in place; where they do not (a caller rebound one), and under
-        autocast or torch.compile, the GEMM takes their concatenation: the same numbers."""
-        wkv, wgate = self.wkv.weight, self.wgate.weight
-        if not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type) \
-                and _adjacent(wkv, wgate):
-            return _JointLinear.apply(x, wkv, wgate)
-        return nn.functional.linear(x, torch.cat((wkv, wgate)))
+        """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``
+        (joint_projection). The two weights live in one buffer (``wgate`` right after
+        ``wkv``), so the GEMM reads them in place unless a caller rebound one."""
+        return joint_projection(x, self.wkv.weight, self.wgate.weight)
 
     def _join_weights(self):
         """Put ``wkv`` and ``wgate``'s weights into one buffer (the same Parameter
