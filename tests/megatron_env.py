@@ -88,7 +88,8 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     from csa_compressor.layout import compressed_cu_seqlens
 
     ratio, coff, d, r = mg.compress_ratio, mg.coff, mg.head_dim, mg.qk_pos_emb_head_dim
-    if joint:
+    kvs = None
+    if joint:  # the fused ops read its halves in place (the packed forms)
         kvs = torch.nn.functional.linear(x, torch.cat((mg.linear_wkv.weight, mg.linear_wgate.weight)))
         kv, score = kvs[..., : coff * d], kvs[..., coff * d:]
     else:
@@ -96,8 +97,11 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     kw = dict(ratio=ratio, coff=coff)
     fused = pooling == "fused"
     if path == "sbhd":
-        pooled = (C.compress_sbhd_fused(kv, score, mg.ape, **kw) if fused
-                  else reference.compress_sbhd(kv, score, mg.ape, **kw, mode="fp32"))
+        if fused:
+            pooled = (C.compress_sbhd_fused(kv, score, mg.ape, **kw) if kvs is None
+                      else C.compress_sbhd_fused_packed(kvs, mg.ape, **kw))
+        else:
+            pooled = reference.compress_sbhd(kv, score, mg.ape, **kw, mode="fp32")
         n, b = pooled.shape[:2]
         rows, pos = pooled.reshape(n * b, d), sbhd_positions(n, b, ratio, x.device)
     else:
@@ -108,8 +112,13 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
         else:
             cuc = compressed_cu_seqlens(cu, ratio)
             pos = rope_positions(cuc, total, ratio, max_seqlen)
-        rows = (C.compress_thd_fused(kv, score, mg.ape, cu, cuc, total, **kw) if fused
-                else reference.compress_thd(kv, score, mg.ape, cu, cuc, total, **kw, mode="fp32"))
+        if not fused:
+            rows = reference.compress_thd(kv, score, mg.ape, cu, cuc, total, **kw, mode="fp32")
+        elif kvs is None:
+            rows = C.compress_thd_fused(kv, score, mg.ape, cu, cuc, total, **kw)
+        else:
+            rows = C.compress_thd_fused_packed(kvs.reshape(kvs.shape[0], -1), mg.ape, cu, cuc,
+                                               total, **kw)
     table = None
     if r:
         emb = mg.rotary_pos_emb(int(pos.max()) + 1, packed_seq=True)
