@@ -4,6 +4,7 @@ csa_compressor.megatron installed, installed with the fused epilogue
 (``install(epilogue=True, projection=True)``), side by side in one run.
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
+        [--kernels]   # also each THD step's kernels by name, with every fusion on
 
 Configs (hidden 4096, bf16, rope_dim 64): d 512 ratio 4; d 128 ratio 4 with rotate (where
 fast_hadamard_transform does not import, the same transform in plain torch stands in for
@@ -52,7 +53,25 @@ def _measure(step):
     return {"wall_us": wall, "gpu_us": gpu, "launches": launches}
 
 
-def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
+def kernel_table(step, n=3) -> list:
+    """(name, launches a step, GPU µs a step) of ``step()``'s kernels and memory ops,
+    most time first (torch.profiler over ``n`` calls)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    by = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            c, t = by.get(e.name, (0, 0.0))
+            by[e.name] = (c + 1, t + e.self_device_time_total)
+    return sorted(((k, c / n, t / n) for k, (c, t) in by.items()), key=lambda r: -r[2])
+
+
+def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, kernels=False):
     csa = _csa()
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -138,6 +157,13 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM):
                             row[key] = _measure(step)
                         if megatron.fallback_reasons():
                             raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
+                    if kernels and path == "thd":
+                        with megatron.installed(epilogue=True, projection=True):
+                            table = kernel_table(step)
+                        print(f"{name} thd, install(epilogue=True, projection=True): kernels "
+                              "a step (launches, GPU µs)", file=sys.stderr)
+                        for k, c, t in table:
+                            print(f"  {c:5.1f} {t:8.1f}  {k[:110]}", file=sys.stderr)
                 finally:
                     dispatch.fused_from_validated = fused
             except Exception as exc:  # report, never hide
@@ -168,6 +194,8 @@ def _row(r):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="3x8192", help="BxL: B sequences of L tokens")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each THD step's kernels by name, with every fusion on")
     args = ap.parse_args(argv)
     b, n = (int(v) for v in args.tokens.split("x"))
     if not torch.cuda.is_available():
@@ -176,7 +204,7 @@ def main(argv=None):
     from csa_compressor.cli.bench import environment
 
     env = environment()
-    rows = run([n] * b)
+    rows = run([n] * b, kernels=args.kernels)
     print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
           f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
           f"{args.tokens} tokens, forward + backward a step")
