@@ -298,13 +298,13 @@ def test_grouped_calls_megatron_cannot_fuse_keep_its_eager_region(megatron_csa):
     assert any("tensors are on cpu" in r for r in megatron.fallback_reasons())
 
 
-@pytest.mark.parametrize("epilogue", [False, True])
+@pytest.mark.parametrize("fuse_all", [False, True])
 def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_csa, fused_on_cpu,
-                                                                     epilogue):
+                                                                     fuse_all):
     """Megatron's own fused path refuses deterministic mode and torch.compile; installed,
     ours takes both (its backward is bitwise reproducible without atomics): the fused
     pooling runs, and the compiled step gives the eager step's output and gradients (with
-    the fused epilogue too)."""
+    the fused epilogue and the one projection GEMM too)."""
     import torch._dynamo
 
     comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=4, rope_dim=16)
@@ -314,7 +314,7 @@ def test_the_hook_engages_under_deterministic_mode_and_torch_compile(megatron_cs
     torch.use_deterministic_algorithms(True)
     try:
         megatron.clear_fallback_reasons()
-        with megatron.installed(epilogue=epilogue):
+        with megatron.installed(epilogue=fuse_all, projection=fuse_all):
             want = thd_step(comp, x, cu, 63)
             assert fused_on_cpu, megatron.fallback_reasons()
             launched = len(fused_on_cpu)
