@@ -35,7 +35,9 @@
 #                        against torch's; colsum_time_base the same of $BASE_SRC's tree
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
-#                        vs installed with the fused epilogue (needs MEGATRON_LM_PATH)
+#                        vs installed with the fused epilogue and one projection GEMM
+#                        (needs MEGATRON_LM_PATH); megatron_bench_f16 the same with the norm
+#                        weight in bf16 as Float16Module leaves it, and the THD kernel lists
 #   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
 #                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -87,6 +89,7 @@ cmd_of() {
         fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
+        megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
         megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
         module_bench*) echo "python3 -m csa_compressor bench --module" ;;

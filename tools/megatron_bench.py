@@ -5,6 +5,7 @@ csa_compressor.megatron installed, installed with the fused epilogue
 
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
         [--kernels]   # also each THD step's kernels by name, with every fusion on
+        [--float16-module]   # the norm weight in bf16, as Megatron's Float16Module leaves it
 
 Configs (hidden 4096, bf16, rope_dim 64): d 512 ratio 4; d 128 ratio 4 with rotate (where
 fast_hadamard_transform does not import, the same transform in plain torch stands in for
@@ -71,7 +72,8 @@ def kernel_table(step, n=3) -> list:
     return sorted(((k, c / n, t / n) for k, (c, t) in by.items()), key=lambda r: -r[2])
 
 
-def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, kernels=False):
+def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, kernels=False,
+        float16_module=False):
     csa = _csa()
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -102,6 +104,8 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
             name = name.replace("rotate", "rotate (torch Hadamard stand-in)")
         comp = megatron_compressor(csa, hidden, d, ratio, rope_dim, rotate=rotate,
                                    dtype=torch.bfloat16).to(dev)
+        if float16_module:  # Float16Module casts every parameter but ape (kept in fp32)
+            comp.norm.weight.data = comp.norm.weight.data.to(torch.bfloat16)
         x = torch.randn(T, 1, hidden, device=dev).to(torch.bfloat16).requires_grad_(True)
         # the pre-grouped path: every sequence's full blocks as groups, ids their block index
         ids = torch.cat([torch.arange(n // ratio, dtype=torch.int32) for n in lens]).to(dev)
@@ -196,6 +200,9 @@ def main(argv=None):
     ap.add_argument("--tokens", default="3x8192", help="BxL: B sequences of L tokens")
     ap.add_argument("--kernels", action="store_true",
                     help="also each THD step's kernels by name, with every fusion on")
+    ap.add_argument("--float16-module", action="store_true",
+                    help="the norm weight in bf16, as Megatron's Float16Module leaves it "
+                         "(default: fp32, as the module is built)")
     args = ap.parse_args(argv)
     b, n = (int(v) for v in args.tokens.split("x"))
     if not torch.cuda.is_available():
@@ -204,10 +211,11 @@ def main(argv=None):
     from csa_compressor.cli.bench import environment
 
     env = environment()
-    rows = run([n] * b, kernels=args.kernels)
+    rows = run([n] * b, kernels=args.kernels, float16_module=args.float16_module)
     print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
           f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
-          f"{args.tokens} tokens, forward + backward a step")
+          f"{args.tokens} tokens, forward + backward a step, norm weight "
+          f"{'bf16 (Float16Module)' if args.float16_module else 'fp32'}")
     cols = "eager / installed / + epilogue / + epilogue + projection"
     print(f"| config | path | wall µs {cols} | GPU µs {cols} | GPU speedup over eager: "
           f"installed / + epilogue / + epilogue + projection | kernels a step {cols} |")
