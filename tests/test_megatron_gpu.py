@@ -44,6 +44,19 @@ def _sbhd_step(comp, x):
     return out.float(), xi.grad.float(), {n: p.grad.float() for n, p in comp.named_parameters()}
 
 
+def _ours_thd_step(ours, x, cu, max_seqlen):
+    """One THD forward + backward of the package's Compressor with thd_step's incoming
+    gradient: (output, input gradient, {parameter name: gradient}), in fp32."""
+    xs = x.clone().requires_grad_(True)
+    out, cuc = ours(xs, cu, max_seqlen=max_seqlen)
+    g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    g = g.to(out.dtype)
+    g[int(cuc[-1]):] = 0
+    out.backward(g)
+    return (out.detach().float(), xs.grad.float(),
+            {n: p.grad.float() for n, p in ours.named_parameters()})
+
+
 def _hooked_step(megatron_csa, step):
     """``step()`` with the adapter installed, and what each call of Megatron's THD hook
     gave: True where the fused pooling answered it."""
@@ -209,16 +222,10 @@ def test_megatron_numerics_reproduce_megatrons_compressor_on_the_fused_kernels(
     x = torch.randn(int(cu[-1]), 1, hidden, device="cuda").to(torch.bfloat16)
     want, calls = _hooked_step(megatron_csa, lambda: thd_step(mg, x, cu, max(lens)))
     assert calls == [True], megatron.fallback_reasons()
-    xs = x.clone().requires_grad_(True)
-    out, cuc = ours(xs, cu, max_seqlen=max(lens))
-    g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    g = g.to(out.dtype)
-    g[int(cuc[-1]):] = 0
-    out.backward(g)
-    params = dict(ours.named_parameters())
-    pairs = [("output", out.detach().float(), want[0]), ("input gradient", xs.grad.float(), want[1])]
+    got = _ours_thd_step(ours, x, cu, max(lens))
+    pairs = [("output", got[0], want[0]), ("input gradient", got[1], want[1])]
     for mk, ok in Compressor.MEGATRON_KEYS.items():
-        pairs.append((mk, params[ok].grad.float(), want[2][mk]))
+        pairs.append((mk, got[2][ok], want[2][mk]))
     differ = {name: int((a != b).sum()) for name, a, b in pairs}
     assert not any(differ.values()), f"elements that differ: {differ}"
 
@@ -375,14 +382,7 @@ def test_megatrons_whole_compressor_fused_is_the_packages_module_on_the_fused_ke
         x = torch.randn(int(cu[-1]), 1, hidden, device="cuda").to(torch.bfloat16)
         with megatron.installed(epilogue=True, projection=True):
             want = thd_step(mg, x, cu, max(lens))
-        xs = x.clone().requires_grad_(True)
-        out, cuc = ours(xs, cu, max_seqlen=max(lens))
-        g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        g = g.to(out.dtype)
-        g[int(cuc[-1]):] = 0
-        out.backward(g)
-        got = (out.detach().float(), xs.grad.float(),
-               {n: p.grad.float() for n, p in ours.named_parameters()})
+        got = _ours_thd_step(ours, x, cu, max(lens))
     else:
         x = torch.randn(4100, 2, hidden, device="cuda").to(torch.bfloat16)
         with megatron.installed(epilogue=True, projection=True):
