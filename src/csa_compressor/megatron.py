@@ -130,31 +130,21 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
     return None if out is None else out.unsqueeze(1)
 
 
-def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                       packed=False):
     """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
-    once, the problem going on to the launch."""
+    once, the problem going on to the launch. ``packed``: ``kv`` is ``[kv | score]`` as one
+    ``(T, 2 * coff * d)`` tensor and ``score`` is None."""
     from .dispatch import _unavailable, fused_from_validated
 
     try:
         reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                                 coff, True)
+                                 coff, True, packed)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
         return _fallback(reason)
     return fused_from_validated(p)
-
-
-def _packed_or_fallback(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
-    """_fused_or_fallback for ``[kv | score]`` as one ``(T, 2 * coff * d)`` tensor."""
-    from .dispatch import fused_packed_or_reason
-
-    try:
-        pooled, reason = fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp,
-                                                total_comp, ratio=ratio, coff=coff)
-    except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
-        pooled, reason = None, str(exc)
-    return pooled if reason is None else _fallback(reason)
 
 
 def _method_reason(comp, x):
@@ -216,11 +206,8 @@ def _rope_freqs(comp, device):
     hit = None if fresh else _freqs.get(rope)
     if hit is not None and hit.device == device:
         return hit
-    emb = rope.get_emb(2)
+    emb = rope.get_emb(2)  # its width checked by _epilogue_reason
     emb = emb[0] if isinstance(emb, tuple) else emb  # YaRN's (emb, mscale); mscale is 1 here
-    if emb.shape[-1] != 2 * half:
-        raise ValueError(f"rotary_pos_emb: its tables have {emb.shape[-1]} channels, expected "
-                         f"qk_pos_emb_head_dim = {2 * half}")
     freqs = emb[1].reshape(-1)[:half].to(device=device, dtype=torch.float64)
     if not fresh:
         _freqs[rope] = freqs
@@ -371,8 +358,8 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
     # The THD op itself, not compress_grouped: padding groups (ids < 0) take gradient like
     # Megatron's continuations do.
     if _projection_on(self):
-        pooled = _packed_or_fallback(_joint(self, x).view(G * ratio, -1), self.ape, cu, cuc, G,
-                                     ratio, self.coff)
+        pooled = _fused_or_fallback(_joint(self, x).view(G * ratio, -1), None, self.ape, cu, cuc,
+                                    G, ratio, self.coff, packed=True)
     else:
         kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)
@@ -428,8 +415,8 @@ def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
         return None, cuc
     if joint:
         kvs = _joint(self, x)  # (total, 1, 2 * coff * head_dim)
-        pooled = _packed_or_fallback(kvs.view(kvs.shape[0], -1), self.ape, cu_seqlens, cuc,
-                                     total_comp, ratio, self.coff)
+        pooled = _fused_or_fallback(kvs.view(kvs.shape[0], -1), None, self.ape, cu_seqlens, cuc,
+                                    total_comp, ratio, self.coff, packed=True)
     else:
         kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)
