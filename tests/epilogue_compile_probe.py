@@ -30,8 +30,8 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 
 
 def build(spec):
-    """The kernel and its arguments: ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm]``
-    (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``,
+    """The kernel and its arguments:
+    ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``,
     ``colsum:head_dim:lanes:finish`` (column_sum)."""
     if spec.startswith("colsum:"):
         _, d, lanes, finish = spec.split(":")
@@ -43,12 +43,13 @@ def build(spec):
     if spec.startswith(("angles:", "trig:")):
         kind, pairs = spec.split(":")
         return ra.RopeAngles(int(pairs), kind == "trig"), ra.compile_args(kind, int(pairs))
-    dt, d, R, inter, rot, bwd, *norm = spec.split(":")
+    dt, d, R, inter, rot, bwd, *rest = spec.split(":")
     dtype, d, R = getattr(torch, dt), int(d), int(R)
     inter, rot, bwd = (v == "1" for v in (inter, rot, bwd))
-    norm = bool(norm) and norm[0] == "1"
+    norm = bool(rest) and rest[0] == "1"
+    wdtype = getattr(torch, rest[1]) if len(rest) > 1 else None
     return (er.EpilogueRows(cutlass_dtype(dtype), d, R, inter, rot, bwd, norm),
-            er.compile_args(dtype, d, R, inter, bwd, norm))
+            er.compile_args(dtype, d, R, inter, bwd, norm, wdtype))
 
 
 DUMP = os.environ["CUTE_DSL_DUMP_DIR"]

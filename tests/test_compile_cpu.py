@@ -315,8 +315,8 @@ def test_the_sbhd_kernels_compile_spill_free_with_the_thd_copies(arch, cfg):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_the_epilogue_row_kernels_compile_spill_free(arch):
     """kernels.epilogue_rows, forward and backward, at the Compressor's geometries (head_dim
-    128 with rotation, 512 without, both rotary layouts, rope_dim 0, fp32), with and without
-    the norm's math, kernels.rope_angles, kernels.offsets and kernels.column_sum: they
+    128 with rotation, 512 without, both rotary layouts, rope_dim 0, fp32; an fp32 weight
+    beside bf16 rows), with and without the norm's math, kernels.rope_angles, kernels.offsets and kernels.column_sum: they
     compile, with no spills or stack."""
     specs = ["bfloat16:128:64:1:1:0", "bfloat16:128:64:1:1:1", "bfloat16:512:64:1:0:0",
              "bfloat16:512:64:1:0:1", "bfloat16:128:64:0:1:0", "bfloat16:128:64:0:1:1",
@@ -326,6 +326,9 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              "bfloat16:512:64:1:0:1:1", "bfloat16:192:0:1:0:1:1", "float32:64:32:1:0:1:1",
              "float32:32:0:1:1:0:1", "float32:32:0:1:1:1:0",  # one value a lane, no table
              "bfloat16:96:0:1:0:0:1", "bfloat16:160:0:1:0:1:1",  # single values; 40 vectors
+             # an fp32 norm weight beside bf16 rows (Megatron's without Float16Module)
+             "bfloat16:128:64:1:1:0:1:float32", "bfloat16:128:64:1:1:1:1:float32",
+             "bfloat16:512:64:1:0:0:1:float32", "bfloat16:512:64:1:0:1:1:float32",
              # kernels.rope_angles: THD positions, the angles of 32, 3 and 1 pairs, cos and sin
              "positions", "angles:32", "angles:3", "angles:1", "trig:32", "trig:1",
              "offsets:4", "offsets:128", "offsets:3",  # kernels.offsets

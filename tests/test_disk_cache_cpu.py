@@ -151,9 +151,10 @@ def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
 
     keys = [("offsets", 4), ("offsets", 128), ("rope", "angles", 32), ("rope", "angles", 16),
             ("rope", "positions", 0), ("column_sum", 128, 4, True), ("column_sum", 128, 4, False)]
-    rows = ("epilogue_rows", torch.bfloat16, 128, 64, True, False, False, True, 1e-06)
+    rows = ("epilogue_rows", torch.bfloat16, torch.bfloat16, 128, 64, True, False, False, True,
+            1e-06)
     keys += [rows, rows[:-1] + (1e-05,), rows[:1] + (torch.float16,) + rows[2:],
-             rows[:6] + (True,) + rows[7:]]
+             rows[:2] + (torch.float32,) + rows[3:], rows[:7] + (True,) + rows[8:]]
     names = [disk_cache.entry_name(small_spec(k), "sm_90a") for k in keys]
     assert len(set(names)) == len(names)
     assert disk_cache.entry_name(small_spec(("offsets", 4)), "sm_100a") != names[0]

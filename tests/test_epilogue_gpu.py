@@ -86,6 +86,45 @@ def test_the_epilogue_node_is_the_composition_on_the_gpu(monkeypatch, layout, d,
     assert_same(res)
 
 
+@pytest.mark.parametrize("d,rope_dim,rotate,rows,weight,offset", [
+    (128, 64, True, torch.bfloat16, torch.float32, 0),  # Megatron's without Float16Module
+    (512, 64, False, torch.bfloat16, torch.float32, 0),
+    (256, 0, True, torch.float16, torch.float32, 0),
+    (128, 64, True, torch.bfloat16, torch.bfloat16, 1),  # 2 bytes past an aligned address
+    (512, 64, False, torch.bfloat16, torch.float32, 3),  # 12 bytes past
+])
+def test_a_norm_weight_of_its_own_dtype_or_address_runs_the_kernel(monkeypatch, d, rope_dim,
+                                                                   rotate, rows, weight, offset):
+    """The row kernel reads the norm weight in its own dtype (widened to fp32, as the
+    composition's ``weight.float()``), and one at an address its vector loads cannot take
+    (a weight inside a flat parameter buffer) through a copy: both directions launch, and
+    every tensor, the weight's fp32 gradient too, is the composition's bit for bit."""
+    dev = torch.device("cuda")
+    cu = torch.tensor([0, 8192, 8192, 8195, 9198, 24576], dtype=torch.int32, device=dev)
+    cuc = C.compressed_cu_seqlens(cu, 4)
+    n = int(cuc[-1]) + 7
+    pos = rope_positions(cuc, n, 4, max_seqlen=15378)
+    gen = torch.Generator(device=dev).manual_seed(d + offset)
+    x = (3 * torch.randn(n, d, device=dev, generator=gen)).to(rows)
+    flat = (1 + 0.1 * torch.randn(d + offset, device=dev, generator=gen)).to(weight)
+    w = flat[offset:]
+    assert (w.data_ptr() % 16 == 0) == (offset == 0)
+    g = torch.randn(n, d, device=dev, generator=gen).to(rows)
+    ep = Epilogue(rope_dim=rope_dim, rope_theta=160000.0, rotate=rotate)
+    launched = record_launches(monkeypatch, x, w, ep)
+    res = []
+    for fn in (apply_epilogue, eager_epilogue):
+        # the leaf is the slice's base: the weight keeps its address
+        fi = flat.clone().requires_grad_(True)
+        xi, wi = x.clone().requires_grad_(True), fi[offset:]
+        out = fn(xi, wi, pos, ep)
+        out.backward(g)
+        res.append((out.detach(), xi.grad, fi.grad))
+    assert launched == [(False, True), (True, True)], launched
+    assert res[0][2].dtype == weight
+    assert_same(res)
+
+
 @pytest.mark.parametrize("interleaved,rotate", [(True, True), (False, False)])
 def test_a_caller_rotary_table_on_the_gpu(monkeypatch, interleaved, rotate):
     """rope_table (cos, sin by position) through the row kernel: bitwise the composition on

@@ -254,28 +254,34 @@ def test_megatron_numerics_on_megatrons_sbhd_path(megatron_csa, monkeypatch, rat
     assert not any(differ.values()), f"elements that differ: {differ}"
 
 
-@pytest.mark.parametrize("projection", [False, True])
+@pytest.mark.parametrize("projection,norm_weight", [
+    (False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
 @pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
     ("thd", 4, 512, None, False), ("thd", 4, 128, (4.0, 4096), True),
     ("thd", 128, 512, (16.0, 4096), False), ("sbhd", 4, 128, None, True),
     ("sbhd", 128, 512, None, False), ("grouped", 4, 512, None, False),
     ("grouped", 128, 128, None, True)])
 def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
-        megatron_csa, hadamard_standin, path, ratio, head_dim, yarn, rotate, projection):
+        megatron_csa, hadamard_standin, monkeypatch, path, ratio, head_dim, yarn, rotate,
+        projection, norm_weight):
     """install(epilogue=True) (and projection=True: one GEMM on the two linears' weights) on
     the H200 (hidden 1024, bf16; THD 8192 + 8191 + 5000 + 3 + 0 tokens with capacity
     padding, SBHD 2 x 4100, pre-grouped 8192 tokens as groups with a halo, continuations and
-    padding): the output and every gradient bit for bit Megatron's projections (or that
-    GEMM) + the fused pooling op + the epilogue composed of torch ops (Megatron's norm
-    weight, eps, rotary table and positions); Megatron's rotation never called; within a
-    few bf16 ulps of Megatron's own epilogue after the same pooling."""
+    padding; the norm weight in bf16 as Float16Module leaves it, or in fp32 as Megatron
+    builds it): the epilogue's row kernel runs both directions, and the output and every
+    gradient are bit for bit Megatron's projections (or that GEMM) + the fused pooling op +
+    the epilogue composed of torch ops (Megatron's norm weight, eps, rotary table and
+    positions); Megatron's rotation never called; within a few bf16 ulps of Megatron's own
+    epilogue after the same pooling."""
+    from csa_compressor.kernels import epilogue_rows
+
     hidden = 1024
     mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
                           rotate=rotate, dtype=torch.bfloat16, yarn=None if yarn is None else {
                               "scaling_factor": yarn[0],
                               "original_max_position_embeddings": yarn[1]}).cuda()
-    with torch.no_grad():  # what Float16Module leaves it: the dtype (and not all ones)
-        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
+    with torch.no_grad():  # not all ones
+        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(norm_weight)
     gen = torch.Generator("cuda").manual_seed(2)
     if path == "thd":
         lens = [8192, 8191, 5000, 3, 0]
@@ -328,10 +334,16 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
         want = step()
     megatron.clear_fallback_reasons()
     rotations = len(hadamard_standin)
+    launched, run = [], epilogue_rows.run
+    monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
+        (bwd, a[0].shape[0])) or run(bwd, *a, **k))
     with megatron.installed(epilogue=True, projection=projection):
         got = step()
+    monkeypatch.setattr(epilogue_rows, "run", run)
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     assert len(hadamard_standin) == rotations, "Megatron's rotation ran"
+    rows = got[0].numel() // head_dim  # the step's launches, not a once-only probe's
+    assert (False, rows) in launched and (True, rows) in launched, (rows, launched)
 
     xr = x.clone().requires_grad_(True)
     mg.zero_grad(set_to_none=True)

@@ -229,14 +229,23 @@ def _butterfly_back(g: torch.Tensor) -> torch.Tensor:
 
 def _rows_kernel(x_in, weight, ep) -> bool:
     """Whether the row-wise ops run as kernels.epilogue_rows (one launch a direction, the
-    same ops): rows and weight of one dtype, a geometry it covers, where the small kernels
+    same ops): rows and weight each in a dtype it reads (the weight's widened to fp32 as
+    the composition's ``weight.float()``), a geometry it covers, where the small kernels
     run (dispatch.small_kernels_usable)."""
-    if not (x_in.is_cuda and weight.dtype == x_in.dtype and x_in.dim() == 2):
+    if not (x_in.is_cuda and x_in.dim() == 2):
         return False
-    from .kernels.epilogue_rows import supported
+    from .kernels.epilogue_rows import dtypes, supported
 
-    return (supported(x_in.dtype, x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
+    return (weight.dtype in dtypes()
+            and supported(x_in.dtype, x_in.shape[1], ep.rope_dim, ep.rope_interleaved, ep.rotate)
             and _small_kernels(x_in))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address, as the row kernel's vector loads
+    need: a copy where it is not (a weight inside a flat parameter buffer, a row slice)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 # (device, dtype, head_dim, Epilogue) -> whether the kernel's statistics were torch's
@@ -320,7 +329,7 @@ def _forward(x_in, weight, positions, inv_freq, ep, rope_table=None):
     if _rows_kernel(x_in, weight, ep):
         from .kernels import epilogue_rows
 
-        xc, wc = x_in.contiguous(), weight.contiguous()
+        xc, wc = _aligned(x_in), _aligned(weight)
         norm = _norm_in_kernel(xc, wc, ep)
         if norm:
             r = torch.empty((xc.shape[0], 1), dtype=torch.float32, device=xc.device)
@@ -349,7 +358,7 @@ def _backward(g, x_in, weight, cos, sin, r, ep):
     if _rows_kernel(x_in, weight, ep) and g.dtype == x_in.dtype:
         from .kernels import epilogue_rows
 
-        xc, wc, gc = x_in.contiguous(), weight.contiguous(), g.contiguous()
+        xc, wc, gc = _aligned(x_in), _aligned(weight), _aligned(g)
         if _norm_in_kernel(xc, wc, ep):
             gx = torch.empty_like(xc)
             prod = torch.empty(xc.shape, dtype=torch.float32, device=g.device)

@@ -38,12 +38,18 @@ from .ptx import div_exact, i64_to_f32, mul_rn, rsqrt_approx
 WARPS_PER_CTA = 4  # rows a CTA: one a warp
 
 
+def dtypes():
+    """The dtypes the kernel takes the rows in, and the norm weight in, each its own
+    (Megatron keeps the weight in fp32 unless Float16Module casts it)."""
+    import torch
+
+    return (torch.bfloat16, torch.float16, torch.float32)
+
+
 def supported(dtype, head_dim: int, rope_dim: int, interleaved: bool, rotate: bool) -> bool:
     """Whether EpilogueRows covers this dtype and geometry (else the epilogue runs as torch
     ops)."""
-    import torch
-
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or head_dim % 32 \
+    if dtype not in dtypes() or head_dim % 32 \
             or head_dim < 32:
         return False
     E = head_dim // 32
@@ -278,22 +284,24 @@ class EpilogueRows:
 
 
 def compile_args(dtype, head_dim: int, rope_dim: int, interleaved: bool, backward: bool,
-                 norm: bool = False) -> tuple:
+                 norm: bool = False, weight_dtype=None) -> tuple:
     """Symbolic arguments: the row counts stay symbolic (one compile a geometry). ``mX``
     and ``mAux`` have rows of their own: a one-row placeholder where the mode reads
-    neither."""
+    neither. The norm weight is in ``weight_dtype`` (default the rows'), widened to fp32
+    on load as the composition's ``weight.float()``."""
     import cutlass.cute as cute
 
     from .plan import _fake, cutlass_dtype
 
     cdt = cutlass_dtype(dtype)
+    wdt = cdt if weight_dtype is None else cutlass_dtype(weight_dtype)
     N, M, K, A = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     cs = cos_sin_vec(head_dim, interleaved)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     rows_out = cutlass.Float32 if backward and not norm else cdt
     return (_fake(cdt, (N, head_dim), 16), _fake(cdt, (K, head_dim), 16),
             _fake(cutlass.Float32, (N, 1), 4),
-            _fake(cdt, (head_dim,), 16), _fake(cutlass.Float32, (M, max(rope_dim // 2, cs)), 16),
+            _fake(wdt, (head_dim,), 16), _fake(cutlass.Float32, (M, max(rope_dim // 2, cs)), 16),
             _fake(cutlass.Float32, (M, max(rope_dim // 2, cs)), 16),
             _fake(rows_out, (N, head_dim), 16), _fake(cutlass.Float32, (A, head_dim), 16),
             stream)
@@ -304,7 +312,7 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     """One launch on the current stream (compiled on first use of the geometry; None,
     nothing launched, where it is not compiled and a CUDA graph is capturing): rows
     ``(N, d)`` contiguous (the pooled rows, or the output's gradient), their statistics
-    ``r`` ``(N, 1)`` fp32, the norm weight ``(d,)``, fp32 ``cos`` / ``sin``
+    ``r`` ``(N, 1)`` fp32, the norm weight ``(d,)`` (dtypes()), fp32 ``cos`` / ``sin``
     ``(N, rope_dim / 2)`` (``None`` where rope_dim is 0), into ``out``.
     ``norm_eps`` given: the norm's own math too (``r`` written by the forward; the
     backward reads the pooled rows ``x`` and writes ``aux``, fp32 ``(N, d)``), at least
@@ -314,15 +322,15 @@ def run(backward: bool, rows, r, weight, cos, sin, out, rope_dim: int, interleav
     d = rows.shape[1]
     norm = norm_eps is not None
     eps = 1e-6 if norm_eps is None else norm_eps
-    dtype = rows.dtype
+    dtype, wdtype = rows.dtype, weight.dtype
 
     def build():
         return (EpilogueRows(cutlass_dtype(dtype), d, rope_dim, interleaved, rotate, backward,
                              norm, eps),
-                compile_args(dtype, d, rope_dim, interleaved, backward, norm))
+                compile_args(dtype, d, rope_dim, interleaved, backward, norm, wdtype))
 
-    fn = small_kernel(("epilogue_rows", dtype, d, rope_dim, interleaved, rotate, backward, norm,
-                       eps), rows.device, build)
+    fn = small_kernel(("epilogue_rows", dtype, wdtype, d, rope_dim, interleaved, rotate, backward,
+                       norm, eps), rows.device, build)
     if fn is None:
         return None
 
