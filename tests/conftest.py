@@ -56,8 +56,7 @@ def fused_on_cpu(monkeypatch):
     def launch(p):
         if p.batch:  # SBHD: the caller's (S, B, ...) tensors
             launched.append(p.total_comp * p.batch)
-            w = p.kv.shape[1]
-            kv, score = p.full or (p.kvs[..., :w], p.kvs[..., w:])
+            kv, score = p.full or validation.halves(p.kvs, p.score_first)
             return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff)
         launched.append(p.total_comp)
         return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,

@@ -79,7 +79,8 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     the kernels on a CPU, or "fused", the package's op), eager_epilogue with
     Megatron's norm weight and eps and a rotary table cut from Megatron's own
     (``mg.rotary_pos_emb``), at Megatron's positions. ``joint``: the projections as one
-    GEMM on the two weights' concatenation, the pooling on its halves. Returns the output."""
+    GEMM on the two weights' concatenation, the pooling on its halves; "score_first": the
+    concatenation ``[wgate; wkv]`` and the pooling on ``[score | kv]``. Returns the output."""
     import csa_compressor as C
     from csa_compressor import reference
     from csa_compressor.epilogue import (Epilogue, eager_epilogue, grouped_positions,
@@ -88,18 +89,22 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     from csa_compressor.layout import compressed_cu_seqlens
 
     ratio, coff, d, r = mg.compress_ratio, mg.coff, mg.head_dim, mg.qk_pos_emb_head_dim
-    kvs = None
+    kvs, score_first = None, joint == "score_first"
     if joint:  # the fused ops read its halves in place (the packed forms)
-        kvs = torch.nn.functional.linear(x, torch.cat((mg.linear_wkv.weight, mg.linear_wgate.weight)))
+        ws = (mg.linear_wkv.weight, mg.linear_wgate.weight)
+        kvs = torch.nn.functional.linear(x, torch.cat(ws[::-1] if score_first else ws))
         kv, score = kvs[..., : coff * d], kvs[..., coff * d:]
+        if score_first:
+            kv, score = score, kv
     else:
         kv, score = mg.linear_wkv(x)[0], mg.linear_wgate(x)[0]
     kw = dict(ratio=ratio, coff=coff)
+    pk = dict(kw, score_first=score_first)
     fused = pooling == "fused"
     if path == "sbhd":
         if fused:
             pooled = (C.compress_sbhd_fused(kv, score, mg.ape, **kw) if kvs is None
-                      else C.compress_sbhd_fused_packed(kvs, mg.ape, **kw))
+                      else C.compress_sbhd_fused_packed(kvs, mg.ape, **pk))
         else:
             pooled = reference.compress_sbhd(kv, score, mg.ape, **kw, mode="fp32")
         n, b = pooled.shape[:2]
@@ -118,7 +123,7 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
             rows = C.compress_thd_fused(kv, score, mg.ape, cu, cuc, total, **kw)
         else:
             rows = C.compress_thd_fused_packed(kvs.reshape(kvs.shape[0], -1), mg.ape, cu, cuc,
-                                               total, **kw)
+                                               total, **pk)
     table = None
     if r:
         emb = mg.rotary_pos_emb(int(pos.max()) + 1, packed_seq=True)
@@ -127,6 +132,31 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     ep = Epilogue(eps=mg.norm.eps, rope_dim=r, rope_interleaved=True, rotate=mg.rotate)
     out = eager_epilogue(rows, mg.norm.weight, pos, ep, rope_table=table)
     return out.view(n, b, d) if path == "sbhd" else out.unsqueeze(1)
+
+
+def megatron_ddp(mg):
+    """Megatron's own DistributedDataParallel (the distributed optimizer's layout) around
+    ``mg``: its parameters become views of DDP's flat buffers, in the reverse of their
+    registration order (``linear_wgate``'s weight right before ``linear_wkv``'s), and their
+    gradients land in ``main_grad``. Returns the wrapper."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    return DistributedDataParallel(mg.config, cfg, mg)
+
+
+def ddp_step(ddp, mg, x, forward, g=None):
+    """(output, input gradient, {name: main_grad}) of one forward + backward of ``mg`` under
+    ``ddp``; ``g`` the incoming gradient (default: seeded random)."""
+    ddp.zero_grad_buffer()
+    mg.zero_grad(set_to_none=True)  # a gradient left from outside DDP would be added in
+    xi = x.clone().requires_grad_(True)
+    out = forward(mg, xi)
+    if g is None:
+        gen = torch.Generator(out.device.type).manual_seed(1)
+        g = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+    out.backward(g)
+    return out.detach(), xi.grad, {n: p.main_grad.clone() for n, p in mg.named_parameters()}
 
 
 def bf16_ulps(a, b):

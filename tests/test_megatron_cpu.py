@@ -669,6 +669,48 @@ def test_megatrons_whole_compressor_fused_is_the_packages_module(
         assert torch.equal(got[2][ok], want[2][mk]), mk
 
 
+@pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
+    ("thd", 4, 128, (4.0, 64), True), ("sbhd", 128, 256, None, False),
+    ("grouped", 4, 128, None, True)])
+def test_one_projection_reads_megatrons_ddp_buffer_in_place(
+        megatron_csa, fused_on_cpu, hadamard_standin, monkeypatch, path, ratio, head_dim, yarn,
+        rotate):
+    """Under Megatron's own DistributedDataParallel (distributed optimizer) the two linears'
+    weights are views of one parameter buffer, linear_wgate's right before linear_wkv's:
+    install(epilogue=True, projection=True) runs the GEMM on them in place as ``[wgate;
+    wkv]`` (no concatenation a step) and pools ``[score | kv]``; the output and every
+    gradient (DDP's main_grad) are bit for bit the composition by hand on that layout,
+    and the output and the weights' gradients those of the step outside DDP."""
+    from csa_compressor import module
+    from megatron_env import ddp_step, megatron_ddp
+
+    mg, x, extra, forward = _epilogue_case(megatron_csa, path, ratio, head_dim, 64, yarn, rotate)
+    with megatron.installed(epilogue=True, projection=True):
+        apart = _step_of(mg, x, forward)  # separate weights: their concatenation
+    ddp = megatron_ddp(mg)
+    wkv, wgate = mg.linear_wkv.weight, mg.linear_wgate.weight
+    assert module._adjacent(wgate, wkv) and not module._adjacent(wkv, wgate)
+    concatenated = []
+    real = module.joint_projection
+    monkeypatch.setattr(module, "joint_projection",
+                        lambda *a: concatenated.append(1) or real(*a))
+    with megatron.installed(epilogue=True, projection=True):
+        got = ddp_step(ddp, mg, x, forward)
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    assert not concatenated, "the weights were concatenated"
+
+    g = torch.randn(got[0].shape, generator=torch.Generator().manual_seed(1)).to(got[0].dtype)
+    hand = ddp_step(ddp, mg, x, lambda comp, xi: epilogue_by_hand(
+        comp, xi, path, "reference", total=got[0].shape[0], joint="score_first", **extra), g)
+    assert torch.equal(got[0], hand[0]), "output"
+    assert torch.equal(got[1], hand[1]), "input gradient"
+    for n in got[2]:
+        assert torch.equal(got[2][n], hand[2][n]), n
+    assert torch.equal(got[0], apart[0])
+    for n in ("linear_wkv.weight", "linear_wgate.weight", "ape", "norm.weight"):
+        assert torch.equal(got[2][n], apart[2][n].float()), n
+
+
 @pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
 def test_one_projection_gemm_with_megatrons_own_epilogue(megatron_csa, fused_on_cpu,
                                                          hadamard_standin, path):

@@ -405,3 +405,71 @@ def test_megatrons_whole_compressor_fused_is_the_packages_module_on_the_fused_ke
     for mk, ok in Compressor.MEGATRON_KEYS.items():
         differ[mk] = int((got[2][ok] != want[2][mk]).sum())
     assert not any(differ.values()), f"elements that differ: {differ}"
+
+
+@pytest.mark.parametrize("path,ratio,head_dim,rotate", [
+    ("thd", 4, 512, False), ("sbhd", 4, 128, True), ("grouped", 128, 512, False)])
+def test_one_projection_reads_megatrons_ddp_buffer_in_place_on_the_fused_kernels(
+        megatron_csa, hadamard_standin, monkeypatch, path, ratio, head_dim, rotate):
+    """Under Megatron's own DistributedDataParallel (distributed optimizer; hidden 1024,
+    bf16, THD 8192 + 8191 + 5000 + 3 + 0 tokens, SBHD 2 x 4100, 64 pre-grouped groups):
+    linear_wgate's weight lies right before linear_wkv's in its parameter buffer, and
+    install(epilogue=True, projection=True) reads them in place as one GEMM (no
+    concatenation), the fused kernels pooling ``[score | kv]``: the output and every
+    gradient (main_grad) bit for bit the composition by hand on that layout, with the
+    package's packed op (score_first)."""
+    from csa_compressor import module
+    from megatron_env import ddp_step, megatron_ddp
+
+    hidden = 1024
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                          rotate=rotate, dtype=torch.bfloat16).cuda()
+    ddp = megatron_ddp(mg)
+    assert module._adjacent(mg.linear_wgate.weight, mg.linear_wkv.weight)
+    gen = torch.Generator("cuda").manual_seed(2)
+    if path == "thd":
+        lens = [8192, 8191, 5000, 3, 0]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        extra = dict(cu=cu, max_seqlen=max(lens))
+
+        def forward(comp, xi):
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            return comp(xi, psp)[0]
+    elif path == "sbhd":
+        x = torch.randn(4100, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        extra = {}
+
+        def forward(comp, xi):
+            return comp(xi)
+    else:
+        ids = torch.cat([torch.arange(5, 32), torch.arange(30),
+                         torch.full((7,), -1)]).to(device="cuda", dtype=torch.int32)
+        x = torch.randn(ids.numel() * ratio, 1, hidden, device="cuda",
+                        generator=gen).to(torch.bfloat16)
+        extra = dict(ids=ids, max_seqlen=8192)
+
+        def forward(comp, xi):
+            cu1 = torch.tensor([0, xi.shape[0]], dtype=torch.int32, device="cuda")
+            return comp._forward_thd(xi, cu1, max_seqlen_q=8192, compressed_group_ids=ids)[0]
+
+    concatenated = []
+    real = module.joint_projection
+    monkeypatch.setattr(module, "joint_projection",
+                        lambda *a: concatenated.append(1) or real(*a))
+    with megatron.installed(epilogue=True, projection=True):
+        got = ddp_step(ddp, mg, x, forward)
+    assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    assert not concatenated, "the weights were concatenated"
+    g = torch.randn(got[0].shape, device="cuda",
+                    generator=torch.Generator("cuda").manual_seed(1)).to(got[0].dtype)
+    hand = ddp_step(ddp, mg, x, lambda comp, xi: epilogue_by_hand(
+        comp, xi, path, "fused", total=got[0].shape[0], joint="score_first", **extra), g)
+    names = ["output", "input gradient"] + list(got[2])
+    differ = {n: int((a != b).sum()) for n, a, b in zip(
+        names, [got[0], got[1], *got[2].values()], [hand[0], hand[1], *hand[2].values()])}
+    assert not any(differ.values()), f"elements that differ from the composition: {differ}"

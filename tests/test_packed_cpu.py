@@ -24,9 +24,16 @@ def test_packed_validation_names_what_is_wrong():
         validation.validate_packed(torch.cat((kvs, kvs), 1)[:, ::2], ape, cu, cuc, N, ratio=4,
                                    coff=2, for_kernel=True)
     odd = torch.zeros(22, 2 * 65, dtype=torch.bfloat16)  # score half at 130 bytes
-    with pytest.raises(ValueError, match="kvs: the score half starts 130 bytes"):
+    with pytest.raises(ValueError, match="kvs: the second half starts 130 bytes"):
         validation.validate_packed(odd, torch.zeros(4, 65), cu, None, 5, ratio=4, coff=1,
                                    for_kernel=True)
+    # [score | kv]: the views swap, the stride and the gradient's layout stay
+    p = validation.validate_packed(torch.cat((score, kv), 1), ape, cu, cuc, N, ratio=4, coff=2,
+                                   score_first=True)
+    assert p.score_first and p.row_stride == 32
+    assert torch.equal(p.kv, kv) and torch.equal(p.score, score)
+    with pytest.raises(TypeError, match="score_first"):
+        validation.validate_packed(kvs, ape, cu, cuc, N, ratio=4, coff=2, score_first=1)
 
 
 def _fake_launches(monkeypatch, grads):
@@ -36,23 +43,27 @@ def _fake_launches(monkeypatch, grads):
         calls["fwd"] += 1
         return reference_of(p)
 
-    def fake_backward_packed(grad, p):
+    def fake_launch_backward(grad, p, out):
+        # the launch writes dkv and dscore where _backward_packed points it
         calls["bwd"] += 1
         assert torch.equal(grad, grads["g"]) and p.kvs.shape == grads["dkvs"].shape
-        return grads["dkvs"].clone(), grads["dape"].clone()
+        out[0].copy_(grads["dkv"])
+        out[1].copy_(grads["dscore"])
+        return grads["dape"].clone()
 
     monkeypatch.setattr(ops, "validate_packed",
                         lambda *a, for_kernel=False, **k: validation.validate_packed(*a, **k))
     monkeypatch.setattr(ops, "_forward", fake_forward)
-    monkeypatch.setattr(ops, "_backward_packed", fake_backward_packed)
+    monkeypatch.setattr(ops, "_launch_backward", fake_launch_backward)
     return calls
 
 
+@pytest.mark.parametrize("score_first", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_packed_op_gives_one_gradient_in_its_layout(monkeypatch, compiled):
+def test_the_packed_op_gives_one_gradient_in_its_layout(monkeypatch, compiled, score_first):
     """Eager and torch.compile(fullgraph) reach the packed op's bodies once a direction, and
     the gradient arrives as one (T, 2*coff*d) tensor: the halves' reference gradients side
-    by side."""
+    by side, in the input's order (``[score | kv]`` where score_first)."""
     import torch._dynamo
 
     kv, score, ape, cu, cuc, N = make_pack([9, 0, 13, 4], 8, 4, 2)
@@ -60,16 +71,17 @@ def test_the_packed_op_gives_one_gradient_in_its_layout(monkeypatch, compiled):
     leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
     ref = reference.compress_thd(*leaves, cu, cuc, N, ratio=4, coff=2, mode="fp32")
     dkv, dscore, dape = torch.autograd.grad(ref, leaves, g)
-    grads = {"g": g, "dkvs": torch.cat((dkv, dscore), 1), "dape": dape}
+    pair = (dscore, dkv) if score_first else (dkv, dscore)
+    grads = {"g": g, "dkvs": torch.cat(pair, 1), "dape": dape, "dkv": dkv, "dscore": dscore}
     calls = _fake_launches(monkeypatch, grads)
     fn = ops.compress_thd_fused_packed
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    kvs = torch.cat((score, kv) if score_first else (kv, score), 1).requires_grad_(True)
     a = ape.clone().requires_grad_(True)
-    out = fn(kvs, a, cu, cuc, N, ratio=4, coff=2)
+    out = fn(kvs, a, cu, cuc, N, ratio=4, coff=2, score_first=score_first)
     out.backward(g)
     assert calls == {"fwd": 1, "bwd": 1}, calls
     assert torch.equal(out.detach(), ref.detach())

@@ -22,16 +22,19 @@ CASES = [  # (lens, d, ratio, coff, dtype)
 ]
 
 
-def _steps(kv, score, ape, cu, cuc, N, ratio, coff, g, packed_fn=C.compress_thd_fused_packed):
+def _steps(kv, score, ape, cu, cuc, N, ratio, coff, g, packed_fn=C.compress_thd_fused_packed,
+           score_first=False):
     leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
     out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=ratio, coff=coff)
     want = [out.detach(), *torch.autograd.grad(out, leaves, g)]
-    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    kvs = torch.cat((score, kv) if score_first else (kv, score), 1).requires_grad_(True)
     a = ape.detach().clone().requires_grad_(True)
-    out = packed_fn(kvs, a, cu, cuc, N, ratio=ratio, coff=coff)
+    kw = dict(score_first=True) if score_first else {}
+    out = packed_fn(kvs, a, cu, cuc, N, ratio=ratio, coff=coff, **kw)
     dkvs, dape = torch.autograd.grad(out, (kvs, a), g)
     w = kv.shape[1]
-    return want, [out.detach(), dkvs[:, :w], dkvs[:, w:], dape]
+    first, second = dkvs[:, :w], dkvs[:, w:]
+    return want, [out.detach(), *((second, first) if score_first else (first, second)), dape]
 
 
 @pytest.mark.parametrize("lens,d,ratio,coff,dtype", CASES)
@@ -42,6 +45,39 @@ def test_packed_is_the_plain_op_bitwise(lens, d, ratio, coff, dtype):
     want, got = _steps(kv, score, ape, cu, cuc, N, ratio, coff, g)
     for name, a, b in zip(("out", "dkv", "dscore", "dape"), got, want):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("lens,d,ratio,coff,dtype", [CASES[0], CASES[1], CASES[3]])
+def test_packed_score_first_is_the_plain_op_bitwise(lens, d, ratio, coff, dtype):
+    """``[score | kv]`` (score_first): the same kernels on the swapped views, the gradient
+    in the input's layout."""
+    kv, score, ape, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=dtype, device="cuda",
+                                           extra_rows=3)
+    g = torch.randn(N, d, device="cuda").to(dtype)
+    want, got = _steps(kv, score, ape, cu, cuc, N, ratio, coff, g, score_first=True)
+    for name, a, b in zip(("out", "dkv", "dscore", "dape"), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)])
+def test_packed_sbhd_score_first_is_the_plain_op_bitwise(ratio, coff):
+    S, B, d = 4100 if ratio == 4 else 1030, 3, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kv, score = (torch.randn(S, B, coff * d, device="cuda", generator=gen).bfloat16()
+                 for _ in range(2))
+    ape = torch.randn(ratio, coff * d, device="cuda", generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+    out = C.compress_sbhd_fused(*leaves, ratio=ratio, coff=coff)
+    g = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    want = [out.detach(), *torch.autograd.grad(out, leaves, g)]
+    kvs = torch.cat((score, kv), 2).requires_grad_(True)
+    a = ape.clone().requires_grad_(True)
+    out = C.compress_sbhd_fused_packed(kvs, a, ratio=ratio, coff=coff, score_first=True)
+    dkvs, dape = torch.autograd.grad(out, (kvs, a), g)
+    w = coff * d
+    for name, x, y in zip(("out", "dkv", "dscore", "dape"),
+                          (out.detach(), dkvs[..., w:], dkvs[..., :w], dape), want):
+        assert torch.equal(x, y), name
 
 
 def test_packed_under_torch_compile_fullgraph_bitwise():

@@ -37,7 +37,8 @@
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        vs installed with the fused epilogue and one projection GEMM
 #                        (needs MEGATRON_LM_PATH); megatron_bench_f16 the same with the norm
-#                        weight in bf16 as Float16Module leaves it, and the THD kernel lists
+#                        weight in bf16 as Float16Module leaves it, and the THD kernel lists;
+#                        megatron_bench_ddp inside Megatron's DDP (its parameter buffers)
 #   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
 #                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -90,6 +91,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
+        megatron_bench_ddp) echo "python3 tools/megatron_bench.py --ddp --kernels" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
         megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
         module_bench*) echo "python3 -m csa_compressor bench --module" ;;

@@ -6,6 +6,8 @@ csa_compressor.megatron installed, installed with the fused epilogue
     MEGATRON_LM_PATH=/path/to/Megatron-LM python tools/megatron_bench.py [--tokens 3x8192]
         [--kernels]   # also each THD step's kernels by name, with every fusion on
         [--float16-module]   # the norm weight in bf16, as Megatron's Float16Module leaves it
+        [--ddp]   # inside Megatron's DistributedDataParallel (distributed optimizer): the
+                  # parameters views of its buffers, their gradients into main_grad
 
 Configs (hidden 4096, bf16, rope_dim 64): d 512 ratio 4; d 128 ratio 4 with rotate (where
 fast_hadamard_transform does not import, the same transform in plain torch stands in for
@@ -73,7 +75,7 @@ def kernel_table(step, n=3) -> list:
 
 
 def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, kernels=False,
-        float16_module=False):
+        float16_module=False, ddp=False):
     csa = _csa()
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -106,6 +108,18 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
                                    dtype=torch.bfloat16).to(dev)
         if float16_module:  # Float16Module casts every parameter but ape (kept in fp32)
             comp.norm.weight.data = comp.norm.weight.data.to(torch.bfloat16)
+        wrapper = None
+        if ddp:
+            from megatron.core.distributed import (DistributedDataParallel,
+                                                   DistributedDataParallelConfig)
+
+            wrapper = DistributedDataParallel(comp.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=True, grad_reduce_in_fp32=True), comp)
+
+        def zero():
+            if wrapper is not None:
+                wrapper.zero_grad_buffer()
+            comp.zero_grad(set_to_none=True)
         x = torch.randn(T, 1, hidden, device=dev).to(torch.bfloat16).requires_grad_(True)
         # the pre-grouped path: every sequence's full blocks as groups, ids their block index
         ids = torch.cat([torch.arange(n // ratio, dtype=torch.int32) for n in lens]).to(dev)
@@ -118,7 +132,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
 
         def thd():
             x.grad = None
-            comp.zero_grad(set_to_none=True)
+            zero()
             out, _ = comp(x, psp)
             if "thd" not in grads:
                 grads["thd"] = torch.randn_like(out)
@@ -126,7 +140,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
 
         def grouped():
             xg.grad = None
-            comp.zero_grad(set_to_none=True)
+            zero()
             out, _ = comp._forward_thd(xg, cug, max_seqlen_q=max(lens), compressed_group_ids=ids)
             if "grouped" not in grads:
                 grads["grouped"] = torch.randn_like(out)
@@ -134,7 +148,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
 
         def sbhd():
             xs.grad = None
-            comp.zero_grad(set_to_none=True)
+            zero()
             out = comp(xs)
             out = out[0] if isinstance(out, tuple) else out
             if "sbhd" not in grads:
@@ -155,12 +169,23 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
                         row["installed"] = _measure(step)
                     if not launched:
                         raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
-                    for key, projection in (("epilogue", False), ("projection", True)):
-                        megatron.clear_fallback_reasons()
-                        with megatron.installed(epilogue=True, projection=projection):
-                            row[key] = _measure(step)
-                        if megatron.fallback_reasons():
-                            raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
+                    from csa_compressor import module
+
+                    concatenated, joint = [], module.joint_projection
+                    module.joint_projection = lambda *a: concatenated.append(1) or joint(*a)
+                    try:
+                        for key, projection in (("epilogue", False), ("projection", True)):
+                            megatron.clear_fallback_reasons()
+                            with megatron.installed(epilogue=True, projection=projection):
+                                row[key] = _measure(step)
+                            if megatron.fallback_reasons():
+                                raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
+                    finally:
+                        module.joint_projection = joint
+                    # in DDP's buffer the GEMM reads the two weights in place
+                    row["concatenated"] = bool(concatenated)
+                    if ddp and concatenated:
+                        raise RuntimeError("the weights were concatenated inside DDP's buffer")
                     if kernels and path == "thd":
                         with megatron.installed(epilogue=True, projection=True):
                             table = kernel_table(step)
@@ -174,7 +199,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
             print(_row(row), file=sys.stderr, flush=True)
-        comp = x = xg = xs = None  # free them before the next config
+        comp = x = xg = xs = wrapper = None  # free them before the next config
         torch.cuda.empty_cache()
     return rows
 
@@ -203,6 +228,9 @@ def main(argv=None):
     ap.add_argument("--float16-module", action="store_true",
                     help="the norm weight in bf16, as Megatron's Float16Module leaves it "
                          "(default: fp32, as the module is built)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="inside Megatron's DistributedDataParallel (distributed optimizer): "
+                         "the parameters views of its buffers, their gradients into main_grad")
     args = ap.parse_args(argv)
     b, n = (int(v) for v in args.tokens.split("x"))
     if not torch.cuda.is_available():
@@ -211,11 +239,12 @@ def main(argv=None):
     from csa_compressor.cli.bench import environment
 
     env = environment()
-    rows = run([n] * b, kernels=args.kernels, float16_module=args.float16_module)
+    rows = run([n] * b, kernels=args.kernels, float16_module=args.float16_module, ddp=args.ddp)
     print(f"GPU {env.get('gpu')}, torch {env['torch']}, CuTe DSL {env['cutlass_dsl']}, commit "
           f"{env['commit']}, {env['date']}; Megatron's Compressor, hidden {HIDDEN}, bf16, "
           f"{args.tokens} tokens, forward + backward a step, norm weight "
-          f"{'bf16 (Float16Module)' if args.float16_module else 'fp32'}")
+          f"{'bf16 (Float16Module)' if args.float16_module else 'fp32'}"
+          f"{', inside Megatron DDP (distributed optimizer)' if args.ddp else ''}")
     cols = "eager / installed / + epilogue / + epilogue + projection"
     print(f"| config | path | wall µs {cols} | GPU µs {cols} | GPU speedup over eager: "
           f"installed / + epilogue / + epilogue + projection | kernels a step {cols} |")

@@ -8,8 +8,9 @@ import os
 import torch
 
 from .kernels.compile import dsl_import_error
-from .validation import (check_flag, check_offset_contents, env_flag, offsets_check_requested,
-                         sbhd_rows_aligned, validate, validate_packed, validate_sbhd)
+from .validation import (check_flag, check_offset_contents, env_flag, halves,
+                         offsets_check_requested, sbhd_rows_aligned, validate, validate_packed,
+                         validate_sbhd)
 
 KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
 MIN_CAPABILITY = (9, 0)
@@ -73,10 +74,11 @@ def small_kernels_usable(t: torch.Tensor) -> bool:
 
 
 def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
-                 packed=False, sbhd=False):
+                 packed=False, sbhd=False, score_first=False):
     """(reason or None, the validated problem where there is no reason). ``packed``: ``kv``
-    is the packed ``kvs`` of validate_packed and ``score`` is None; ``sbhd``: the inputs are
-    validate_sbhd's (the offsets and total_comp unused)."""
+    is the packed ``kvs`` of validate_packed (``[score | kv]`` where ``score_first``) and
+    ``score`` is None; ``sbhd``: the inputs are validate_sbhd's (the offsets and total_comp
+    unused)."""
     check_flag("enabled", enabled)
     reason = _kill_switch_reason()
     if reason:
@@ -91,10 +93,11 @@ def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
     try:
         if sbhd:
             p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, for_kernel=True,
-                              packed=packed)
+                              packed=packed, score_first=score_first)
         elif packed:
             p = validate_packed(kv, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                                coff=coff, for_kernel=True, contents=False)
+                                coff=coff, for_kernel=True, contents=False,
+                                score_first=score_first)
         else:
             p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
                          coff=coff, for_kernel=True, contents=False)
@@ -131,31 +134,34 @@ def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, 
 
 
 def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                           enabled: bool = True, check_offsets: bool = False):
-    """fused_or_reason for ``[kv | score]`` as one tensor (compress_thd_fused_packed)."""
+                           enabled: bool = True, check_offsets: bool = False,
+                           score_first: bool = False):
+    """fused_or_reason for ``[kv | score]`` (``[score | kv]`` where ``score_first``) as one
+    tensor (compress_thd_fused_packed)."""
     return _fused_or_reason(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                            enabled, check_offsets, packed=True)
+                            enabled, check_offsets, packed=True, score_first=score_first)
 
 
 def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
-                         enabled: bool = True):
+                         enabled: bool = True, score_first: bool = False):
     """(the fused SBHD pooling ``(S // ratio, B, d)``, None) or (None, the reason): for
     compress_sbhd_fused's inputs, or compress_sbhd_fused_packed's where ``packed`` (``kv``
-    is ``kvs`` and ``score`` None). Rows the kernels cannot read in place (``coff*d`` or
-    ``d`` times the element size not a multiple of 16 bytes) take one transposed copy into
-    the THD layout and the THD op instead."""
+    is ``kvs``, ``[score | kv]`` where ``score_first``, and ``score`` None). Rows the
+    kernels cannot read in place (``coff*d`` or ``d`` times the element size not a multiple
+    of 16 bytes) take one transposed copy into the THD layout and the THD op instead."""
     reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
-                             sbhd=True)
+                             sbhd=True, score_first=score_first)
     if reason is None:
         return fused_from_validated(p), None
     if reason.startswith("unsupported input"):
         try:  # the inputs themselves are fine: only their rows are not 16-byte multiples?
-            p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, packed=packed)
+            p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, packed=packed,
+                              score_first=score_first)
         except (TypeError, ValueError):
             return None, reason
         if sbhd_rows_aligned(p.kv.shape[1], coff, p.kv.element_size()):
             return None, reason
-        kv, score = p.full or (p.kvs[..., : p.kv.shape[1]], p.kvs[..., p.kv.shape[1]:])
+        kv, score = p.full or halves(p.kvs, p.score_first)
         S, B, W = kv.shape
         n = S // ratio
         steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)
@@ -168,16 +174,16 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
 
 
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
-                     check_offsets, packed=False):
+                     check_offsets, packed=False, score_first=False):
     reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                             coff, enabled, packed)
+                             coff, enabled, packed, score_first=score_first)
     if reason is None:
         return fused_from_validated(p, check_offsets), None
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
         # the fallback would compute the same wrong rows: the contents are checked either way
         if packed:
             validate_packed(kv, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                            coff=coff, check_offsets=True)
+                            coff=coff, check_offsets=True, score_first=score_first)
         else:
             validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
                      coff=coff, check_offsets=True)

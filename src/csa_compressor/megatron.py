@@ -131,15 +131,16 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                       packed=False):
+                       packed=False, score_first=False):
     """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
-    once, the problem going on to the launch. ``packed``: ``kv`` is ``[kv | score]`` as one
-    ``(T, 2 * coff * d)`` tensor and ``score`` is None."""
+    once, the problem going on to the launch. ``packed``: ``kv`` is ``[kv | score]`` (or
+    ``[score | kv]`` where ``score_first``) as one ``(T, 2 * coff * d)`` tensor and
+    ``score`` is None."""
     from .dispatch import _unavailable, fused_from_validated
 
     try:
         reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
-                                 coff, True, packed)
+                                 coff, True, packed, score_first=score_first)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
@@ -276,10 +277,12 @@ def _projection_on(comp) -> bool:
 
 
 def _joint(comp, x):
-    """``[kv | score]`` of ``x`` through one GEMM on ``comp``'s two linears' weights."""
-    from .module import joint_projection
+    """``(kvs, score_first)``: ``[kv | score]`` of ``x`` through one GEMM on ``comp``'s two
+    linears' weights, or ``[score | kv]`` where its DDP parameter buffer holds ``wgate``
+    right before ``wkv`` (the GEMM reads them in place: no concatenation a step)."""
+    from .module import joint_projection_as_stored
 
-    return joint_projection(x, comp.linear_wkv.weight, comp.linear_wgate.weight)
+    return joint_projection_as_stored(x, comp.linear_wkv.weight, comp.linear_wgate.weight)
 
 
 def _forward_sbhd(self, x):
@@ -294,10 +297,10 @@ def _forward_sbhd(self, x):
     if reason is not None:
         _fallback(reason)
         return original(self, x)
-    joint = _projection_on(self)
+    joint, score_first = _projection_on(self), False
     with mod.get_fp8_disabled_context(self.config):
         if joint:
-            kv, score = _joint(self, x), None  # (sq, b, 2 * coff * head_dim)
+            (kv, score_first), score = _joint(self, x), None  # (sq, b, 2 * coff * head_dim)
         else:
             kv, _ = self.linear_wkv(x)  # (sq, b, coff * head_dim)
             score, _ = self.linear_wgate(x)
@@ -306,7 +309,7 @@ def _forward_sbhd(self, x):
     n = sq // ratio
     try:
         pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
-                                              packed=joint)
+                                              packed=joint, score_first=score_first)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         pooled, reason = None, str(exc)
     if pooled is None:
@@ -358,8 +361,9 @@ def _forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=No
     # The THD op itself, not compress_grouped: padding groups (ids < 0) take gradient like
     # Megatron's continuations do.
     if _projection_on(self):
-        pooled = _fused_or_fallback(_joint(self, x).view(G * ratio, -1), None, self.ape, cu, cuc,
-                                    G, ratio, self.coff, packed=True)
+        kvs, score_first = _joint(self, x)
+        pooled = _fused_or_fallback(kvs.view(G * ratio, -1), None, self.ape, cu, cuc, G, ratio,
+                                    self.coff, packed=True, score_first=score_first)
     else:
         kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)
@@ -414,9 +418,10 @@ def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
     if total_comp == 0:
         return None, cuc
     if joint:
-        kvs = _joint(self, x)  # (total, 1, 2 * coff * head_dim)
+        kvs, score_first = _joint(self, x)  # (total, 1, 2 * coff * head_dim)
         pooled = _fused_or_fallback(kvs.view(kvs.shape[0], -1), None, self.ape, cu_seqlens, cuc,
-                                    total_comp, ratio, self.coff, packed=True)
+                                    total_comp, ratio, self.coff, packed=True,
+                                    score_first=score_first)
     else:
         kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)

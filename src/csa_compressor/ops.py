@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import launch_backward, launch_forward
-from .validation import Problem, validate, validate_packed, validate_sbhd
+from .validation import Problem, halves, validate, validate_packed, validate_sbhd
 
 
 def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
@@ -121,38 +121,41 @@ class _PoolFn(torch.autograd.Function):
 
 
 # The packed layout: kv and score as the column halves of one tensor kvs (T, 2*coff*d), as
-# one projection GEMM writes them; the backward writes both gradients into one (T, 2*coff*d)
-# tensor of the same layout, so the GEMM's backward takes it as it is (no copies, no add).
-# SBHD where the offsets are None: kvs (S, B, 2*coff*d).
+# one projection GEMM writes them ([kv | score], or [score | kv] where score_first); the
+# backward writes both gradients into one (T, 2*coff*d) tensor of the same layout, so the
+# GEMM's backward takes it as it is (no copies, no add). SBHD where the offsets are None:
+# kvs (S, B, 2*coff*d).
 
-def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff):
+def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
     """The Problem of arguments already validated by validate_packed (kvs 2-D)."""
     w = kvs.shape[1] // 2
-    return Problem(kvs[:, :w], kvs[:, w:], ape, cu, cuc, total_comp, ratio, coff, w // coff,
-                   kvs.shape[1], kvs)
+    return Problem(*halves(kvs, score_first), ape, cu, cuc, total_comp, ratio, coff, w // coff,
+                   kvs.shape[1], kvs, score_first=score_first)
 
 
 def _backward_packed(grad, p: Problem):
     dkvs = torch.empty_like(p.kvs)
-    w = p.kvs.shape[-1] // 2
-    return dkvs, _launch_backward(grad, p, (dkvs[..., :w], dkvs[..., w:]))
+    return dkvs, _launch_backward(grad, p, halves(dkvs, p.score_first))
 
 
-def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff):
+def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
     if cu is None:
-        return validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff, for_kernel=True, packed=True)
-    return validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
+        return validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff, for_kernel=True, packed=True,
+                             score_first=score_first)
+    return validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True,
+                           score_first=score_first)
 
 
 @torch.library.custom_op("csa_compressor::pool_fwd_packed", mutates_args=())
 def pool_fwd_packed_op(kvs: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor | None,
                        cu_seqlens_comp: torch.Tensor | None, total_comp: int, ratio: int,
-                       coff: int) -> torch.Tensor:
-    return _forward(_packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
+                       coff: int, score_first: bool) -> torch.Tensor:
+    return _forward(_packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                                    score_first))
 
 
 @pool_fwd_packed_op.register_fake
-def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_first):
     if cu_seqlens is None:
         return kvs.new_empty((total_comp, kvs.shape[1], kvs.shape[2] // (2 * coff)))
     return kvs.new_empty((total_comp, kvs.shape[-1] // (2 * coff)))
@@ -161,58 +164,61 @@ def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
 @torch.library.custom_op("csa_compressor::pool_bwd_packed", mutates_args=())
 def pool_bwd_packed_op(grad: torch.Tensor, kvs: torch.Tensor, ape: torch.Tensor,
                        cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
-                       ratio: int, coff: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       ratio: int, coff: int, score_first: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_packed(grad, _packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp,
-                                                  grad.shape[0], ratio, coff))
+                                                  grad.shape[0], ratio, coff, score_first))
 
 
 @pool_bwd_packed_op.register_fake
-def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, score_first):
     return torch.empty_like(kvs), torch.empty_like(ape)
 
 
-def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff):
+def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
     if cu is None:
-        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff)
-    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff)
+        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
+    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
 
 
-def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff):
+def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
     if torch.compiler.is_compiling():
-        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff)
-    return _forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff))
+        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
+    return _forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first))
 
 
-def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff):
+def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
     if torch.compiler.is_compiling():
-        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff)
-    return _backward_packed(grad, _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff))
+        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff, score_first)
+    return _backward_packed(grad, _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff,
+                                                score_first))
 
 
 class _PackedFn(torch.autograd.Function):
     """The packed op's one autograd path (eager and compiled)."""
 
     @staticmethod
-    def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff):
+    def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
         ctx.save_for_backward(kvs, ape, cu, cuc)
-        ctx.meta = (total_comp, ratio, coff)
-        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff)
+        ctx.meta = (total_comp, ratio, coff, score_first)
+        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
 
     @staticmethod
     def backward(ctx, grad):
         dkvs, dape = _bwd_packed(grad, *ctx.saved_tensors, *ctx.meta)
-        return dkvs, dape, None, None, None, None, None
+        return dkvs, dape, None, None, None, None, None, None
 
 
 def compress_thd_fused_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                              check_offsets: bool = False):
+                              check_offsets: bool = False, score_first: bool = False):
     """compress_thd_fused with ``kv`` and ``score`` as the column halves of one tensor
-    ``kvs`` ``(T, 2*coff*d)`` (``[kv | score]``, one projection's output): ``(total_comp,
-    head_dim)``, differentiable in ``kvs`` (one gradient of its layout) and ``ape``. Needs
-    ``coff*d*element size`` a multiple of 16 bytes. Results are bitwise those of
-    compress_thd_fused on the two halves."""
+    ``kvs`` ``(T, 2*coff*d)`` (``[kv | score]``, one projection's output; ``[score | kv]``
+    where ``score_first``): ``(total_comp, head_dim)``, differentiable in ``kvs`` (one
+    gradient of its layout) and ``ape``. Needs ``coff*d*element size`` a multiple of 16
+    bytes. Results are bitwise those of compress_thd_fused on the two halves."""
     p = validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                        coff=coff, for_kernel=True, check_offsets=check_offsets)
+                        coff=coff, for_kernel=True, check_offsets=check_offsets,
+                        score_first=score_first)
     return fused_from_problem(p)
 
 
@@ -245,12 +251,13 @@ def compress_sbhd_fused(kv, score, ape, *, ratio, coff):
                                             for_kernel=True))
 
 
-def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff):
+def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff, score_first: bool = False):
     """compress_sbhd_fused with ``kv`` and ``score`` as the column halves of one tensor
-    ``kvs`` ``(S, B, 2*coff*d)`` (one projection's output), its gradient one tensor of that
-    layout."""
+    ``kvs`` ``(S, B, 2*coff*d)`` (one projection's output; ``[score | kv]`` where
+    ``score_first``), its gradient one tensor of that layout."""
     return fused_from_problem(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff,
-                                            for_kernel=True, packed=True))
+                                            for_kernel=True, packed=True,
+                                            score_first=score_first))
 
 
 def fused_from_problem(p: Problem):
@@ -264,7 +271,8 @@ def fused_from_problem(p: Problem):
         # SBHD: no offsets (the op body derives the one-segment pack again)
         cu, cuc = (None, None) if p.batch else (p.cu_seqlens, p.cu_seqlens_comp)
         if packed:
-            return _PackedFn.apply(p.kvs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff)
+            return _PackedFn.apply(p.kvs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff,
+                                   p.score_first)
         return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff, p.head_dim)
     # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
     # dev machine, a tenth of that for the check).

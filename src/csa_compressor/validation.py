@@ -49,6 +49,9 @@ class Problem:
     # (S, B, 2*coff*d) packed tensor, holds both). batch 0: a THD pack.
     batch: int = 0
     full: tuple | None = None
+    # ``kvs`` holds ``[score | kv]`` (one GEMM on weights stored gate first, as Megatron's
+    # DDP parameter buffer lays them out) rather than ``[kv | score]``
+    score_first: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -281,29 +284,41 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     return p
 
 
+def halves(kvs: torch.Tensor, score_first: bool = False) -> tuple:
+    """``(kv, score)``: the column halves of ``kvs``, ``[kv | score]`` or, where
+    ``score_first``, ``[score | kv]``."""
+    w = kvs.shape[-1] // 2
+    a, b = kvs[..., :w], kvs[..., w:]
+    return (b, a) if score_first else (a, b)
+
+
 def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                     for_kernel: bool = False, check_offsets: bool = False,
-                    contents: bool = True) -> Problem:
+                    contents: bool = True, score_first: bool = False) -> Problem:
     """validate for ``kv`` and ``score`` given as the column halves of one tensor ``kvs``
     ``(T, 2*coff*d)`` (or ``(T, 1, 2*coff*d)``): ``[kv | score]``, as one projection GEMM
-    writes them. For the kernels, ``kvs`` contiguous and each half's rows 16-byte aligned."""
+    writes them (``[score | kv]`` where ``score_first``). For the kernels, ``kvs``
+    contiguous and each half's rows 16-byte aligned."""
     kvs = _as_2d("kvs", _check_tensor("kvs", kvs))
     check_ratio_coff(ratio, coff)
+    check_flag("score_first", score_first)
     width2 = kvs.shape[1]
     if width2 == 0 or width2 % (2 * coff):
-        raise ValueError(f"kvs: last dimension must be 2*coff*d (kv then score columns), a "
+        raise ValueError(f"kvs: last dimension must be 2*coff*d (the kv and score columns), a "
                          f"positive multiple of {2 * coff}, got {width2}")
     w = width2 // 2
     if for_kernel:
         if not kvs.is_contiguous():
             raise ValueError(f"kvs: expected contiguous storage, got strides {kvs.stride()}")
         if (w * kvs.element_size()) % KERNEL_ALIGN_BYTES:
-            raise ValueError(f"kvs: the score half starts {w * kvs.element_size()} bytes into each "
-                             f"row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES} "
+            raise ValueError(f"kvs: the second half starts {w * kvs.element_size()} bytes into "
+                             f"each row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES} "
                              "(coff*d*element size)")
-    return validate(kvs[:, :w], kvs[:, w:], ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                    ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
-                    contents=contents, _packed=kvs)
+    p = validate(*halves(kvs, score_first), ape, cu_seqlens, cu_seqlens_comp, total_comp,
+                 ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
+                 contents=contents, _packed=kvs)
+    p.score_first = score_first
+    return p
 
 
 _SBHD_OFFSETS: dict = {}
@@ -338,21 +353,22 @@ def sbhd_rows_aligned(width: int, coff: int, element_size: int) -> bool:
 
 
 def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
-                  packed: bool = False) -> Problem:
+                  packed: bool = False, score_first: bool = False) -> Problem:
     """Check an SBHD call, ``kv`` and ``score`` ``(S, B, coff*d)`` (``packed``: ``kv`` is
-    ``kvs`` ``(S, B, 2*coff*d)``, ``[kv | score]`` in one tensor, and ``score`` is None),
+    ``kvs`` ``(S, B, 2*coff*d)``, ``[kv | score]`` in one tensor, or ``[score | kv]`` where
+    ``score_first``, and ``score`` is None),
     and return the Problem the kernels run: sequence 0's views, one segment of S tokens.
     For the kernels, the caller's tensors contiguous and every sequence's rows 16-byte
     aligned: ``width * element size`` and ``d * element size`` multiples of 16."""
     check_ratio_coff(ratio, coff)
     if packed:
         kvs = _as_sbhd("kvs", kv)
+        check_flag("score_first", score_first)
         width2 = kvs.shape[2]
         if width2 == 0 or width2 % (2 * coff):
-            raise ValueError(f"kvs: last dimension must be 2*coff*d (kv then score columns), a "
-                             f"positive multiple of {2 * coff}, got {width2}")
-        w = width2 // 2
-        kv, score, full, stride = kvs[..., :w], kvs[..., w:], None, width2
+            raise ValueError(f"kvs: last dimension must be 2*coff*d (the kv and score columns), "
+                             f"a positive multiple of {2 * coff}, got {width2}")
+        (kv, score), full, stride = halves(kvs, score_first), None, width2
     else:
         kv, score, kvs = _as_sbhd("kv", kv), _as_sbhd("score", score), None
         if score.shape != kv.shape:
@@ -381,7 +397,7 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
     p = validate(kv[:, 0], score[:, 0], ape, cu, cuc, n, ratio=ratio, coff=coff,
                  for_kernel=for_kernel, contents=False, _packed=kvs,
                  _row_stride=B * stride)
-    p.batch, p.full = B, full
+    p.batch, p.full, p.score_first = B, full, bool(packed and score_first)
     return p
 
 
