@@ -76,9 +76,9 @@ def joint_projection(x, wkv, wgate):
 def joint_projection_as_stored(x, wkv, wgate):
     """``(kvs, score_first)``: joint_projection's ``[kv | score]``, or ``[score | kv]`` where
     ``wkv`` follows ``wgate`` in one buffer (Megatron's DDP parameter buffer lays a module's
-    parameters out in reverse order), the GEMM then reading ``[wgate; wkv]`` in place. The
-    projections' values and the weights' gradients are the same bits either way; the input
-    gradient sums the same products in another order."""
+    parameters out in reverse order), the GEMM then reading ``[wgate; wkv]`` in place (no
+    copy a step, none kept for the backward). The input gradient's GEMM sums the same
+    products in another order than the concatenation's."""
     if not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type) \
             and _adjacent(wgate, wkv) and not _adjacent(wkv, wgate):
         return _JointLinear.apply(x, wgate, wkv), True
