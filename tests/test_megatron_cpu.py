@@ -763,3 +763,63 @@ def test_linears_one_gemm_does_not_compute_keep_megatrons(megatron_csa, fused_on
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
     assert list(megatron.fallback_reasons()) == ["projection: " + words], \
         megatron.fallback_reasons()
+
+
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+def test_the_packages_compressor_inside_megatrons_ddp_reads_its_weights_in_place(
+        megatron_csa, monkeypatch, layout):
+    """The package's Compressor wrapped in Megatron's DistributedDataParallel (distributed
+    optimizer): its weights become views of DDP's buffer, wgate's right before wkv's. The
+    module leaves them there (a later .to() does not move them out of the buffer), its one
+    GEMM reads them in place (no concatenation) and pools ``[score | kv]``: the output and
+    the parameters' gradients bit for bit those of the same module outside DDP, the input
+    gradient within one bf16 ulp (its GEMM sums the same products in another order)."""
+    import copy
+
+    from csa_compressor import Compressor, module
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    torch.manual_seed(3)
+    ours = Compressor(128, 64, 4, rope_dim=32, rotate=True, dtype=torch.bfloat16,
+                      pooling="reference", megatron_layout=True)
+    with torch.no_grad():
+        ours.norm_weight.add_(0.1 * torch.randn(64).bfloat16())
+    apart = copy.deepcopy(ours)
+    cfg = build_compressor(megatron_csa, hidden=128, head_dim=64, ratio=4, rope_dim=32).config
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), ours)
+    wkv, wgate = ours.wkv.weight, ours.wgate.weight
+    assert module._adjacent(wgate, wkv) and not module._adjacent(wkv, wgate)
+    where = (wkv.data_ptr(), wgate.data_ptr())
+    ours.to("cpu")  # a move that changes nothing keeps DDP's views
+    assert (wkv.data_ptr(), wgate.data_ptr()) == where
+
+    concatenated = []
+    real = module.joint_projection
+    monkeypatch.setattr(module, "joint_projection",
+                        lambda *a: concatenated.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(4)
+    if layout == "thd":
+        cu = torch.tensor([0, 301, 301, 306, 700], dtype=torch.int32)
+        x = torch.randn(700, 1, 128, generator=gen).bfloat16()
+        forward = lambda comp, xi: comp(xi, cu, max_seqlen=394)[0]  # noqa: E731
+    else:
+        x = torch.randn(301, 3, 128, generator=gen).bfloat16()
+        forward = lambda comp, xi: comp(xi)  # noqa: E731
+
+    ddp.zero_grad_buffer()
+    xi = x.clone().requires_grad_(True)
+    out = forward(ours, xi)
+    g = torch.randn(out.shape, generator=gen).bfloat16()
+    out.backward(g)
+    got = [out.detach(), xi.grad] + [p.main_grad for p in ours.parameters()]
+    assert not concatenated, "the weights were concatenated"
+    xa = x.clone().requires_grad_(True)
+    out_a = forward(apart, xa)
+    out_a.backward(g)
+    assert concatenated  # outside DDP the copy's weights are separate: concatenated
+    want = [out_a.detach(), xa.grad] + [p.grad.float() for p in apart.parameters()]
+    assert torch.equal(got[0], want[0]), "output"
+    for (n, _), a, b in zip(ours.named_parameters(), got[2:], want[2:]):
+        assert torch.equal(a, b), n
+    assert float(bf16_ulps(got[1], want[1]).max()) <= 1

@@ -14,7 +14,7 @@ from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, eager_epilogu
                        sbhd_positions)
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .layout import compressed_capacity, compressed_cu_seqlens
-from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff
+from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, halves
 
 POOLING = ("auto", "fused", "reference")
 NUMERICS = ("fp32", "megatron")
@@ -60,6 +60,11 @@ class _JointLinear(torch.autograd.Function):
             dw = g2.t().mm(x.reshape(-1, x.shape[-1]))
         n = wa.shape[0]
         return dx, None if dw is None else dw[:n], None if dw is None else dw[n:]
+
+
+def _owns_storage(t) -> bool:
+    """Whether ``t`` is all of its storage (not a view into a larger buffer)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def joint_projection(x, wkv, wgate):
@@ -176,13 +181,22 @@ class Compressor(nn.Module):
         ``wkv``), so the GEMM reads them in place unless a caller rebound one."""
         return joint_projection(x, self.wkv.weight, self.wgate.weight)
 
+    def _project(self, x):
+        """``(kvs, score_first)``: project()'s one GEMM reading the two weights in place in
+        whichever order they lie in one buffer (joint_projection_as_stored): ``[score | kv]``
+        where a wrapper's parameter buffer holds ``wgate`` right before ``wkv``, as
+        Megatron's DistributedDataParallel lays them out."""
+        return joint_projection_as_stored(x, self.wkv.weight, self.wgate.weight)
+
     def _join_weights(self):
         """Put ``wkv`` and ``wgate``'s weights into one buffer (the same Parameter
-        objects, their data moved): project() then needs no copy of them a step."""
+        objects, their data moved): project() then needs no copy of them a step. Weights
+        that are views into a larger buffer (a DDP or FSDP parameter buffer) stay where
+        they are: moving them would cut them off from it."""
         wkv, wgate = self.wkv.weight, self.wgate.weight
         if type(wkv.data) is not torch.Tensor or type(wgate.data) is not torch.Tensor \
                 or _adjacent(wkv, wgate) or wkv.dtype != wgate.dtype or wkv.device != wgate.device \
-                or wkv.shape != wgate.shape:
+                or wkv.shape != wgate.shape or not (_owns_storage(wkv) and _owns_storage(wgate)):
             return
         with torch.no_grad():
             joint = torch.cat((wkv.detach(), wgate.detach()))
@@ -194,19 +208,21 @@ class Compressor(nn.Module):
         self._join_weights()
         return out
 
-    def pool_packed(self, kvs, cu, cuc, total_comp):
-        """pool() of project()'s output, its halves read in place."""
-        w = kvs.shape[-1] // 2
-        return self.pool(kvs[:, :w], kvs[:, w:], cu, cuc, total_comp, packed=kvs)
+    def pool_packed(self, kvs, cu, cuc, total_comp, score_first: bool = False):
+        """pool() of project()'s output (``[score | kv]`` where ``score_first``), its halves
+        read in place."""
+        kv, score = halves(kvs, score_first)
+        return self.pool(kv, score, cu, cuc, total_comp, packed=kvs, score_first=score_first)
 
-    def pool(self, kv, score, cu, cuc, total_comp, packed=None):
+    def pool(self, kv, score, cu, cuc, total_comp, packed=None, score_first=False):
         """The pooled rows: fused where it can run (on ``packed``, kv and score's one tensor,
         where given), else the fp32 reference."""
         args = (kv, score, self.ape, cu, cuc, total_comp)
         kw = dict(ratio=self.ratio, coff=self.coff)
         return self._pooled(
             lambda: (fused_or_reason(*args, **kw) if packed is None
-                     else fused_packed_or_reason(packed, *args[2:], **kw)),
+                     else fused_packed_or_reason(packed, *args[2:], **kw,
+                                                 score_first=score_first)),
             lambda: reference.compress_thd(*args, **kw, mode="fp32"))
 
     def pool_sbhd(self, x):
@@ -215,10 +231,10 @@ class Compressor(nn.Module):
         ``one_projection``), else the fp32 reference."""
         kw = dict(ratio=self.ratio, coff=self.coff)
         if self.one_projection:
-            kvs = self.project(x)
-            w = kvs.shape[-1] // 2
-            kv, score = kvs[..., :w], kvs[..., w:]
-            fused = lambda: fused_sbhd_or_reason(kvs, None, self.ape, packed=True, **kw)  # noqa: E731
+            kvs, score_first = self._project(x)
+            kv, score = halves(kvs, score_first)
+            fused = lambda: fused_sbhd_or_reason(kvs, None, self.ape, packed=True,  # noqa: E731
+                                                 score_first=score_first, **kw)
         else:
             kv, score = self.wkv(x), self.wgate(x)
             fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw)  # noqa: E731
@@ -290,7 +306,8 @@ class Compressor(nn.Module):
         if total_comp == 0 and self.megatron_layout:
             return None, cuc
         if self.one_projection:
-            pooled = self.pool_packed(self.project(x), cu_seqlens, cuc, total_comp)
+            kvs, score_first = self._project(x)
+            pooled = self.pool_packed(kvs, cu_seqlens, cuc, total_comp, score_first)
         else:
             kv, score = self.wkv(x), self.wgate(x)
             pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
