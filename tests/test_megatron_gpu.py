@@ -473,3 +473,53 @@ def test_one_projection_reads_megatrons_ddp_buffer_in_place_on_the_fused_kernels
     differ = {n: int((a != b).sum()) for n, a, b in zip(
         names, [got[0], got[1], *got[2].values()], [hand[0], hand[1], *hand[2].values()])}
     assert not any(differ.values()), f"elements that differ from the composition: {differ}"
+
+
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+def test_the_packages_compressor_inside_megatrons_ddp_on_the_fused_kernels(
+        megatron_csa, monkeypatch, layout):
+    """The package's Compressor (pooling="fused", the fused epilogue; hidden 1024, d512
+    ratio 4) wrapped in Megatron's DistributedDataParallel (distributed optimizer): its one
+    GEMM reads DDP's buffer in place as ``[wgate; wkv]`` (no concatenation) and the fused
+    kernels pool ``[score | kv]``: the output and the parameters' gradients bit for bit
+    those of the same module outside DDP, the input gradient within one bf16 ulp."""
+    import copy
+
+    from csa_compressor import Compressor, module
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    torch.manual_seed(3)
+    ours = Compressor(1024, 512, 4, rotate=False, dtype=torch.bfloat16, device="cuda",
+                      pooling="fused", megatron_layout=True)
+    apart = copy.deepcopy(ours)
+    cfg = build_compressor(megatron_csa, hidden=1024, head_dim=512, ratio=4, rope_dim=64).config
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), ours)
+    assert module._adjacent(ours.wgate.weight, ours.wkv.weight)
+    concatenated = []
+    real = module.joint_projection
+    monkeypatch.setattr(module, "joint_projection",
+                        lambda *a: concatenated.append(1) or real(*a))
+    gen = torch.Generator("cuda").manual_seed(4)
+    if layout == "thd":
+        cu = torch.tensor([0, 8192, 8192, 8195, 16000], dtype=torch.int32, device="cuda")
+        x = torch.randn(16000, 1, 1024, device="cuda", generator=gen).bfloat16()
+        forward = lambda comp, xi: comp(xi, cu, max_seqlen=8192)[0]  # noqa: E731
+    else:
+        x = torch.randn(4100, 2, 1024, device="cuda", generator=gen).bfloat16()
+        forward = lambda comp, xi: comp(xi)  # noqa: E731
+    ddp.zero_grad_buffer()
+    xi = x.clone().requires_grad_(True)
+    out = forward(ours, xi)
+    g = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    out.backward(g)
+    got = [out.detach(), xi.grad] + [p.main_grad for p in ours.parameters()]
+    assert not concatenated, "the weights were concatenated"
+    xa = x.clone().requires_grad_(True)
+    out_a = forward(apart, xa)
+    out_a.backward(g)
+    want = [out_a.detach(), xa.grad] + [p.grad.float() for p in apart.parameters()]
+    differ = {n: int((a != b).sum()) for (n, _), a, b in zip(
+        [("output", 0)] + list(ours.named_parameters()), [got[0]] + got[2:], [want[0]] + want[2:])}
+    assert not any(differ.values()), f"elements that differ outside DDP: {differ}"
+    assert float(bf16_ulps(got[1], want[1]).max()) <= 1
