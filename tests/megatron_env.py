@@ -134,15 +134,44 @@ def epilogue_by_hand(mg, x, path, pooling, total=None, cu=None, max_seqlen=None,
     return out.view(n, b, d) if path == "sbhd" else out.unsqueeze(1)
 
 
-def megatron_ddp(mg):
+def megatron_ddp(mod, config=None):
     """Megatron's own DistributedDataParallel (the distributed optimizer's layout) around
-    ``mg``: its parameters become views of DDP's flat buffers, in the reverse of their
-    registration order (``linear_wgate``'s weight right before ``linear_wkv``'s), and their
-    gradients land in ``main_grad``. Returns the wrapper."""
+    ``mod`` (``config``: a Megatron TransformerConfig, default ``mod.config``): its
+    parameters become views of DDP's flat buffers, in the reverse of their registration
+    order (``linear_wgate``'s weight right before ``linear_wkv``'s, the package module's
+    ``wgate`` before ``wkv``), and their gradients land in ``main_grad``. Returns the
+    wrapper."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
-    return DistributedDataParallel(mg.config, cfg, mg)
+    return DistributedDataParallel(config or mod.config, cfg, mod)
+
+
+def inside_and_outside_ddp(ddp, mod, twin, x, forward, gen):
+    """One forward + backward of ``mod`` under ``ddp`` and of ``twin`` (its copy outside
+    DDP) with one random incoming gradient from ``gen``: for each, [output, input gradient,
+    every parameter's gradient (main_grad inside; fp32)]."""
+    ddp.zero_grad_buffer()
+    xi = x.clone().requires_grad_(True)
+    out = forward(mod, xi)
+    g = torch.randn(out.shape, device=out.device, generator=gen).to(out.dtype)
+    out.backward(g)
+    inside = [out.detach(), xi.grad] + [p.main_grad for p in mod.parameters()]
+    xa = x.clone().requires_grad_(True)
+    out = forward(twin, xa)
+    out.backward(g)
+    return inside, [out.detach(), xa.grad] + [p.grad.float() for p in twin.parameters()]
+
+
+def count_concatenations(monkeypatch):
+    """A list that grows by one at each concatenation of the two projection weights
+    (module.joint_projection, which the in-place GEMM on a buffer's ``[wgate; wkv]`` never
+    calls)."""
+    from csa_compressor import module
+
+    calls, real = [], module.joint_projection
+    monkeypatch.setattr(module, "joint_projection", lambda *a: calls.append(1) or real(*a))
+    return calls
 
 
 def ddp_step(ddp, mg, x, forward, g=None):

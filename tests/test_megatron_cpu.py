@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from csa_compressor import megatron
-from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
+from megatron_env import (bf16_ulps, build_compressor, count_concatenations, epilogue_by_hand,
+                          thd_step)
 
 
 @pytest.fixture(autouse=True)
@@ -690,10 +691,7 @@ def test_one_projection_reads_megatrons_ddp_buffer_in_place(
     ddp = megatron_ddp(mg)
     wkv, wgate = mg.linear_wkv.weight, mg.linear_wgate.weight
     assert module._adjacent(wgate, wkv) and not module._adjacent(wkv, wgate)
-    concatenated = []
-    real = module.joint_projection
-    monkeypatch.setattr(module, "joint_projection",
-                        lambda *a: concatenated.append(1) or real(*a))
+    concatenated = count_concatenations(monkeypatch)
     with megatron.installed(epilogue=True, projection=True):
         got = ddp_step(ddp, mg, x, forward)
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
@@ -777,7 +775,7 @@ def test_the_packages_compressor_inside_megatrons_ddp_reads_its_weights_in_place
     import copy
 
     from csa_compressor import Compressor, module
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron_env import inside_and_outside_ddp, megatron_ddp
 
     torch.manual_seed(3)
     ours = Compressor(128, 64, 4, rope_dim=32, rotate=True, dtype=torch.bfloat16,
@@ -786,18 +784,14 @@ def test_the_packages_compressor_inside_megatrons_ddp_reads_its_weights_in_place
         ours.norm_weight.add_(0.1 * torch.randn(64).bfloat16())
     apart = copy.deepcopy(ours)
     cfg = build_compressor(megatron_csa, hidden=128, head_dim=64, ratio=4, rope_dim=32).config
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), ours)
+    ddp = megatron_ddp(ours, cfg)
     wkv, wgate = ours.wkv.weight, ours.wgate.weight
     assert module._adjacent(wgate, wkv) and not module._adjacent(wkv, wgate)
     where = (wkv.data_ptr(), wgate.data_ptr())
     ours.to("cpu")  # a move that changes nothing keeps DDP's views
     assert (wkv.data_ptr(), wgate.data_ptr()) == where
 
-    concatenated = []
-    real = module.joint_projection
-    monkeypatch.setattr(module, "joint_projection",
-                        lambda *a: concatenated.append(1) or real(*a))
+    concatenated = count_concatenations(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     if layout == "thd":
         cu = torch.tensor([0, 301, 301, 306, 700], dtype=torch.int32)
@@ -807,18 +801,9 @@ def test_the_packages_compressor_inside_megatrons_ddp_reads_its_weights_in_place
         x = torch.randn(301, 3, 128, generator=gen).bfloat16()
         forward = lambda comp, xi: comp(xi)  # noqa: E731
 
-    ddp.zero_grad_buffer()
-    xi = x.clone().requires_grad_(True)
-    out = forward(ours, xi)
-    g = torch.randn(out.shape, generator=gen).bfloat16()
-    out.backward(g)
-    got = [out.detach(), xi.grad] + [p.main_grad for p in ours.parameters()]
-    assert not concatenated, "the weights were concatenated"
-    xa = x.clone().requires_grad_(True)
-    out_a = forward(apart, xa)
-    out_a.backward(g)
-    assert concatenated  # outside DDP the copy's weights are separate: concatenated
-    want = [out_a.detach(), xa.grad] + [p.grad.float() for p in apart.parameters()]
+    got, want = inside_and_outside_ddp(ddp, ours, apart, x, forward, gen)
+    # outside DDP the copy's weights are separate: concatenated, once
+    assert concatenated == [1], "the weights were concatenated inside DDP"
     assert torch.equal(got[0], want[0]), "output"
     for (n, _), a, b in zip(ours.named_parameters(), got[2:], want[2:]):
         assert torch.equal(a, b), n

@@ -8,7 +8,8 @@ import torch
 
 import csa_compressor as C
 from csa_compressor import megatron
-from megatron_env import bf16_ulps, build_compressor, epilogue_by_hand, thd_step
+from megatron_env import (bf16_ulps, build_compressor, count_concatenations, epilogue_by_hand,
+                          thd_step)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +56,40 @@ def _ours_thd_step(ours, x, cu, max_seqlen):
     out.backward(g)
     return (out.detach().float(), xs.grad.float(),
             {n: p.grad.float() for n, p in ours.named_parameters()})
+
+
+def _path_case(path, ratio, hidden):
+    """The input of one of Megatron's Compressor paths at the GPU tests' scale (THD 8192 +
+    8191 + 5000 + 3 + 0 tokens with capacity padding, SBHD 2 x 4100, pre-grouped 8192
+    tokens as groups with a halo, continuations and padding), epilogue_by_hand's extra
+    arguments for it, and its forward ``(module, x) -> output``."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    if path == "thd":
+        lens = [8192, 8191, 5000, 3, 0]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+
+        def forward(comp, xi):
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+            return comp(xi, psp)[0]
+        return x, dict(cu=cu, max_seqlen=max(lens)), forward
+    if path == "sbhd":
+        x = torch.randn(4100, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        return x, {}, lambda comp, xi: comp(xi)
+    n = 8192 // ratio
+    ids = torch.cat([torch.arange(5, n // 2), torch.arange(n // 2 - 7),
+                     torch.full((7,), -1)]).to(device="cuda", dtype=torch.int32)
+    x = torch.randn(ids.numel() * ratio, 1, hidden, device="cuda",
+                    generator=gen).to(torch.bfloat16)
+
+    def forward(comp, xi):
+        cu1 = torch.tensor([0, xi.shape[0]], dtype=torch.int32, device="cuda")
+        return comp._forward_thd(xi, cu1, max_seqlen_q=8192, compressed_group_ids=ids)[0]
+    return x, dict(ids=ids, max_seqlen=8192), forward
 
 
 def _hooked_step(megatron_csa, step):
@@ -282,45 +317,14 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
                               "original_max_position_embeddings": yarn[1]}).cuda()
     with torch.no_grad():  # not all ones
         mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(norm_weight)
-    gen = torch.Generator("cuda").manual_seed(2)
-    if path == "thd":
-        lens = [8192, 8191, 5000, 3, 0]
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                          device="cuda")
-        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        extra = dict(cu=cu, max_seqlen=max(lens))
-
-        def forward(xi):
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-            return mg(xi, psp)[0]
-    elif path == "sbhd":
-        x = torch.randn(4100, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        extra = {}
-
-        def forward(xi):
-            return mg(xi)
-    else:
-        n = 8192 // ratio
-        ids = torch.cat([torch.arange(5, n // 2), torch.arange(n // 2 - 7),
-                         torch.full((7,), -1)]).to(device="cuda", dtype=torch.int32)
-        x = torch.randn(ids.numel() * ratio, 1, hidden, device="cuda",
-                        generator=gen).to(torch.bfloat16)
-        extra = dict(ids=ids, max_seqlen=8192)
-
-        def forward(xi):
-            cu1 = torch.tensor([0, xi.shape[0]], dtype=torch.int32, device="cuda")
-            return mg._forward_thd(xi, cu1, max_seqlen_q=8192, compressed_group_ids=ids)[0]
-
+    x, extra, forward = _path_case(path, ratio, hidden)
     g = None
 
     def step():
         nonlocal g
         mg.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        out = forward(xi)
+        out = forward(mg, xi)
         if g is None:
             g = torch.randn(out.shape, device="cuda",
                             generator=torch.Generator("cuda").manual_seed(1)).to(out.dtype)
@@ -426,41 +430,8 @@ def test_one_projection_reads_megatrons_ddp_buffer_in_place_on_the_fused_kernels
                           rotate=rotate, dtype=torch.bfloat16).cuda()
     ddp = megatron_ddp(mg)
     assert module._adjacent(mg.linear_wgate.weight, mg.linear_wkv.weight)
-    gen = torch.Generator("cuda").manual_seed(2)
-    if path == "thd":
-        lens = [8192, 8191, 5000, 3, 0]
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                          device="cuda")
-        x = torch.randn(int(cu[-1]), 1, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        extra = dict(cu=cu, max_seqlen=max(lens))
-
-        def forward(comp, xi):
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-            return comp(xi, psp)[0]
-    elif path == "sbhd":
-        x = torch.randn(4100, 2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        extra = {}
-
-        def forward(comp, xi):
-            return comp(xi)
-    else:
-        ids = torch.cat([torch.arange(5, 32), torch.arange(30),
-                         torch.full((7,), -1)]).to(device="cuda", dtype=torch.int32)
-        x = torch.randn(ids.numel() * ratio, 1, hidden, device="cuda",
-                        generator=gen).to(torch.bfloat16)
-        extra = dict(ids=ids, max_seqlen=8192)
-
-        def forward(comp, xi):
-            cu1 = torch.tensor([0, xi.shape[0]], dtype=torch.int32, device="cuda")
-            return comp._forward_thd(xi, cu1, max_seqlen_q=8192, compressed_group_ids=ids)[0]
-
-    concatenated = []
-    real = module.joint_projection
-    monkeypatch.setattr(module, "joint_projection",
-                        lambda *a: concatenated.append(1) or real(*a))
+    x, extra, forward = _path_case(path, ratio, hidden)
+    concatenated = count_concatenations(monkeypatch)
     with megatron.installed(epilogue=True, projection=True):
         got = ddp_step(ddp, mg, x, forward)
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
@@ -486,20 +457,16 @@ def test_the_packages_compressor_inside_megatrons_ddp_on_the_fused_kernels(
     import copy
 
     from csa_compressor import Compressor, module
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron_env import inside_and_outside_ddp, megatron_ddp
 
     torch.manual_seed(3)
     ours = Compressor(1024, 512, 4, rotate=False, dtype=torch.bfloat16, device="cuda",
                       pooling="fused", megatron_layout=True)
     apart = copy.deepcopy(ours)
     cfg = build_compressor(megatron_csa, hidden=1024, head_dim=512, ratio=4, rope_dim=64).config
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), ours)
+    ddp = megatron_ddp(ours, cfg)
     assert module._adjacent(ours.wgate.weight, ours.wkv.weight)
-    concatenated = []
-    real = module.joint_projection
-    monkeypatch.setattr(module, "joint_projection",
-                        lambda *a: concatenated.append(1) or real(*a))
+    concatenated = count_concatenations(monkeypatch)
     gen = torch.Generator("cuda").manual_seed(4)
     if layout == "thd":
         cu = torch.tensor([0, 8192, 8192, 8195, 16000], dtype=torch.int32, device="cuda")
@@ -508,17 +475,8 @@ def test_the_packages_compressor_inside_megatrons_ddp_on_the_fused_kernels(
     else:
         x = torch.randn(4100, 2, 1024, device="cuda", generator=gen).bfloat16()
         forward = lambda comp, xi: comp(xi)  # noqa: E731
-    ddp.zero_grad_buffer()
-    xi = x.clone().requires_grad_(True)
-    out = forward(ours, xi)
-    g = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
-    out.backward(g)
-    got = [out.detach(), xi.grad] + [p.main_grad for p in ours.parameters()]
-    assert not concatenated, "the weights were concatenated"
-    xa = x.clone().requires_grad_(True)
-    out_a = forward(apart, xa)
-    out_a.backward(g)
-    want = [out_a.detach(), xa.grad] + [p.grad.float() for p in apart.parameters()]
+    got, want = inside_and_outside_ddp(ddp, ours, apart, x, forward, gen)
+    assert concatenated == [1], "the weights were concatenated inside DDP"
     differ = {n: int((a != b).sum()) for (n, _), a, b in zip(
         [("output", 0)] + list(ours.named_parameters()), [got[0]] + got[2:], [want[0]] + want[2:])}
     assert not any(differ.values()), f"elements that differ outside DDP: {differ}"
