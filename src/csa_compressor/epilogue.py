@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .softmax_order import ROWSUM_MIN_ROWS
+from .validation import kernel_aligned
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -241,13 +242,6 @@ def _rows_kernel(x_in, weight, ep) -> bool:
             and _small_kernels(x_in))
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous at a 16-byte aligned address, as the row kernel's vector loads
-    need: a copy where it is not (a weight inside a flat parameter buffer, a row slice)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 # (device, dtype, head_dim, Epilogue) -> whether the kernel's statistics were torch's
 _ROWSUM_AGREES: dict = {}
 
@@ -329,7 +323,7 @@ def _forward(x_in, weight, positions, inv_freq, ep, rope_table=None):
     if _rows_kernel(x_in, weight, ep):
         from .kernels import epilogue_rows
 
-        xc, wc = _aligned(x_in), _aligned(weight)
+        xc, wc = kernel_aligned(x_in), kernel_aligned(weight)
         norm = _norm_in_kernel(xc, wc, ep)
         if norm:
             r = torch.empty((xc.shape[0], 1), dtype=torch.float32, device=xc.device)
@@ -358,7 +352,7 @@ def _backward(g, x_in, weight, cos, sin, r, ep):
     if _rows_kernel(x_in, weight, ep) and g.dtype == x_in.dtype:
         from .kernels import epilogue_rows
 
-        xc, wc, gc = _aligned(x_in), _aligned(weight), _aligned(g)
+        xc, wc, gc = kernel_aligned(x_in), kernel_aligned(weight), kernel_aligned(g)
         if _norm_in_kernel(xc, wc, ep):
             gx = torch.empty_like(xc)
             prod = torch.empty(xc.shape, dtype=torch.float32, device=g.device)

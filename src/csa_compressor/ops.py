@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import launch_backward, launch_forward
-from .validation import Problem, halves, validate, validate_packed, validate_sbhd
+from .validation import (Problem, halves, kernel_aligned, validate, validate_packed,
+                         validate_sbhd)
 
 
 def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
@@ -39,12 +40,6 @@ def _forward(p: Problem):
     return out
 
 
-def _aligned(grad):
-    """The incoming gradient as the kernels read it: contiguous, 16-byte aligned."""
-    grad = grad.contiguous()
-    return grad.clone() if grad.data_ptr() % 16 else grad
-
-
 def _launch_backward(grad, p: Problem, grads):
     """The backward into fresh ``grads`` (caller-shaped dkv and dscore, or the packed
     tensor's two halves) and a fresh dape: no need to check them."""
@@ -53,7 +48,7 @@ def _launch_backward(grad, p: Problem, grads):
         for g in grads:  # no rows: the launch would zero sequence 0's views only
             g.zero_()
         return dape.zero_()
-    launch_backward(p, _rows(p, _aligned(grad)), *(_rows(p, g) for g in grads), dape)
+    launch_backward(p, _rows(p, kernel_aligned(grad)), *(_rows(p, g) for g in grads), dape)
     return dape
 
 

@@ -284,6 +284,13 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     return p
 
 
+def kernel_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels' vector loads read it: contiguous at a KERNEL_ALIGN_BYTES-aligned
+    address (a copy where it is not: a view into a flat buffer, a row slice)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % KERNEL_ALIGN_BYTES == 0 else t.clone()
+
+
 def halves(kvs: torch.Tensor, score_first: bool = False) -> tuple:
     """``(kv, score)``: the column halves of ``kvs``, ``[kv | score]`` or, where
     ``score_first``, ``[score | kv]``."""
