@@ -14,6 +14,7 @@ import torch
 direction, dtype, ratio, coff, d = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 row_stride = int(sys.argv[6]) if len(sys.argv) > 6 else 0  # 0: packed rows
 batch = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # SBHD sequences (0: THD)
+numerics = sys.argv[8] if len(sys.argv) > 8 else "fp32"
 dump = tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
@@ -53,7 +54,7 @@ SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
-                               row_stride=row_stride, batch=batch))
+                               row_stride=row_stride, batch=batch, numerics=numerics))
 if built is None:  # the specialisation has no such kernel (plan.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)
@@ -82,6 +83,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
+                  "cvt_rn": len(re.findall(r"cvt\.rn\.(?:bf16|f16)\.f32", ptx)),
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
                   "chunk_slots": getattr(kernel, "chunk_slots", 0),  # slots a thread reads

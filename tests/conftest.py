@@ -38,7 +38,7 @@ def megatron_csa(tmp_path_factory):
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """The fused path on the CPU: the device checks passed over and the launch replaced by
-    the fp32 reference on the validated problem (the kernels' contract), so the dispatch
+    the reference of its numerics on the validated problem (the kernels' contract), so the dispatch
     and its callers can be driven without a GPU. Yields the row counts launched."""
     from csa_compressor import dispatch, ops, reference, validation
 
@@ -54,13 +54,14 @@ def fused_on_cpu(monkeypatch):
     launched = []
 
     def launch(p):
+        mode = "upstream" if p.numerics == "eager" else "fp32"  # the kernels' rounding
         if p.batch:  # SBHD: the caller's (S, B, ...) tensors
             launched.append(p.total_comp * p.batch)
             kv, score = p.full or validation.halves(p.kvs, p.score_first)
-            return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff)
+            return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff, mode=mode)
         launched.append(p.total_comp)
         return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
-                                      p.total_comp, ratio=p.ratio, coff=p.coff)
+                                      p.total_comp, ratio=p.ratio, coff=p.coff, mode=mode)
 
     monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "validate", validate_any_device)

@@ -6,13 +6,14 @@ from csa_compressor import compressed_cu_seqlens
 
 
 def reference_of(p):
-    """What a forward launch computes for validated problem ``p``: the fp32 reference on its
-    (detached) tensors. The CPU tests stand it in for the kernels."""
+    """What a forward launch computes for validated problem ``p``: the reference of its
+    numerics ("fp32", or "upstream" for the eager rounding) on its (detached) tensors. The
+    CPU tests stand it in for the kernels."""
     from csa_compressor import reference
 
     return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
                                   p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
-                                  mode="fp32")
+                                  mode="upstream" if p.numerics == "eager" else "fp32")
 
 
 def make_pack(lens, d, ratio, coff, dtype=torch.float32, device="cpu", pad_tokens=0,

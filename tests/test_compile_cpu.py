@@ -347,3 +347,27 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
         # the row kernels and the column sum launch as programmatic dependents (use_pdl)
         if info["spec"].split(":")[0] not in ("positions", "angles", "trig", "offsets"):
             assert info["ptx"] and info["pdl_wait"] and info["pdl_wait_first"], info
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [("fwd", "bfloat16", 4, 2, 512), ("bwd", "bfloat16", 4, 2, 128),
+                                 ("bwd_large", "bfloat16", 4, 2, 128),
+                                 ("fwd", "float16", 128, 1, 512), ("bwd", "bfloat16", 128, 1, 512)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_the_eager_numerics_compile_spill_free_with_their_roundings(arch, cfg):
+    """numerics="eager" (kernels rounding the weights and products to the input dtype): the
+    same design as the fp32 kernel (copies, staging, CTAs an SM), no spills or local memory,
+    and the dtype roundings in the PTX (two a slot and element) on top of the fp32 kernel's
+    (a scalar output store's, if any)."""
+    plain = probe(arch, cfg)
+    if plain.get("absent"):
+        assert cfg[0] == "bwd_large" and arch == "sm_100a", cfg
+        return
+    eager = probe(arch, (*cfg, 0, 0, "eager"))
+    assert all(s == 0 for s in eager["spills"]) and eager["local"] == 0, eager
+    assert all(s == 0 for s in eager["stack"]), eager
+    for key in ("coop", "async_copies_by_bytes", "target_ctas", "smem_asked", "pdl_wait_first",
+                "vec", "chunk_slots"):
+        assert eager[key] == plain[key], (key, eager[key], plain[key])
+    assert plain["cvt_rn"] <= 1, plain
+    assert eager["cvt_rn"] >= plain["cvt_rn"] + 2 * eager["chunk_slots"] * eager["vec"], eager

@@ -103,3 +103,23 @@ def test_a_kernels_check_runs_once_a_key_and_never_while_a_graph_captures(monkey
     capturing[0] = True  # a kept answer holds inside a capture too, nothing reruns
     assert checked_once(table, "a", check(False)) is True and checked_once(table, "b", check(True)) is False
     assert runs == [None, True, False] and table == {"a": True, "b": False}
+
+
+def test_the_eager_numerics_are_their_own_kernels_and_share_the_dape_sums():
+    """numerics="eager" is a field of the compile key (another kernel, another disk-cache
+    entry); the dape sums it brings are the fp32 kernels' (they add fp32 partials either
+    way); an unknown numerics is refused by name."""
+    import pytest
+
+    from csa_compressor.kernels import disk_cache, plan
+
+    fp32 = plan.spec("bwd", torch.bfloat16, 4, 2, 128)
+    eager = plan.spec("bwd", torch.bfloat16, 4, 2, 128, numerics="eager")
+    assert fp32 != eager and hash(fp32) != hash(eager) and "numerics='eager'" in str(eager)
+    assert disk_cache.entry_name(fp32, "sm_90a") != disk_cache.entry_name(eager, "sm_90a")
+    sums = [s for s in plan.family(eager) if s.direction.startswith("dape")]
+    assert sums == [s for s in plan.family(fp32) if s.direction.startswith("dape")]
+    assert all(s.numerics == "fp32" for s in sums)
+    assert plan.spec("dape", torch.bfloat16, 4, 2, 128, numerics="eager").numerics == "fp32"
+    with pytest.raises(ValueError, match="numerics"):
+        plan.spec("fwd", torch.bfloat16, 4, 2, 128, numerics="bf16")

@@ -471,6 +471,97 @@ def test_megatron_numerics_with_the_rotation(megatron_csa, fused_on_cpu, hadamar
     assert len(hadamard_standin) == 1
 
 
+def _assert_megatron_eager(got, want):
+    """_assert_bitwise_megatron but for ape's gradient, an fp32 sum over the rows that Megatron
+    adds in torch's order and the pooling in another: within 1e-5 of its largest entry."""
+    from csa_compressor import Compressor
+
+    assert torch.equal(got[0], want[0]), "output"
+    assert torch.equal(got[1], want[1]), "input gradient"
+    for mk, ok in Compressor.MEGATRON_KEYS.items():
+        if mk == "ape":
+            err = (got[2][ok].float() - want[2][mk]).abs().max()
+            assert err <= 1e-5 * want[2][mk].abs().max(), f"ape: {err}"
+        else:
+            assert torch.equal(got[2][ok].float(), want[2][mk]), mk
+
+
+@pytest.mark.parametrize("ratio,head_dim,rope_dim,yarn,dtype", [
+    (4, 512, 64, None, torch.bfloat16),
+    (4, 128, 64, (4.0, 64), torch.bfloat16),
+    (4, 64, 64, None, torch.float16),
+    (128, 512, 64, None, torch.bfloat16),
+    (128, 128, 0, None, torch.bfloat16),
+])
+def test_megatron_eager_numerics_reproduce_megatrons_own_compressor(
+        megatron_csa, ratio, head_dim, rope_dim, yarn, dtype):
+    """Compressor(numerics="megatron_eager") against Megatron's Compressor as it runs
+    without fused kernels (nothing installed: its eager pooling rounds the softmax weights
+    and the products to the dtype). On the CPU the module's pooling is the "upstream"
+    reference. Output and every gradient bit for bit on a ragged pack with capacity padding
+    rows; the "megatron" numerics (fp32 pooling) do not reproduce it, so the test can tell."""
+    mg = build_compressor(megatron_csa, hidden=256, head_dim=head_dim, ratio=ratio,
+                          rope_dim=rope_dim, dtype=dtype, yarn=None if yarn is None else {
+                              "scaling_factor": yarn[0], "original_max_position_embeddings": yarn[1]})
+    ours = _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn)
+    ours.numerics, ours.pool_numerics, ours._reference_mode = "megatron_eager", "eager", "upstream"
+    lens = [701, 0, 3, 517, 262] if ratio == 4 else [1300, 0, 127, 2000]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(int(cu[-1]) + 5, 1, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert not megatron.is_installed()
+    want = thd_step(mg, x, cu, max(lens))
+    got = _ours_thd_step(ours, x, cu, max(lens))
+    assert got[0].shape[0] > sum(n // ratio for n in lens)
+    _assert_megatron_eager(got, want)
+    fp32_pool = _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn)
+    other = _ours_thd_step(fp32_pool, x, cu, max(lens))
+    assert not torch.equal(other[0], want[0])
+
+
+def test_megatron_eager_numerics_on_the_sbhd_path(megatron_csa):
+    """SBHD (3 sequences of 301 tokens) against Megatron's own eager SBHD path: bit for bit."""
+    from csa_compressor import Compressor
+
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=128, ratio=4, rope_dim=64,
+                          dtype=torch.bfloat16)
+    ours = _module_like(mg, 4, 128, 64, torch.bfloat16)
+    eager = Compressor(128, 128, 4, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
+                       dtype=torch.bfloat16, pooling="reference", megatron_layout=True,
+                       numerics="megatron_eager")
+    eager.load_megatron_state_dict(mg.state_dict())
+    x = torch.randn(301, 3, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = _sbhd_step(mg, x)
+    _assert_megatron_eager(_sbhd_step(eager, x), want)
+    assert not torch.equal(_sbhd_step(ours, x)[0], want[0])
+
+
+@pytest.mark.parametrize("path", ["thd", "sbhd"])
+def test_megatron_eager_numerics_reach_the_fused_pooling(megatron_csa, fused_on_cpu, path):
+    """Through the fused path (its launch standing in on the CPU with the reference of the
+    numerics it is handed): numerics="megatron_eager" asks the kernels for the "eager"
+    rounding, so the module is Megatron's own eager Compressor on both layouts."""
+    from csa_compressor import Compressor
+
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=128, ratio=4, rope_dim=64,
+                          dtype=torch.bfloat16)
+    _module_like(mg, 4, 128, 64, torch.bfloat16)  # Megatron's norm weight as training has it
+    ours = Compressor(128, 128, 4, rope_dim=64, rope_theta=10000.0, norm_eps=1e-5,
+                      dtype=torch.bfloat16, pooling="fused", megatron_layout=True,
+                      numerics="megatron_eager")
+    ours.load_megatron_state_dict(mg.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    if path == "sbhd":
+        x = torch.randn(301, 3, 128, generator=gen).to(torch.bfloat16)
+        want, got = _sbhd_step(mg, x), _sbhd_step(ours, x)
+    else:
+        lens = [97, 0, 3, 260]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(int(cu[-1]), 1, 128, generator=gen).to(torch.bfloat16)
+        want, got = thd_step(mg, x, cu, max(lens)), _ours_thd_step(ours, x, cu, max(lens))
+    assert fused_on_cpu, "the fused pooling was not called"
+    _assert_megatron_eager(got, want)
+
+
 def test_megatron_numerics_is_checked():
     from csa_compressor import Compressor
 

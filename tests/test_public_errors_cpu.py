@@ -13,6 +13,7 @@ NO_GPU = not torch.cuda.is_available()
     (dict(coff=3), ValueError, "coff"), (dict(dtype=torch.float64), TypeError, "dtype"),
     (dict(ratio=4.0), TypeError, "ratio"), (dict(directions="fwd"), ValueError, "directions"),
     (dict(device="cpu"), ValueError, "device"), (dict(packed="yes"), TypeError, "packed"),
+    (dict(numerics="bf16"), ValueError, "numerics"),
 ])
 def test_precompile_names_the_argument(kwargs, error, name):
     args = dict(dtype=torch.bfloat16, ratio=4, coff=2, head_dim=128)
@@ -69,3 +70,30 @@ def test_compressor_sbhd_shorter_than_ratio_returns_none():
     m = Compressor(64, 32, 4, dtype=torch.float32)
     assert m(torch.randn(3, 2, 64)) is None
     assert m(torch.randn(8, 2, 64)).shape == (2, 2, 32)
+
+
+def test_the_pooling_ops_name_a_bad_numerics():
+    """Every fused entry refuses a numerics other than "fp32" and "eager" before anything
+    else (these CPU tensors would be refused next)."""
+    import csa_compressor as C
+    from csa_compressor import dispatch
+
+    kv = torch.zeros(8, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    ape = torch.zeros(4, 16)
+    calls = [
+        lambda: C.compress_thd_fused(kv, kv, ape, cu, None, 2, ratio=4, coff=1, numerics="bf16"),
+        lambda: C.compress_thd_fused_packed(torch.zeros(8, 32), ape, cu, None, 2, ratio=4, coff=1,
+                                            numerics="bf16"),
+        lambda: C.compress_sbhd_fused(kv[:, None], kv[:, None], ape, ratio=4, coff=1,
+                                      numerics="bf16"),
+        lambda: C.compress_sbhd_fused_packed(torch.zeros(8, 1, 32), ape, ratio=4, coff=1,
+                                             numerics="bf16"),
+        lambda: dispatch.fused_or_reason(kv, kv, ape, cu, None, 2, ratio=4, coff=1,
+                                         numerics="bf16"),
+        lambda: dispatch.fused_sbhd_or_reason(kv[:, None], kv[:, None], ape, ratio=4, coff=1,
+                                              numerics="bf16"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="numerics: expected one of"):
+            call()

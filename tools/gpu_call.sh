@@ -39,6 +39,8 @@
 #                        (needs MEGATRON_LM_PATH); megatron_bench_f16 the same with the norm
 #                        weight in bf16 as Float16Module leaves it, and the THD kernel lists;
 #                        megatron_bench_ddp inside Megatron's DDP (its parameter buffers)
+#   eager                the numerics="eager" GPU tests, with the printed ulps of the module
+#                        against Megatron's own eager Compressor (needs MEGATRON_LM_PATH)
 #   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
 #                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
@@ -93,6 +95,7 @@ cmd_of() {
         megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
         megatron_bench_ddp) echo "python3 tools/megatron_bench.py --ddp --kernels" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
+        eager) echo "python3 -m pytest -q -s -m gpu tests/test_eager_numerics_gpu.py tests/test_megatron_gpu.py -k eager -p no:cacheprovider" ;;
         megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
         module_bench*) echo "python3 -m csa_compressor bench --module" ;;
         base_module_bench*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --module" ;;

@@ -8,7 +8,7 @@ import os
 import torch
 
 from .kernels.compile import dsl_import_error
-from .validation import (check_flag, check_offset_contents, env_flag, halves,
+from .validation import (check_flag, check_offset_contents, check_pool_numerics, env_flag, halves,
                          offsets_check_requested, sbhd_rows_aligned, validate, validate_packed,
                          validate_sbhd)
 
@@ -114,45 +114,49 @@ def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                         enabled)[0]
 
 
-def fused_from_validated(p, check_offsets: bool = False):
+def fused_from_validated(p, check_offsets: bool = False, numerics: str = "fp32"):
     """The fused pooling of a problem _unavailable validated (contents unread): the offsets
     checked first where asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS)."""
     from .ops import fused_from_problem
 
     if offsets_check_requested(check_offsets):
         check_offset_contents(p)
+    p.numerics = check_pool_numerics(numerics)
     return fused_from_problem(p)
 
 
 def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                    enabled: bool = True, check_offsets: bool = False):
+                    enabled: bool = True, check_offsets: bool = False, numerics: str = "fp32"):
     """(the fused pooling, None) or (None, the reason): validation runs once. The offsets'
     contents are checked when asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS) on either
-    path, raising on bad ones."""
+    path, raising on bad ones. ``numerics``: compress_thd_fused's."""
     return _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                            enabled, check_offsets)
+                            enabled, check_offsets, numerics=numerics)
 
 
 def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                            enabled: bool = True, check_offsets: bool = False,
-                           score_first: bool = False):
+                           score_first: bool = False, numerics: str = "fp32"):
     """fused_or_reason for ``[kv | score]`` (``[score | kv]`` where ``score_first``) as one
     tensor (compress_thd_fused_packed)."""
     return _fused_or_reason(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                            enabled, check_offsets, packed=True, score_first=score_first)
+                            enabled, check_offsets, packed=True, score_first=score_first,
+                            numerics=numerics)
 
 
 def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
-                         enabled: bool = True, score_first: bool = False):
+                         enabled: bool = True, score_first: bool = False,
+                         numerics: str = "fp32"):
     """(the fused SBHD pooling ``(S // ratio, B, d)``, None) or (None, the reason): for
     compress_sbhd_fused's inputs, or compress_sbhd_fused_packed's where ``packed`` (``kv``
     is ``kvs``, ``[score | kv]`` where ``score_first``, and ``score`` None). Rows the
     kernels cannot read in place (``coff*d`` or ``d`` times the element size not a multiple
     of 16 bytes) take one transposed copy into the THD layout and the THD op instead."""
+    check_pool_numerics(numerics)
     reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
                              sbhd=True, score_first=score_first)
     if reason is None:
-        return fused_from_validated(p), None
+        return fused_from_validated(p, numerics=numerics), None
     if reason.startswith("unsupported input"):
         try:  # the inputs themselves are fine: only their rows are not 16-byte multiples?
             p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, packed=packed,
@@ -167,18 +171,20 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
         steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)
         out, reason = _fused_or_reason(kv.transpose(0, 1).reshape(B * S, W),
                                        score.transpose(0, 1).reshape(B * S, W), ape, steps * S,
-                                       steps * n, B * n, ratio, coff, enabled, False)
+                                       steps * n, B * n, ratio, coff, enabled, False,
+                                       numerics=numerics)
         if reason is None:
             return out.view(B, n, -1).transpose(0, 1), None
     return None, reason
 
 
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
-                     check_offsets, packed=False, score_first=False):
+                     check_offsets, packed=False, score_first=False, numerics="fp32"):
+    check_pool_numerics(numerics)
     reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                              coff, enabled, packed, score_first=score_first)
     if reason is None:
-        return fused_from_validated(p, check_offsets), None
+        return fused_from_validated(p, check_offsets, numerics), None
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
         # the fallback would compute the same wrong rows: the contents are checked either way
         if packed:
@@ -191,14 +197,15 @@ def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ra
 
 
 def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                             enabled: bool = True, check_offsets: bool = False):
+                             enabled: bool = True, check_offsets: bool = False,
+                             numerics: str = "fp32"):
     """The fused pooling, or ``None`` with the reason logged once (when a capable GPU was
     passed over) so the caller runs its own eager region. ``check_offsets`` (or
     CSA_COMPRESSOR_CHECK_OFFSETS=1) checks the offsets' contents either way and raises on
     bad ones: a fallback would compute the same wrong rows."""
     out, reason = fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp,
                                   ratio=ratio, coff=coff, enabled=enabled,
-                                  check_offsets=check_offsets)
+                                  check_offsets=check_offsets, numerics=numerics)
     if reason is None:
         return out
     device = getattr(kv, "device", None)

@@ -17,7 +17,7 @@ from .layout import compressed_capacity, compressed_cu_seqlens
 from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, halves
 
 POOLING = ("auto", "fused", "reference")
-NUMERICS = ("fp32", "megatron")
+NUMERICS = ("fp32", "megatron", "megatron_eager")
 
 
 def _adjacent(a, b) -> bool:
@@ -98,10 +98,13 @@ class Compressor(nn.Module):
     ``megatron_layout``: THD outputs shaped as Megatron-LM's Compressor returns them,
     ``(N, 1, head_dim)``, and ``(None, cu_seqlens_comp)`` when no row compresses;
     ``load_megatron_state_dict`` takes its parameters. ``numerics``: "fp32" (the pooling and
-    the epilogue in fp32, one rounding each; the fused epilogue) or "megatron": rounded
+    the epilogue in fp32, one rounding each; the fused epilogue), "megatron": rounded
     where Megatron-LM's Compressor rounds around an fp32 pooling (what its fused path
     computes): two projection GEMMs whose input gradients add in the dtype, and the
-    epilogue of megatron_epilogue (torch ops, Megatron's fp32 rotary angles)."""
+    epilogue of megatron_epilogue (torch ops, Megatron's fp32 rotary angles), or
+    "megatron_eager": "megatron" with the pooling rounded as Megatron's eager region
+    rounds it (softmax weights and products in the dtype; the kernels' numerics="eager"),
+    which is what Megatron's Compressor computes without fused kernels."""
 
     MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
                      "ape": "ape", "norm.weight": "norm_weight"}
@@ -160,6 +163,9 @@ class Compressor(nn.Module):
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
         self.numerics = numerics
+        # the pooling's rounding (ops' numerics) and the reference mode that computes it
+        self.pool_numerics = "eager" if numerics == "megatron_eager" else "fp32"
+        self._reference_mode = "upstream" if numerics == "megatron_eager" else "fp32"
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
         # False: the epilogue as the composition of torch ops it is bitwise equal to
@@ -219,11 +225,12 @@ class Compressor(nn.Module):
         where given), else the fp32 reference."""
         args = (kv, score, self.ape, cu, cuc, total_comp)
         kw = dict(ratio=self.ratio, coff=self.coff)
+        num = self.pool_numerics
         return self._pooled(
-            lambda: (fused_or_reason(*args, **kw) if packed is None
+            lambda: (fused_or_reason(*args, **kw, numerics=num) if packed is None
                      else fused_packed_or_reason(packed, *args[2:], **kw,
-                                                 score_first=score_first)),
-            lambda: reference.compress_thd(*args, **kw, mode="fp32"))
+                                                 score_first=score_first, numerics=num)),
+            lambda: reference.compress_thd(*args, **kw, mode=self._reference_mode))
 
     def pool_sbhd(self, x):
         """The pooled ``(S // ratio, B, head_dim)`` rows of ``x`` ``(S, B, hidden)``: the
@@ -237,9 +244,10 @@ class Compressor(nn.Module):
                                                  score_first=score_first, **kw)
         else:
             kv, score = self.wkv(x), self.wgate(x)
-            fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw)  # noqa: E731
+            fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw,  # noqa: E731
+                                                 numerics=self.pool_numerics)
         return self._pooled(fused, lambda: reference.compress_sbhd(kv, score, self.ape, **kw,
-                                                                   mode="fp32"))
+                                                                   mode=self._reference_mode))
 
     def _pooled(self, fused, fallback):
         """``fused()``'s rows where the fused path runs (``pooling`` not "reference"), else
@@ -253,7 +261,7 @@ class Compressor(nn.Module):
         return fallback()
 
     def _finish(self, pooled, pos):
-        if self.numerics == "megatron":
+        if self.numerics != "fp32":
             return megatron_epilogue(pooled, self.norm_weight, pos, self.epilogue)
         if not self.fused_epilogue:
             return eager_epilogue(pooled, self.norm_weight, pos, self.epilogue)

@@ -17,15 +17,23 @@ from __future__ import annotations
 import torch
 
 from .kernels.launch import launch_backward, launch_forward
-from .validation import (Problem, halves, kernel_aligned, validate, validate_packed,
-                         validate_sbhd)
+from .validation import (Problem, check_pool_numerics, halves, kernel_aligned, validate,
+                         validate_packed, validate_sbhd)
 
 
-def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff):
+def _with(p: Problem, numerics: str) -> Problem:
+    p.numerics = numerics
+    return p
+
+
+def _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics="fp32"):
     """The op body's validation: SBHD where the offsets are None (``kv`` (S, B, coff*d))."""
+    check_pool_numerics(numerics)
     if cu is None:
-        return validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, for_kernel=True)
-    return validate(kv, score, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
+        return _with(validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, for_kernel=True),
+                     numerics)
+    return _with(validate(kv, score, ape, cu, cuc, total_comp, ratio=ratio, coff=coff,
+                          for_kernel=True), numerics)
 
 
 def _rows(p: Problem, t):
@@ -60,12 +68,13 @@ def _backward(grad, p: Problem):
 @torch.library.custom_op("csa_compressor::pool_fwd", mutates_args=())
 def pool_fwd_op(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                 cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
-                total_comp: int, ratio: int, coff: int) -> torch.Tensor:
-    return _forward(_problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff))
+                total_comp: int, ratio: int, coff: int, numerics: str) -> torch.Tensor:
+    return _forward(_problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                             numerics))
 
 
 @pool_fwd_op.register_fake
-def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, numerics):
     if cu_seqlens is None:
         return kv.new_empty((total_comp, kv.shape[1], kv.shape[2] // coff))
     return kv.new_empty((total_comp, kv.shape[-1] // coff))
@@ -74,45 +83,48 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff):
 @torch.library.custom_op("csa_compressor::pool_bwd", mutates_args=())
 def pool_bwd_op(grad: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                 cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None, ratio: int,
-                coff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                coff: int, numerics: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(grad, _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad.shape[0],
-                                    ratio, coff))
+                                    ratio, coff, numerics))
 
 
 @pool_bwd_op.register_fake
-def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, numerics):
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
-def _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
+def _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
     if torch.compiler.is_compiling():
-        return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff)
+        return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics)
     if cu is None:
-        return _forward(_problem(kv, score, ape, cu, cuc, total_comp, ratio, coff))
-    return _forward(Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
+        return _forward(_problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics))
+    return _forward(Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim,
+                            numerics=numerics))
 
 
-def _bwd(grad, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
+def _bwd(grad, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
     if torch.compiler.is_compiling():
-        return pool_bwd_op(grad, kv, score, ape, cu, cuc, ratio, coff)
+        return pool_bwd_op(grad, kv, score, ape, cu, cuc, ratio, coff, numerics)
     if cu is None:
-        return _backward(grad, _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff))
-    return _backward(grad, Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim))
+        return _backward(grad, _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff,
+                                        numerics))
+    return _backward(grad, Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim,
+                                   numerics=numerics))
 
 
 class _PoolFn(torch.autograd.Function):
     """The op's one autograd path (eager and compiled)."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim):
+    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
         ctx.save_for_backward(kv, score, ape, cu, cuc)
-        ctx.meta = (total_comp, ratio, coff, head_dim)
-        return _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim)
+        ctx.meta = (total_comp, ratio, coff, head_dim, numerics)
+        return _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics)
 
     @staticmethod
     def backward(ctx, grad):
         dkv, dscore, dape = _bwd(grad, *ctx.saved_tensors, *ctx.meta)
-        return dkv, dscore, dape, None, None, None, None, None, None
+        return dkv, dscore, dape, None, None, None, None, None, None, None
 
 
 # The packed layout: kv and score as the column halves of one tensor kvs (T, 2*coff*d), as
@@ -121,11 +133,11 @@ class _PoolFn(torch.autograd.Function):
 # GEMM's backward takes it as it is (no copies, no add). SBHD where the offsets are None:
 # kvs (S, B, 2*coff*d).
 
-def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
     """The Problem of arguments already validated by validate_packed (kvs 2-D)."""
     w = kvs.shape[1] // 2
     return Problem(*halves(kvs, score_first), ape, cu, cuc, total_comp, ratio, coff, w // coff,
-                   kvs.shape[1], kvs, score_first=score_first)
+                   kvs.shape[1], kvs, score_first=score_first, numerics=numerics)
 
 
 def _backward_packed(grad, p: Problem):
@@ -133,24 +145,25 @@ def _backward_packed(grad, p: Problem):
     return dkvs, _launch_backward(grad, p, halves(dkvs, p.score_first))
 
 
-def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+def _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
+    check_pool_numerics(numerics)
     if cu is None:
-        return validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff, for_kernel=True, packed=True,
-                             score_first=score_first)
-    return validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True,
-                           score_first=score_first)
+        return _with(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff, for_kernel=True,
+                                   packed=True, score_first=score_first), numerics)
+    return _with(validate_packed(kvs, ape, cu, cuc, total_comp, ratio=ratio, coff=coff,
+                                 for_kernel=True, score_first=score_first), numerics)
 
 
 @torch.library.custom_op("csa_compressor::pool_fwd_packed", mutates_args=())
 def pool_fwd_packed_op(kvs: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor | None,
                        cu_seqlens_comp: torch.Tensor | None, total_comp: int, ratio: int,
-                       coff: int, score_first: bool) -> torch.Tensor:
+                       coff: int, score_first: bool, numerics: str) -> torch.Tensor:
     return _forward(_packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                                    score_first))
+                                    score_first, numerics))
 
 
 @pool_fwd_packed_op.register_fake
-def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_first):
+def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_first, numerics):
     if cu_seqlens is None:
         return kvs.new_empty((total_comp, kvs.shape[1], kvs.shape[2] // (2 * coff)))
     return kvs.new_empty((total_comp, kvs.shape[-1] // (2 * coff)))
@@ -159,66 +172,71 @@ def _(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_firs
 @torch.library.custom_op("csa_compressor::pool_bwd_packed", mutates_args=())
 def pool_bwd_packed_op(grad: torch.Tensor, kvs: torch.Tensor, ape: torch.Tensor,
                        cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
-                       ratio: int, coff: int, score_first: bool
+                       ratio: int, coff: int, score_first: bool, numerics: str
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_packed(grad, _packed_problem(kvs, ape, cu_seqlens, cu_seqlens_comp,
-                                                  grad.shape[0], ratio, coff, score_first))
+                                                  grad.shape[0], ratio, coff, score_first,
+                                                  numerics))
 
 
 @pool_bwd_packed_op.register_fake
-def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, score_first):
+def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, score_first, numerics):
     return torch.empty_like(kvs), torch.empty_like(ape)
 
 
-def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
     if cu is None:
-        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
-    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
+        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
+    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
 
 
-def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
     if torch.compiler.is_compiling():
-        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
-    return _forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first))
+        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first,
+                                  numerics)
+    return _forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first,
+                                  numerics))
 
 
-def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
     if torch.compiler.is_compiling():
-        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff, score_first)
+        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff, score_first, numerics)
     return _backward_packed(grad, _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff,
-                                                score_first))
+                                                score_first, numerics))
 
 
 class _PackedFn(torch.autograd.Function):
     """The packed op's one autograd path (eager and compiled)."""
 
     @staticmethod
-    def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first):
+    def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
         ctx.save_for_backward(kvs, ape, cu, cuc)
-        ctx.meta = (total_comp, ratio, coff, score_first)
-        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first)
+        ctx.meta = (total_comp, ratio, coff, score_first, numerics)
+        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
 
     @staticmethod
     def backward(ctx, grad):
         dkvs, dape = _bwd_packed(grad, *ctx.saved_tensors, *ctx.meta)
-        return dkvs, dape, None, None, None, None, None, None
+        return dkvs, dape, None, None, None, None, None, None, None
 
 
 def compress_thd_fused_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                              check_offsets: bool = False, score_first: bool = False):
+                              check_offsets: bool = False, score_first: bool = False,
+                              numerics: str = "fp32"):
     """compress_thd_fused with ``kv`` and ``score`` as the column halves of one tensor
     ``kvs`` ``(T, 2*coff*d)`` (``[kv | score]``, one projection's output; ``[score | kv]``
     where ``score_first``): ``(total_comp, head_dim)``, differentiable in ``kvs`` (one
     gradient of its layout) and ``ape``. Needs ``coff*d*element size`` a multiple of 16
     bytes. Results are bitwise those of compress_thd_fused on the two halves."""
+    check_pool_numerics(numerics)
     p = validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
                         coff=coff, for_kernel=True, check_offsets=check_offsets,
                         score_first=score_first)
-    return fused_from_problem(p)
+    return fused_from_problem(_with(p, numerics))
 
 
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                       deterministic=None, check_offsets: bool = False):
+                       deterministic=None, check_offsets: bool = False, numerics: str = "fp32"):
     """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
 
     Differentiable in ``kv``, ``score`` and ``ape``. Raises (never falls back) on anything
@@ -229,30 +247,37 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     never an out-of-bounds access. ``deterministic`` is accepted for API stability: the
     backward is always bitwise reproducible (dape partials are reduced in a fixed order),
     so both settings, and ``torch.use_deterministic_algorithms(True)``, give the same result.
+    ``numerics="eager"`` rounds as Megatron-LM's eager region does (the softmax weights
+    and each product in the input dtype; the backward's product gradients likewise)
+    instead of the default fp32 region (docs/contract.md, "Eager numerics").
     """
+    check_pool_numerics(numerics)
     p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
                  for_kernel=True, check_offsets=check_offsets)
-    return fused_from_problem(p)
+    return fused_from_problem(_with(p, numerics))
 
 
-def compress_sbhd_fused(kv, score, ape, *, ratio, coff):
+def compress_sbhd_fused(kv, score, ape, *, ratio, coff, numerics: str = "fp32"):
     """Fused gated pooling of ``B`` sequences of ``S`` tokens in the SBHD layout: ``kv`` and
     ``score`` ``(S, B, coff*d)`` -> ``(S // ratio, B, head_dim)`` (no rows where S < ratio).
     The kernels read the strided token rows in place (no transposed copy); results are
     bitwise those of compress_thd_fused on the sequences packed one after another.
     Differentiable in ``kv``, ``score`` and ``ape``; needs ``coff*d*element size`` and
-    ``d*element size`` multiples of 16 bytes."""
-    return fused_from_problem(validate_sbhd(kv, score, ape, ratio=ratio, coff=coff,
-                                            for_kernel=True))
+    ``d*element size`` multiples of 16 bytes. ``numerics``: as compress_thd_fused's."""
+    check_pool_numerics(numerics)
+    return fused_from_problem(_with(validate_sbhd(kv, score, ape, ratio=ratio, coff=coff,
+                                                  for_kernel=True), numerics))
 
 
-def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff, score_first: bool = False):
+def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff, score_first: bool = False,
+                               numerics: str = "fp32"):
     """compress_sbhd_fused with ``kv`` and ``score`` as the column halves of one tensor
     ``kvs`` ``(S, B, 2*coff*d)`` (one projection's output; ``[score | kv]`` where
     ``score_first``), its gradient one tensor of that layout."""
-    return fused_from_problem(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff,
-                                            for_kernel=True, packed=True,
-                                            score_first=score_first))
+    check_pool_numerics(numerics)
+    return fused_from_problem(_with(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff,
+                                                  for_kernel=True, packed=True,
+                                                  score_first=score_first), numerics))
 
 
 def fused_from_problem(p: Problem):
@@ -267,8 +292,9 @@ def fused_from_problem(p: Problem):
         cu, cuc = (None, None) if p.batch else (p.cu_seqlens, p.cu_seqlens_comp)
         if packed:
             return _PackedFn.apply(p.kvs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff,
-                                   p.score_first)
-        return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff, p.head_dim)
+                                   p.score_first, p.numerics)
+        return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff, p.head_dim,
+                             p.numerics)
     # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
     # dev machine, a tenth of that for the check).
     return _forward(p)

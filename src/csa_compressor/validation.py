@@ -52,6 +52,8 @@ class Problem:
     # ``kvs`` holds ``[score | kv]`` (one GEMM on weights stored gate first, as Megatron's
     # DDP parameter buffer lays them out) rather than ``[kv | score]``
     score_first: bool = False
+    # "eager": the kernels round as Megatron-LM's eager region does (plan.NUMERICS)
+    numerics: str = "fp32"
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,17 @@ class Problem:
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+
+POOL_NUMERICS = ("fp32", "eager")
+
+
+def check_pool_numerics(numerics) -> str:
+    """The pooling's ``numerics``: "fp32" (the fp32 region) or "eager" (rounded as
+    Megatron-LM's eager region rounds)."""
+    if numerics not in POOL_NUMERICS:
+        raise ValueError(f"numerics: expected one of {POOL_NUMERICS}, got {numerics!r}")
+    return numerics
 
 
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:

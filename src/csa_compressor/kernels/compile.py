@@ -306,17 +306,20 @@ def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
 
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
-               directions=("fwd", "bwd"), packed: bool = False, sbhd_batch: int = 0) -> None:
+               directions=("fwd", "bwd"), packed: bool = False, sbhd_batch: int = 0,
+               numerics: str = "fp32") -> None:
     """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
     its large-pack variant. ``packed``: also the kernels of the packed layout
     (compress_thd_fused_packed, the Compressor module's THD path). ``sbhd_batch``: also
     those of SBHD inputs of that many sequences (compress_sbhd_fused, and with ``packed``
-    compress_sbhd_fused_packed)."""
-    from ..validation import check_cuda_device, check_flag, check_int, check_specialisation
+    compress_sbhd_fused_packed). ``numerics``: the ops' (the "eager" kernels are others)."""
+    from ..validation import (check_cuda_device, check_flag, check_int, check_pool_numerics,
+                              check_specialisation)
 
     check_specialisation(dtype, ratio, coff, head_dim)
     check_flag("packed", packed)
     check_int("sbhd_batch", sbhd_batch, 0)
+    check_pool_numerics(numerics)
     if isinstance(directions, str) or not set(directions) <= {"fwd", "bwd"} or not directions:
         raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
     device = check_cuda_device(device)
@@ -326,4 +329,4 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
     for row_stride, batch in layouts:
         for direction in directions:
             compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, row_stride=row_stride,
-                                   batch=batch), device)
+                                   batch=batch, numerics=numerics), device)

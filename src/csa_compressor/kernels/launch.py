@@ -54,7 +54,8 @@ def launch_forward(p, out):
     dev = p.kv.device
     with _on_device(dev):
         c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
-                                   row_stride=p.row_stride, batch=p.batch), dev)
+                                   row_stride=p.row_stride, batch=p.batch,
+                                   numerics=p.numerics), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
     return out
@@ -85,13 +86,13 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
-                    batch: int = 0):
+                    batch: int = 0, numerics: str = "fp32"):
     """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
     sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
     BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
     copies its first row at a guess."""
     c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride,
-                               batch=batch), device)
+                               batch=batch, numerics=numerics), device)
     t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
@@ -102,10 +103,11 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
-                  batch: int = 0):
+                  batch: int = 0, numerics: str = "fp32"):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch."""
-    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch)
+    c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
+                        numerics)
     schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
@@ -159,7 +161,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         return grad_kv, grad_score, grad_ape
     with _on_device(dev):
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
-                                                                      p.row_stride, p.batch)
+                                                                      p.row_stride, p.batch,
+                                                                      p.numerics)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:

@@ -14,6 +14,8 @@ import torch
 
 from .tuning import Tuning, current
 
+from ..validation import POOL_NUMERICS as NUMERICS
+
 DIRECTIONS = ("fwd", "bwd", "bwd_large", "dape", "dape_wide")
 
 
@@ -41,6 +43,9 @@ class KernelSpec:
     # SBHD: this many sequences interleaved token by token, one a grid.z index (rows of a
     # sequence row_stride apart, output rows batch * head_dim apart); 0: a THD pack.
     batch: int = 0
+    # "fp32": the pooling's fp32 region; "eager": the weights and products rounded to the
+    # input dtype as Megatron-LM's eager region rounds them (ptx.rounder).
+    numerics: str = "fp32"
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
@@ -48,13 +53,14 @@ class KernelSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
-                      self.row_stride, self.batch))
+                      self.row_stride, self.batch, self.numerics))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __str__(self):
         rows = f", row_stride={self.row_stride}" if self.row_stride else ""
         rows += f", batch={self.batch}" if self.batch else ""
+        rows += f", numerics={self.numerics!r}" if self.numerics != "fp32" else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
@@ -73,27 +79,31 @@ _SPECS: dict = {}
 
 
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-         tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0) -> KernelSpec:
+         tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0,
+         numerics: str = "fp32") -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
     cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
     id cannot be reused."""
     t = tuning or current()
-    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch)
+    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
     if direction not in DIRECTIONS:
         raise ValueError(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
     if direction in ("dape", "dape_wide"):
         # the partials are fp32 whatever the inputs are, in one layout
-        dtype, row_stride, batch = torch.float32, 0, 0
+        dtype, row_stride, batch, numerics = torch.float32, 0, 0, "fp32"
     if batch == 1:
         batch = 0  # one SBHD sequence is a one-segment pack
     if row_stride == coff * head_dim and not batch:
         row_stride = 0  # packed rows: one spec, one kernel
-    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch)
+    made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch,
+                      numerics)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -104,7 +114,8 @@ def family(s: KernelSpec) -> tuple:
     """``s`` and the specs compiled with it, ``s`` first: a backward's dape sums (both
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
-    sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0)
+    sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0,
+                         numerics="fp32")
                  for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)
@@ -120,12 +131,13 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
                          f.batch) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
-                          f.row_stride, f.batch) for f in specs]
+                          f.row_stride, f.batch, f.numerics) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-               arch_major: int, tuning, row_stride: int = 0, batch: int = 0):
+               arch_major: int, tuning, row_stride: int = 0, batch: int = 0,
+               numerics: str = "fp32"):
     """The kernel object of one specialisation, None where it has none: windows of more
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
@@ -145,19 +157,20 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
     if long:
         if direction == "fwd":
             return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
-                               batch=batch)
+                                   batch=batch, numerics=numerics)
         return (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
-                               batch=batch)
+                                 batch=batch, numerics=numerics)
                 if direction == "bwd" else None)
     if direction == "fwd":
         return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride, batch=batch)
+                           row_stride=row_stride, batch=batch, numerics=numerics)
     default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride, batch=batch)
+                           row_stride=row_stride, batch=batch, numerics=numerics)
     if direction == "bwd":
         return default
     return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning,
-                         row_stride=row_stride, batch=batch) if default.has_large_variant else None)
+                         row_stride=row_stride, batch=batch, numerics=numerics)
+            if default.has_large_variant else None)
 
 
 def _fake(dtype, shape, align):

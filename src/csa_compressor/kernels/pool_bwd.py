@@ -25,6 +25,7 @@ from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
 from .segments import Pack, start_walk, walk_rows, walk_window
+from .ptx import rounder
 from .softmax import p_times_dp, softmax_grads, softmax_row
 from .backward_grid import BackwardGrid
 from .staging import Tiles, WindowSlots, smem_footprint
@@ -37,9 +38,10 @@ class PoolBackward(BackwardGrid, WindowSlots):
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False, tuning: Tuning | None = None, row_stride: int = 0,
-                 batch: int = 0):
+                 batch: int = 0, numerics: str = "fp32"):
         self.t = t = tuning or current()
         self.dtype = dtype
+        self.rnd = rounder(dtype, numerics)
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
@@ -251,14 +253,14 @@ class PoolBackward(BackwardGrid, WindowSlots):
                             g = gv[e]
                             for k in cutlass.range_constexpr(CH):
                                 p = sf[k, e]
-                                pdp = p_times_dp(p, g, vf[k, e])
+                                pdp = p_times_dp(p, g, vf[k, e], self.rnd)
                                 sf[k, e] = p
                                 vf[k, e] = pdp  # p*dp until S is known
                             acc = vf[0, e]
                             for k in cutlass.range_constexpr(1, CH):
                                 acc = acc + vf[k, e]
                             for k in cutlass.range_constexpr(CH):
-                                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], acc, g)
+                                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], acc, g, self.rnd)
                         self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
                 if cutlass.const_expr(self.row_lanes > 1):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.

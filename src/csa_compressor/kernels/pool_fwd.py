@@ -27,18 +27,20 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
-from .ptx import mul_rn
+from .ptx import rounder
 from .segments import Pack, start_walk, walk_rows, walk_window
 from ..softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_sum_lanes_by_rows
-from .softmax import softmax_row
+from .softmax import pooled_product, softmax_row
 from .staging import Tiles, WindowSlots
 
 
 class PoolForward(WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
-                 tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0):
+                 tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0,
+                 numerics: str = "fp32"):
         self.t = t = tuning or current()
         self.dtype = dtype
+        self.rnd = rounder(dtype, numerics)
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
@@ -136,7 +138,7 @@ class PoolForward(WindowSlots):
         softmax_row(sf, self.vec, CH)
         for e in cutlass.range_constexpr(self.vec):
             # torch's sum of the products for windows this short: one lane, 4 accumulators
-            acc[e] = ordered_sum(lambda k: mul_rn(vf[k, e], sf[k, e]), CH, 1, CH,
+            acc[e] = ordered_sum(lambda k: pooled_product(vf[k, e], sf[k, e], self.rnd), CH, 1, CH,
                                  SUM_ACCUMULATORS)
 
     @cute.kernel

@@ -18,9 +18,9 @@ from cutlass import Float32, Int32
 from ..softmax_order import (SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes,
                              torch_sum_lanes_by_rows)
 from .tuning import Tuning, current
-from .ptx import max_nan, mul_rn
+from .ptx import max_nan, rounder
 from .segments import Pack, advance_segment, row_window
-from .softmax import divide_column, p_times_dp, softmax_grads
+from .softmax import divide_column, p_times_dp, pooled_product, softmax_grads
 from .staging import Tiles, WindowSlots, smem_footprint
 from .backward_grid import BackwardGrid
 
@@ -156,8 +156,9 @@ class LongWindow:
 
 class LongPoolForward(LongWindow, WindowSlots):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
-                 row_stride: int = 0, batch: int = 0):
+                 row_stride: int = 0, batch: int = 0, numerics: str = "fp32"):
         self.t = tuning or current()
+        self.rnd = rounder(dtype, numerics)
         most = self.t.LONG_SLOTS_PER_THREAD
         if coff * ratio < self.t.LONG_WIDE_MIN_SLOTS:
             most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # tuning log, "LONG_WIDE_MIN_SLOTS"
@@ -211,7 +212,7 @@ class LongPoolForward(LongWindow, WindowSlots):
             for e in cutlass.range_constexpr(vec):
                 divide_column(sf, e, CH, stat[self.col(tid, e), 0])
                 for k in cutlass.range_constexpr(CH):
-                    buf[self.col(tid, e), g * CH + k] = mul_rn(vf[k, e], sf[k, e])
+                    buf[self.col(tid, e), g * CH + k] = pooled_product(vf[k, e], sf[k, e], self.rnd)
             cute.arch.barrier()
             self.output_sum(buf, stat, tid, g, 1, mOut.shape[0])
             if active & (g < vec):
@@ -228,8 +229,9 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
     and its zero-fill CTAs are BackwardGrid's, as in the short-window backward."""
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning: Tuning | None = None,
-                 row_stride: int = 0, batch: int = 0):
+                 row_stride: int = 0, batch: int = 0, numerics: str = "fp32"):
         self.t = tuning or current()
+        self.rnd = rounder(dtype, numerics)
         # Wide windows take LONG_BWD_SLOTS_PER_THREAD slots a thread where that leaves a row
         # LONG_BWD_MIN_COL_GROUPS CTAs or more, else the narrow count.
         for most in (self.t.LONG_BWD_SLOTS_PER_THREAD, self.t.LONG_NARROW_SLOTS_PER_THREAD):
@@ -297,7 +299,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                 for e in cutlass.range_constexpr(vec):
                     vv[e] = v32[e]
             for e in cutlass.range_constexpr(vec):
-                buf[self.col(tid, e), g * CH + k] = p_times_dp(sf[k, e], gv[e], vv[e])
+                buf[self.col(tid, e), g * CH + k] = p_times_dp(sf[k, e], gv[e], vv[e], self.rnd)
         cute.arch.barrier()
         self.softmax_sum(buf, stat, tid, g, 1)
         S = [stat[self.col(tid, e), 1] for e in range(vec)]
@@ -309,7 +311,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                 if valid:
                     for e in cutlass.range_constexpr(vec):
                         dsc[e], dkv[e] = softmax_grads(sf[kk, e], buf[self.col(tid, e), g * CH + kk],
-                                                       S[e], gv[e])
+                                                       S[e], gv[e], self.rnd)
                         dacc[kk, e] = dacc[kk, e] + dsc[e]
                     gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
@@ -325,7 +327,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
             divide_column(sf, e, CH, stat[self.col(tid, e), 0])
             for k in cutlass.range_constexpr(CH):
                 p = sf[k, e]
-                pdp = p_times_dp(p, gv[e], vf[k, e])
+                pdp = p_times_dp(p, gv[e], vf[k, e], self.rnd)
                 sf[k, e] = p
                 vf[k, e] = pdp
                 buf[self.col(tid, e), g * CH + k] = pdp
@@ -334,7 +336,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
         for e in cutlass.range_constexpr(vec):
             S = stat[self.col(tid, e), 1]
             for k in cutlass.range_constexpr(CH):
-                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], S, gv[e])
+                sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], S, gv[e], self.rnd)
         if active:
             for kk in cutlass.range_constexpr(CH):
                 tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)

@@ -64,6 +64,28 @@ def bf16_hi(w, *, loc=None, ip=None) -> Float32:
     return _asm_f32("and.b32 $0, $1, 0xFFFF0000;", "=f,r", w, operand=Int32, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def round_bf16(a, *, loc=None, ip=None) -> Float32:
+    """``a`` rounded to bf16 (nearest even) and widened back: torch's ``.to(bfloat16)``."""
+    return _asm_f32("{\n.reg .b16 h;\n.reg .b32 w;\ncvt.rn.bf16.f32 h, $1;\n"
+                    "cvt.u32.u16 w, h;\nshl.b32 $0, w, 16;\n}", "=f,f", a, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def round_f16(a, *, loc=None, ip=None) -> Float32:
+    """``a`` rounded to fp16 (nearest even) and widened back: torch's ``.to(float16)``."""
+    return _asm_f32("{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\ncvt.f32.f16 $0, h;\n}", "=f,f", a,
+                    loc=loc, ip=ip)
+
+
+def rounder(dtype, numerics: str):
+    """The rounding of an fp32 value to ``dtype`` that the ``"eager"`` numerics put after
+    the softmax and after each product (None: ``"fp32"``, or an fp32 ``dtype``)."""
+    if numerics == "fp32" or dtype.width == 32:
+        return None
+    return round_bf16 if dtype is cutlass.BFloat16 else round_f16
+
+
 @cute.jit
 def widen_bf16(src: cute.Tensor, vec: cutlass.Constexpr[int]):
     """A bf16 vector (even length) as a list of fp32 values, one instruction an element.

@@ -83,14 +83,25 @@ def softmax_row(sf: cute.Tensor, vec: cutlass.Constexpr[int], slots: cutlass.Con
 # The softmax backward of one slot, as torch's CUDA kernels compute it (every backward
 # kernel calls these two, so the algebra is written once): with dp = g * v,
 # pdp = round(p * dp) (torch's grad_output * output), S the window sum of pdp, then
-# dscore = fma(-p, S, pdp) and dkv = round(g * p).
+# dscore = fma(-p, S, pdp) and dkv = round(g * p). ``rnd`` (ptx.rounder; the "eager"
+# numerics) is the input dtype's rounding where the eager region computes in that dtype:
+# dp = rnd(g * v) (the product's gradient in the dtype) and dkv = g * rnd(p) (the weights
+# rounded to the dtype before the product).
 
-def p_times_dp(p, g, v):
+def p_times_dp(p, g, v, rnd=None):
     """``round(p * round(g * v))``, each product rounded on its own."""
-    return mul_rn(p, mul_rn(g, v))
+    dp = mul_rn(g, v)
+    return mul_rn(p, dp if rnd is None else rnd(dp))
 
 
-def softmax_grads(p, pdp, S, g):
+def softmax_grads(p, pdp, S, g, rnd=None):
     """``(dscore, dkv)`` of a slot: ``fma(-p, S, pdp)`` and ``round(g * p)``, in that order."""
-    return sub_mul_rn(pdp, p, S), mul_rn(g, p)
+    return sub_mul_rn(pdp, p, S), mul_rn(g, p if rnd is None else rnd(p))
 
+
+def pooled_product(v, p, rnd=None):
+    """A slot's term of the output sum: ``round(v * p)``; with ``rnd``, the eager region's
+    ``rnd(v * rnd(p))`` (weights and product in the input dtype)."""
+    if rnd is None:
+        return mul_rn(v, p)
+    return rnd(mul_rn(v, rnd(p)))
