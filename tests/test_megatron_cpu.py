@@ -562,6 +562,46 @@ def test_megatron_eager_numerics_reach_the_fused_pooling(megatron_csa, fused_on_
     _assert_megatron_eager(got, want)
 
 
+@pytest.mark.parametrize("path", ["thd", "sbhd", "grouped"])
+def test_install_numerics_eager_keeps_megatrons_eager_bits(megatron_csa, fused_on_cpu, path):
+    """install(numerics="eager"): Megatron's own Compressor with its pooling fused (standing
+    in on the CPU by the reference of the numerics handed over) computes what it computes
+    with nothing installed on its THD, SBHD and pre-grouped paths: the output and every
+    gradient bit for bit but ape's (an fp32 sum in another order); install() alone does not."""
+    mg = build_compressor(megatron_csa, hidden=128, head_dim=128, ratio=4, rope_dim=64,
+                          dtype=torch.bfloat16)
+    _module_like(mg, 4, 128, 64, torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    if path == "sbhd":
+        x = torch.randn(301, 3, 128, generator=gen).to(torch.bfloat16)
+        step = lambda: _sbhd_step(mg, x)  # noqa: E731
+    elif path == "grouped":
+        ids = torch.tensor([0, 1, 2, 0, 1, -1], dtype=torch.int32)  # no halo row: all compared
+        x = torch.randn(len(ids) * 4, 1, 128, generator=gen).to(torch.bfloat16)
+        step = lambda: _grouped_step(mg, x, ids, 12, False)  # noqa: E731
+    else:
+        lens = [97, 0, 3, 260]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(int(cu[-1]), 1, 128, generator=gen).to(torch.bfloat16)
+        step = lambda: thd_step(mg, x, cu, max(lens))  # noqa: E731
+    want = step()
+    with megatron.installed(numerics="eager"):
+        got = step()
+    assert fused_on_cpu, megatron.fallback_reasons()
+    with megatron.installed():
+        fp32 = step()
+    assert not torch.equal(fp32[0], want[0])
+    assert torch.equal(got[0], want[0]), "output"
+    assert torch.equal(got[1], want[1]), "input gradient"
+    for name, grad in want[2].items():
+        if name == "ape":
+            assert (got[2][name] - grad).abs().max() <= 1e-5 * grad.abs().max()
+        else:
+            assert torch.equal(got[2][name], grad), name
+    with pytest.raises(ValueError, match="numerics: expected one of"):
+        megatron.install(numerics="bf16")
+
+
 def test_megatron_numerics_is_checked():
     from csa_compressor import Compressor
 

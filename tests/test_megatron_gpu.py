@@ -27,8 +27,8 @@ def _installed_step(step, monkeypatch):
 
     fused, launched = dispatch.fused_from_validated, []
     monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p, *a: launched.append(p.total_comp * max(p.batch, 1))
-                        or fused(p, *a))
+                        lambda p, *a, **k: launched.append(p.total_comp * max(p.batch, 1))
+                        or fused(p, *a, **k))
     with megatron.installed():
         return step(), launched
 
@@ -323,6 +323,44 @@ def test_megatron_eager_numerics_reproduce_megatrons_own_compressor_on_the_fused
     print(f"\n{path} r{ratio} d{head_dim}: megatron_eager {eager}\n  megatron (fp32 pooling) {fp32}")
     assert all(ulps <= 2.0 for _, ulps in eager.values()), eager
     assert eager["output"][0] < fp32["output"][0], (eager, fp32)
+
+
+@pytest.mark.parametrize("path,ratio,head_dim", [("thd", 4, 512), ("thd", 128, 128),
+                                                ("sbhd", 4, 128), ("sbhd", 128, 512)])
+def test_install_numerics_eager_keeps_megatrons_eager_bits_on_the_fused_kernels(
+        megatron_csa, monkeypatch, path, ratio, head_dim):
+    """install(numerics="eager"): Megatron's Compressor with its pooling on the fused kernels
+    (each step's launch counted) against the same module with nothing installed, at scale
+    (THD 8192 + 8191 + 5000 + 3 + 0 tokens, SBHD 2 x 4100, hidden 1024, bf16): the output
+    and every gradient bit for bit, ape's within 2 bf16 ulps (an fp32 sum in another order)."""
+    hidden = 1024
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
+                          dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
+    x, extra, _ = _path_case(path, ratio, hidden)
+    if path == "sbhd":
+        step = lambda: _sbhd_step(mg, x)  # noqa: E731
+    else:
+        step = lambda: thd_step(mg, x, extra["cu"], extra["max_seqlen"])  # noqa: E731
+    want = step()
+    from csa_compressor import dispatch
+
+    fused, launched = dispatch.fused_from_validated, []
+    monkeypatch.setattr(dispatch, "fused_from_validated",
+                        lambda p, *a, **k: launched.append(p.numerics) or fused(p, *a, **k))
+    with megatron.installed(numerics="eager"):
+        got = step()
+    assert launched == ["eager"], megatron.fallback_reasons()
+    differ = {"output": int((got[0] != want[0]).sum()),
+              "input gradient": int((got[1] != want[1]).sum())}
+    for name, grad in want[2].items():
+        if name == "ape":
+            ulps = float(bf16_ulps(got[2][name], grad).max())
+            assert ulps <= 2.0, ulps
+        else:
+            differ[name] = int((got[2][name] != grad).sum())
+    assert not any(differ.values()), f"elements that differ: {differ}"
 
 
 @pytest.mark.parametrize("ratio,head_dim", [(4, 512), (128, 128)])

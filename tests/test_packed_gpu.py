@@ -107,7 +107,7 @@ def test_the_module_projects_once_through_the_packed_kernels(monkeypatch):
     assert m.one_projection
     launched, fused = [], dispatch.fused_from_validated
     monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p, *a: launched.append(p.row_stride) or fused(p, *a))
+                        lambda p, *a, **k: launched.append(p.row_stride) or fused(p, *a, **k))
     cu = torch.tensor([0, 300, 300, 1030], dtype=torch.int32, device="cuda")
     x = torch.randn(1030, 256, device="cuda").to(torch.bfloat16)
     res = []

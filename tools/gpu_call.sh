@@ -44,6 +44,7 @@
 #   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
 #                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
+#   bench_eager          the bench's eager, fused and fused_eager (numerics="eager") rows
 #   bench_fused          the bench's fused rows alone; bench_base the same of the package
 #                        tree in $BASE_SRC (another commit's src/, labelled $BASE_COMMIT):
 #                        run them in turn for a before/after on one loan
@@ -91,6 +92,7 @@ cmd_of() {
         cache) echo "python3 -m pytest -q -m gpu -s tests/test_disk_cache_gpu.py" ;;
         fuzz) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_fuzz_gpu.py -p no:cacheprovider" ;;
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
+        bench_eager) echo "python3 -m csa_compressor bench --impls eager,fused,fused_eager --out $WORK/bench_eager" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
         megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
         megatron_bench_ddp) echo "python3 tools/megatron_bench.py --ddp --kernels" ;;

@@ -163,7 +163,7 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
 
                 launched = []
                 fused = dispatch.fused_from_validated
-                dispatch.fused_from_validated = lambda p, *a: launched.append(p.total_comp) or fused(p, *a)
+                dispatch.fused_from_validated = lambda p, *a, **k: launched.append(p.total_comp) or fused(p, *a, **k)
                 try:
                     with megatron.installed():
                         row["installed"] = _measure(step)

@@ -54,6 +54,11 @@ do more than a plain GEMM (a bias, sequence or tensor parallelism, fp8,
 With both, ``install(epilogue=True, projection=True)``, Megatron's Compressor computes
 what this package's ``Compressor`` computes with its parameters.
 
+``install(numerics="eager")`` has the fused pooling round the softmax weights and products
+to the dtype as Megatron's eager region does; alone (no epilogue, no projection) Megatron's
+Compressor then computes what it computes without this package, its ape gradient summed
+in another order.
+
 Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 """
 
@@ -70,7 +75,7 @@ CSA_MODULE = "megatron.core.transformer.experimental_attention_variant.csa"
 HOOK = "maybe_compress_thd_fused"
 _log = logging.getLogger("csa_compressor.megatron")
 _state = {"module": None, "original": None, "sbhd": None, "thd": None, "respect_enabled": False,
-          "epilogue": False, "projection": False}
+          "epilogue": False, "projection": False, "numerics": "fp32"}
 _reasons: dict = {}
 _DISABLED = "disabled by Megatron (use_fused_dsa_kernels is False)"
 _EPILOGUE = "epilogue: "  # the prefix of the reasons Megatron's own epilogue ran
@@ -145,7 +150,7 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
         reason = str(exc)
     if reason is not None:
         return _fallback(reason)
-    return fused_from_validated(p)
+    return fused_from_validated(p, numerics=_state["numerics"])
 
 
 def _method_reason(comp, x):
@@ -309,7 +314,8 @@ def _forward_sbhd(self, x):
     n = sq // ratio
     try:
         pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
-                                              packed=joint, score_first=score_first)
+                                              packed=joint, score_first=score_first,
+                                              numerics=_state["numerics"])
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         pooled, reason = None, str(exc)
     if pooled is None:
@@ -447,21 +453,26 @@ def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
 
 
 def install(respect_enabled: bool = False, epilogue: bool = False,
-            projection: bool = False) -> None:
+            projection: bool = False, numerics: str = "fp32") -> None:
     """Route Megatron's Compressor through the fused kernels (idempotent). ``epilogue``: its
     norm, RoPE and rotation too (fp32 math, one rounding), not only the pooling.
-    ``projection``: its two linears as one GEMM."""
+    ``projection``: its two linears as one GEMM. ``numerics``: the fused pooling's, "fp32"
+    (what Megatron's own fused path computes) or "eager" (rounded as its eager region
+    rounds: alone, Megatron's Compressor then computes what it does without fused kernels)."""
+    from .validation import check_pool_numerics
+
     for name, value in (("respect_enabled", respect_enabled), ("epilogue", epilogue),
                         ("projection", projection)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected True or False, got {value!r}")
+    check_pool_numerics(numerics)
     mod = _csa_module()
     if _state["module"] is None:
         _state["module"], _state["original"] = mod, getattr(mod, HOOK)
         _state["sbhd"] = getattr(mod.Compressor, "_forward_sbhd", None)
         _state["thd"] = getattr(mod.Compressor, "_forward_thd", None)
     _state["respect_enabled"], _state["epilogue"] = respect_enabled, epilogue
-    _state["projection"] = projection
+    _state["projection"], _state["numerics"] = projection, numerics
     setattr(mod, HOOK, maybe_compress_thd_fused)
     if _state["sbhd"] is not None:
         mod.Compressor._forward_sbhd = _forward_sbhd
@@ -478,6 +489,7 @@ def uninstall() -> None:
                 setattr(_state["module"].Compressor, f"_forward_{name}", _state[name])
         _state["module"] = _state["original"] = _state["sbhd"] = _state["thd"] = None
         _state["epilogue"] = _state["projection"] = False
+        _state["numerics"] = "fp32"
 
 
 def is_installed() -> bool:
@@ -485,11 +497,12 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(respect_enabled: bool = False, epilogue: bool = False, projection: bool = False):
+def installed(respect_enabled: bool = False, epilogue: bool = False, projection: bool = False,
+              numerics: str = "fp32"):
     """``install()`` for the block, then Megatron's hook back as it was."""
-    flags = ("respect_enabled", "epilogue", "projection")
+    flags = ("respect_enabled", "epilogue", "projection", "numerics")
     was, before = is_installed(), [_state[f] for f in flags]
-    install(respect_enabled, epilogue, projection)
+    install(respect_enabled, epilogue, projection, numerics)
     try:
         yield
     finally:

@@ -167,6 +167,9 @@ def _implementations(names):
     if "fused" in names:
         impls["fused"] = lambda kv, score, ape, cu, cuc, N, ratio, coff: compress_thd_fused(
             kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff)
+    if "fused_eager" in names:  # the kernels rounding as the eager region does
+        impls["fused_eager"] = lambda kv, score, ape, cu, cuc, N, ratio, coff: compress_thd_fused(
+            kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff, numerics="eager")
     return impls
 
 
