@@ -347,8 +347,13 @@ def test_install_numerics_eager_keeps_megatrons_eager_bits_on_the_fused_kernels(
     from csa_compressor import dispatch
 
     fused, launched = dispatch.fused_from_validated, []
-    monkeypatch.setattr(dispatch, "fused_from_validated",
-                        lambda p, *a, **k: launched.append(p.numerics) or fused(p, *a, **k))
+
+    def counted(p, *a, **k):  # the numerics the launch ran with (set by fused_from_validated)
+        out = fused(p, *a, **k)
+        launched.append(p.numerics)
+        return out
+
+    monkeypatch.setattr(dispatch, "fused_from_validated", counted)
     with megatron.installed(numerics="eager"):
         got = step()
     assert launched == ["eager"], megatron.fallback_reasons()
