@@ -84,6 +84,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
                   "cvt_rn": len(re.findall(r"cvt\.rn\.(?:bf16|f16)\.f32", ptx)),
+                  "cvt_rn_x2": len(re.findall(r"cvt\.rn\.(?:bf16|f16)x2\.f32", ptx)),
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),
                   "slots": getattr(kernel, "slots", 0), "ptx_bytes": len(ptx),
                   "chunk_slots": getattr(kernel, "chunk_slots", 0),  # slots a thread reads

@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .tuning import Tuning, current
-from .ptx import rounder
+from .ptx import mul_rn, round_bf16, round_bf16_pair, rounder
 from .segments import Pack, start_walk, walk_rows, walk_window
 from ..softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_sum_lanes_by_rows
 from .softmax import pooled_product, softmax_row
@@ -136,6 +136,17 @@ class PoolForward(WindowSlots):
     def pool_row(self, sf, vf, acc):
         CH = self.slots
         softmax_row(sf, self.vec, CH)
+        if cutlass.const_expr(self.rnd is round_bf16 and self.vec % 2 == 0):
+            # The eager roundings two columns at a time (round_bf16_pair; the forward at
+            # d=512 became issue-bound on one conversion each); the same bits as rnd.
+            for k in cutlass.range_constexpr(CH):
+                for e in cutlass.range_constexpr(0, self.vec, 2):
+                    sf[k, e], sf[k, e + 1] = round_bf16_pair(sf[k, e], sf[k, e + 1])
+                    vf[k, e], vf[k, e + 1] = round_bf16_pair(mul_rn(vf[k, e], sf[k, e]),
+                                                             mul_rn(vf[k, e + 1], sf[k, e + 1]))
+            for e in cutlass.range_constexpr(self.vec):
+                acc[e] = ordered_sum(lambda k: vf[k, e], CH, 1, CH, SUM_ACCUMULATORS)
+            return
         for e in cutlass.range_constexpr(self.vec):
             # torch's sum of the products for windows this short: one lane, 4 accumulators
             acc[e] = ordered_sum(lambda k: pooled_product(vf[k, e], sf[k, e], self.rnd), CH, 1, CH,
