@@ -156,3 +156,29 @@ def test_the_gate_checks_the_epilogue_node_against_its_composition(monkeypatch):
     assert failed == 1  # the output only: the gradients of y + c are the node's
     assert sum("FAIL" in line for line in lines) == 1 and any("| out |" in line and "FAIL" in line
                                                               for line in lines)
+
+
+def test_the_gate_checks_the_eager_numerics_against_the_upstream_region(monkeypatch):
+    """check.run_eager: with the op standing in as the reference of the numerics it is
+    handed (the kernels' contract), every clause holds; an op that ignores numerics="eager"
+    (the fp32 pooling) fails the bf16 clauses."""
+    import torch
+
+    from csa_compressor import ops, reference
+    from csa_compressor.cli import check
+
+    def standin(honour):
+        def op(*a, numerics="fp32", **k):
+            mode = "upstream" if honour and numerics == "eager" else "fp32"
+            return reference.compress_thd(*a, mode=mode, **k)
+        return op
+
+    grid = ["37+0+3+64:32:4:2"]
+    lines = []
+    monkeypatch.setattr(ops, "compress_thd_fused", standin(True))
+    assert check.run_eager(grid, ("bf16", "fp32"), lines.append, torch.device("cpu")) == 0
+    assert sum(line.endswith("| ok |") for line in lines) == 2 * 4
+    monkeypatch.setattr(ops, "compress_thd_fused", standin(False))
+    lines.clear()
+    assert check.run_eager(grid, ("bf16",), lines.append, torch.device("cpu")) > 0
+    assert any("| dkv |" in line and "upstream region (bitwise owed)" in line for line in lines)

@@ -32,7 +32,7 @@ class OutputReport:
 
 
 def compare(name, fused, ref32, upstream, oracle, *, clause: str, atol: float = 1e-3,
-            against_upstream: bool = True) -> OutputReport:
+            against_upstream: bool = True, reference: str = "torch's fp32 region") -> OutputReport:
     """``clause``: "bitwise" (dkv, dscore), "ulp" (the forward: at most max(1, 0.1%)
     elements differ, by one unit in the last place; fp32 outputs every element within 4
     units), or "atol" (dape). ``ref32`` is torch's eager fp32 region on the same device.
@@ -49,7 +49,7 @@ def compare(name, fused, ref32, upstream, oracle, *, clause: str, atol: float = 
 
     rep = OutputReport(name, n_diff == 0, n_diff, fused.numel(), max_ulp, err(ref32), err(upstream), err(fused))
     if clause == "bitwise" and n_diff:
-        rep.failures.append(f"{name}: {n_diff} elements differ from torch's fp32 region (bitwise owed)")
+        rep.failures.append(f"{name}: {n_diff} elements differ from {reference} (bitwise owed)")
     if clause == "ulp" and fused.dtype == torch.float32:
         if n_diff and max_ulp > 4.0:
             rep.failures.append(f"{name}: max difference {max_ulp:.2f} ulp (at most 4 allowed in fp32)")
@@ -61,7 +61,7 @@ def compare(name, fused, ref32, upstream, oracle, *, clause: str, atol: float = 
     if clause == "atol":
         dmax = float((fused.double() - ref32.double()).abs().max()) if fused.numel() else 0.0
         if dmax > atol:
-            rep.failures.append(f"{name}: max |fused - fp32 reference| = {dmax:.3g} > {atol}")
+            rep.failures.append(f"{name}: max |fused - {reference}| = {dmax:.3g} > {atol}")
     if against_upstream and rep.err_fused > rep.err_upstream * (1 + 1e-9) + 1e-30:
         rep.failures.append(
             f"{name}: L1 error vs fp64 {rep.err_fused:.4g} above upstream's {rep.err_upstream:.4g}")

@@ -3,7 +3,8 @@
 Every output of the fused op against torch's eager fp32 region (reference mode "fp32")
 on the same GPU: dkv and dscore bitwise, the forward within one unit in the last place on
 at most 0.1% of elements (fp32 outputs: within 4 units), dape within 1e-3, and no output
-further from the fp64 oracle than the upstream (Megatron) region's. Then the epilogue
+further from the fp64 oracle than the upstream (Megatron) region's. Then the same clauses
+for numerics="eager" against the upstream region it rounds as. Then the epilogue
 node (apply_epilogue) against the composition of torch ops it stands for
 (eager_epilogue): its output and both gradients bitwise."""
 
@@ -67,9 +68,41 @@ def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
                     f"{rep.n_diff}/{rep.numel} | {rep.max_ulp:.2f} | {rep.err_fp32:.4g} | "
                     f"{rep.err_upstream:.4g} | {rep.err_fused:.4g} | {verdict} |")
     out("")
+    failures += run_eager(grid, dtypes, out)
+    out("")
     failures += run_epilogue(torch.device("cuda"), dtypes, out)
     out(f"\n{'PASS' if failures == 0 else 'FAIL'}: {failures} contract clause(s) failed")
     return 1 if failures else 0
+
+
+def run_eager(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print, device=None) -> int:
+    """The fused op with numerics="eager" against the region it rounds as (reference mode
+    "upstream", Megatron-LM's eager pooling) on the same GPU, under the fp32 clauses: dkv
+    and dscore bitwise, the forward within one ulp on at most 0.1% of elements, dape
+    within 1e-3. Returns the number of failing outputs."""
+    from ..ops import compress_thd_fused
+
+    failures = 0
+    out("| eager numerics pack:d:ratio:coff | dtype | output | bitwise | differ | max ulp | verdict |")
+    out("|" + "---|" * 7)
+    for spec in grid:
+        shape = parse_shape(spec)
+        for dname in dtypes:
+            dt = DTYPES[dname]
+            kv, score, ape, cu, cuc, N, g = make_inputs(shape, dt, device or torch.device("cuda"),
+                                                        seed=2)
+            args = (kv, score, ape, cu, cuc, N, g, shape.ratio, shape.coff)
+            fused = _run(lambda *a, **k: compress_thd_fused(*a, numerics="eager", **k), *args)
+            up = _run(lambda *a, **k: reference.compress_thd(*a, mode="upstream", **k), *args)
+            for i, (name, clause) in enumerate(zip(("out", "dkv", "dscore", "dape"),
+                                                   ("ulp", "bitwise", "bitwise", "atol"))):
+                rep = compare(name, fused[i], up[i], up[i], up[i], clause=clause,
+                              against_upstream=False, reference="the upstream region")
+                failures += len(rep.failures)
+                verdict = "ok" if not rep.failures else "FAIL: " + "; ".join(rep.failures)
+                out(f"| {spec} | {dname} | {name} | {'yes' if rep.bitwise else 'no'} | "
+                    f"{rep.n_diff}/{rep.numel} | {rep.max_ulp:.2f} | {verdict} |")
+    return failures
 
 
 # (head_dim, rope_dim, interleaved pairs, rotate): the Compressor's geometries (d512 with
