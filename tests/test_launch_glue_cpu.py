@@ -123,3 +123,26 @@ def test_the_eager_numerics_are_their_own_kernels_and_share_the_dape_sums():
     assert plan.spec("dape", torch.bfloat16, 4, 2, 128, numerics="eager").numerics == "fp32"
     with pytest.raises(ValueError, match="numerics"):
         plan.spec("fwd", torch.bfloat16, 4, 2, 128, numerics="bf16")
+
+
+def test_the_kernel_level_api_launches_the_numerics_it_is_asked_for(fake_compile, monkeypatch):
+    """pool_forward / pool_backward(numerics="eager") compile and launch the eager kernels
+    (the spec's numerics), the default the fp32 ones; a bad value is refused by name."""
+    from csa_compressor import validation
+
+    specs = []
+    record = launch.compiled_for
+    monkeypatch.setattr(launch, "compiled_for", lambda spec, dev: specs.append(spec) or record(spec, dev))
+    monkeypatch.setattr(launch, "validate",
+                        lambda *a, for_kernel=False, **k: validation.validate(*a, **k))
+    kv, score, ape, cu, cuc, N = make_pack([37, 0, 64], 128, 4, 2, dtype=torch.bfloat16)
+    out, g = torch.empty(N, 128, dtype=torch.bfloat16), torch.randn(N, 128).to(torch.bfloat16)
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    for numerics in ("eager", "fp32"):
+        specs.clear()
+        launch.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics=numerics)
+        launch.pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=4, coff=2, numerics=numerics)
+        assert [s.direction for s in specs] == ["fwd", "bwd"]
+        assert all(s.numerics == numerics for s in specs)
+    with pytest.raises(ValueError, match="numerics"):
+        launch.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics="bf16")

@@ -35,6 +35,7 @@ def test_kernel_entries_without_a_gpu_say_so():
     ((100, 400, 0, 2, 128, torch.bfloat16, "cuda"), ValueError, "ratio"),
     ((100, 400, 4, 2, 128, torch.float64, "cuda"), TypeError, "dtype"),
     ((100, 400, 4, 2, 128, torch.bfloat16, "cpu"), ValueError, "device"),
+    ((100, 400, 4, 2, 128, torch.bfloat16, "cuda", "bf16"), ValueError, "numerics"),
 ])
 def test_backward_workspace_shape_names_the_argument(args, error, name):
     with pytest.raises(error, match=name):

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from ..validation import check_cuda_device, check_int, check_out, check_specialisation, validate
+from ..validation import (check_cuda_device, check_int, check_out, check_pool_numerics,
+                          check_specialisation, validate)
 from . import plan
 from .compile import compiled_for
 from .hardware import sm_count
@@ -16,9 +17,12 @@ from .tuning import current
 
 
 def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-             check_offsets=False):
-    return validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                    coff=coff, for_kernel=True, check_offsets=check_offsets)
+             check_offsets=False, numerics="fp32"):
+    check_pool_numerics(numerics)
+    p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
+                 coff=coff, for_kernel=True, check_offsets=check_offsets)
+    p.numerics = numerics
+    return p
 
 
 @functools.cache  # asked at the first launch; the visible devices do not change after
@@ -62,13 +66,13 @@ def launch_forward(p, out):
 
 
 def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int,
-                 check_offsets: bool = False):
+                 check_offsets: bool = False, numerics: str = "fp32"):
     """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp).
-    ``check_offsets``: as compress_thd_fused's."""
+    ``check_offsets`` and ``numerics``: as compress_thd_fused's."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff,
-                 check_offsets)
+                 check_offsets, numerics)
     check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
     return launch_forward(p, out)
 
@@ -120,25 +124,30 @@ def dape_sum(c, rows: int):
     return c.dape
 
 
-def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device):
-    """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``)."""
+def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device,
+                             numerics: str = "fp32"):
+    """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``); the
+    backward's ``numerics`` compile their own kernel, whose grid may differ."""
     check_specialisation(dtype, ratio, coff, head_dim)
     check_int("total_comp", total_comp, 0)
     check_int("num_tokens", num_tokens, 0)
+    check_pool_numerics(numerics)
     return backward_plan(check_cuda_device(device), dtype, ratio, coff, head_dim, total_comp,
-                         num_tokens)[2]
+                         num_tokens, numerics=numerics)[2]
 
 
 def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                  grad_ape, *, ratio: int, coff: int, workspace=None, check_offsets: bool = False):
+                  grad_ape, *, ratio: int, coff: int, workspace=None, check_offsets: bool = False,
+                  numerics: str = "fp32"):
     """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
     ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
     reproducible: dape partials are reduced in a fixed order, never with atomics.
-    ``check_offsets``: as compress_thd_fused's."""
+    ``check_offsets`` and ``numerics``: as compress_thd_fused's (a ``workspace`` then of
+    backward_workspace_shape(..., numerics=numerics))."""
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
     p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff,
-                 check_offsets)
+                 check_offsets, numerics)
     dev, dt, N, d = p.kv.device, p.kv.dtype, p.total_comp, p.head_dim
     check_out("grad_out", grad_out, (N, d), dt, dev)
     check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
