@@ -17,7 +17,9 @@ load directly.
 
 Op order is torch's fp32 region's (docs/contract.md): serial max, ``exp(s - m)``, serial sum, true
 division (one shared reciprocal + an exact correction, see softmax.softmax_row), products
-rounded on their own (``mul.rn``) before a serial sum.
+rounded on their own (``mul.rn``) before a serial sum. ``numerics="eager"`` rounds the
+weights and the products to the input dtype as well (softmax.pooled_product), as
+Megatron-LM's eager region does.
 """
 
 import math
@@ -149,8 +151,8 @@ class PoolForward(WindowSlots):
             return
         for e in cutlass.range_constexpr(self.vec):
             # torch's sum of the products for windows this short: one lane, 4 accumulators
-            acc[e] = ordered_sum(lambda k: pooled_product(vf[k, e], sf[k, e], self.rnd), CH, 1, CH,
-                                 SUM_ACCUMULATORS)
+            acc[e] = ordered_sum(lambda k: pooled_product(vf[k, e], sf[k, e], self.rnd), CH, 1,
+                                 CH, SUM_ACCUMULATORS)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
