@@ -54,7 +54,7 @@ def fused_on_cpu(monkeypatch):
     launched = []
 
     def launch(p):
-        mode = "upstream" if p.numerics == "eager" else "fp32"  # the kernels' rounding
+        mode = reference.MODE_OF_NUMERICS[p.numerics]  # the kernels' rounding
         if p.batch:  # SBHD: the caller's (S, B, ...) tensors
             launched.append(p.total_comp * p.batch)
             kv, score = p.full or validation.halves(p.kvs, p.score_first)

@@ -13,7 +13,7 @@ def reference_of(p):
 
     return reference.compress_thd(p.kv.detach(), p.score.detach(), p.ape.detach(), p.cu_seqlens,
                                   p.cu_seqlens_comp, p.total_comp, ratio=p.ratio, coff=p.coff,
-                                  mode="upstream" if p.numerics == "eager" else "fp32")
+                                  mode=reference.MODE_OF_NUMERICS[p.numerics])
 
 
 def make_pack(lens, d, ratio, coff, dtype=torch.float32, device="cpu", pad_tokens=0,

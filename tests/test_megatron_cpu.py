@@ -503,7 +503,7 @@ def test_megatron_eager_numerics_reproduce_megatrons_own_compressor(
                           rope_dim=rope_dim, dtype=dtype, yarn=None if yarn is None else {
                               "scaling_factor": yarn[0], "original_max_position_embeddings": yarn[1]})
     ours = _module_like(mg, ratio, head_dim, rope_dim, dtype, yarn)
-    ours.numerics, ours.pool_numerics, ours._reference_mode = "megatron_eager", "eager", "upstream"
+    ours.numerics = "megatron_eager"
     lens = [701, 0, 3, 517, 262] if ratio == 4 else [1300, 0, 127, 2000]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     x = torch.randn(int(cu[-1]) + 5, 1, 256, generator=torch.Generator().manual_seed(3)).to(dtype)

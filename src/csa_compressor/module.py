@@ -163,9 +163,6 @@ class Compressor(nn.Module):
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
         self.megatron_layout, self.rope_yarn = megatron_layout, rope_yarn
         self.numerics = numerics
-        # the pooling's rounding (ops' numerics) and the reference mode that computes it
-        self.pool_numerics = "eager" if numerics == "megatron_eager" else "fp32"
-        self._reference_mode = "upstream" if numerics == "megatron_eager" else "fp32"
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
         # False: the epilogue as the composition of torch ops it is bitwise equal to
@@ -180,6 +177,11 @@ class Compressor(nn.Module):
         # two input gradients) where the kernels can read its halves in place.
         self.one_projection = numerics == "fp32" and \
             (width * torch.tensor([], dtype=dtype).element_size()) % 16 == 0
+
+    @property
+    def pool_numerics(self) -> str:
+        """The pooling's rounding (the ops' ``numerics``) under the module's numerics."""
+        return "eager" if self.numerics == "megatron_eager" else "fp32"
 
     def project(self, x):
         """``[kv | score]`` of ``x``: one GEMM into ``(..., 2*coff*head_dim)``
@@ -230,7 +232,7 @@ class Compressor(nn.Module):
             lambda: (fused_or_reason(*args, **kw, numerics=num) if packed is None
                      else fused_packed_or_reason(packed, *args[2:], **kw,
                                                  score_first=score_first, numerics=num)),
-            lambda: reference.compress_thd(*args, **kw, mode=self._reference_mode))
+            lambda: reference.compress_thd(*args, **kw, mode=reference.MODE_OF_NUMERICS[num]))
 
     def pool_sbhd(self, x):
         """The pooled ``(S // ratio, B, head_dim)`` rows of ``x`` ``(S, B, hidden)``: the
@@ -246,8 +248,9 @@ class Compressor(nn.Module):
             kv, score = self.wkv(x), self.wgate(x)
             fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw,  # noqa: E731
                                                  numerics=self.pool_numerics)
+        mode = reference.MODE_OF_NUMERICS[self.pool_numerics]
         return self._pooled(fused, lambda: reference.compress_sbhd(kv, score, self.ape, **kw,
-                                                                   mode=self._reference_mode))
+                                                                   mode=mode))
 
     def _pooled(self, fused, fallback):
         """``fused()``'s rows where the fused path runs (``pooling`` not "reference"), else

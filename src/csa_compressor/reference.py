@@ -25,6 +25,8 @@ from .softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes, t
 from .validation import check_ratio_coff, validate
 
 MODES = ("upstream", "fp32", "fp32_explicit", "fp64")
+# The mode that computes what the fused kernels compute under each of their numerics.
+MODE_OF_NUMERICS = {"fp32": "fp32", "eager": "upstream"}
 
 
 def row_geometry(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int):

@@ -12,9 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .tuning import Tuning, current
-
 from ..validation import POOL_NUMERICS as NUMERICS
+from .tuning import Tuning, current
 
 DIRECTIONS = ("fwd", "bwd", "bwd_large", "dape", "dape_wide")
 
