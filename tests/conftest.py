@@ -53,7 +53,12 @@ def fused_on_cpu(monkeypatch):
 
     launched = []
 
-    def launch(p):
+    def launch(p, finish=None):
+        rows = pool(p)
+        # with the epilogue: the kernels' contract is the epilogue node on the pooled rows
+        return rows if finish is None else finish.check(p).apply(rows)
+
+    def pool(p):
         mode = reference.MODE_OF_NUMERICS[p.numerics]  # the kernels' rounding
         if p.batch:  # SBHD: the caller's (S, B, ...) tensors
             launched.append(p.total_comp * p.batch)

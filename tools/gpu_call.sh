@@ -14,6 +14,7 @@
 #                        tests_rest are its four shards (run them side by side),
 #                        tests_fused_k a -k "$TESTS_K" subset
 #   check                python -m csa_compressor check (the numerics gate)
+#   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py
 #   cache                tests/test_disk_cache_gpu.py with its cold and warm first-call times
 #   fuzz                 tests/test_fuzz_gpu.py (hypothesis, 200 cases a property) under
@@ -86,6 +87,7 @@ cmd_of() {
         tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py -rs --durations=10" ;;
         check) echo "python3 -m csa_compressor check" ;;
+        pool_epilogue) echo "python3 -m pytest -q -m gpu tests/test_pool_epilogue_gpu.py -rs --durations=10" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;

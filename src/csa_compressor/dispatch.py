@@ -114,49 +114,53 @@ def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                         enabled)[0]
 
 
-def fused_from_validated(p, check_offsets: bool = False, numerics: str = "fp32"):
+def fused_from_validated(p, check_offsets: bool = False, numerics: str = "fp32", finish=None):
     """The fused pooling of a problem _unavailable validated (contents unread): the offsets
-    checked first where asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS)."""
+    checked first where asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS); with a
+    ``finish`` (fused_epilogue.Finish) the epilogue's output."""
     from .ops import fused_from_problem
 
     if offsets_check_requested(check_offsets):
         check_offset_contents(p)
     p.numerics = numerics  # checked by the callers' entry points
-    return fused_from_problem(p)
+    return fused_from_problem(p, finish)
 
 
 def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                    enabled: bool = True, check_offsets: bool = False, numerics: str = "fp32"):
+                    enabled: bool = True, check_offsets: bool = False, numerics: str = "fp32",
+                    finish=None):
     """(the fused pooling, None) or (None, the reason): validation runs once. The offsets'
     contents are checked when asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS) on either
-    path, raising on bad ones. ``numerics``: compress_thd_fused's."""
+    path, raising on bad ones. ``numerics``: compress_thd_fused's. ``finish``
+    (fused_epilogue.Finish): the fused path's rows go on through the epilogue."""
     return _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                            enabled, check_offsets, numerics=numerics)
+                            enabled, check_offsets, numerics=numerics, finish=finish)
 
 
 def fused_packed_or_reason(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                            enabled: bool = True, check_offsets: bool = False,
-                           score_first: bool = False, numerics: str = "fp32"):
+                           score_first: bool = False, numerics: str = "fp32", finish=None):
     """fused_or_reason for ``[kv | score]`` (``[score | kv]`` where ``score_first``) as one
     tensor (compress_thd_fused_packed)."""
     return _fused_or_reason(kvs, None, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
                             enabled, check_offsets, packed=True, score_first=score_first,
-                            numerics=numerics)
+                            numerics=numerics, finish=finish)
 
 
 def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
                          enabled: bool = True, score_first: bool = False,
-                         numerics: str = "fp32"):
+                         numerics: str = "fp32", finish=None):
     """(the fused SBHD pooling ``(S // ratio, B, d)``, None) or (None, the reason): for
     compress_sbhd_fused's inputs, or compress_sbhd_fused_packed's where ``packed`` (``kv``
     is ``kvs``, ``[score | kv]`` where ``score_first``, and ``score`` None). Rows the
     kernels cannot read in place (``coff*d`` or ``d`` times the element size not a multiple
-    of 16 bytes) take one transposed copy into the THD layout and the THD op instead."""
+    of 16 bytes) take one transposed copy into the THD layout and the THD op instead.
+    ``finish``: as fused_or_reason's."""
     check_pool_numerics(numerics)
     reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
                              sbhd=True, score_first=score_first)
     if reason is None:
-        return fused_from_validated(p, numerics=numerics), None
+        return fused_from_validated(p, numerics=numerics, finish=finish), None
     if reason.startswith("unsupported input"):
         try:  # the inputs themselves are fine: only their rows are not 16-byte multiples?
             p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff, packed=packed,
@@ -174,17 +178,18 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
                                        steps * n, B * n, ratio, coff, enabled, False,
                                        numerics=numerics)
         if reason is None:
-            return out.view(B, n, -1).transpose(0, 1), None
+            out = out.view(B, n, -1).transpose(0, 1)
+            return (out if finish is None else finish.check(p).apply(out)), None
     return None, reason
 
 
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
-                     check_offsets, packed=False, score_first=False, numerics="fp32"):
+                     check_offsets, packed=False, score_first=False, numerics="fp32", finish=None):
     check_pool_numerics(numerics)
     reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                              coff, enabled, packed, score_first=score_first)
     if reason is None:
-        return fused_from_validated(p, check_offsets, numerics), None
+        return fused_from_validated(p, check_offsets, numerics, finish), None
     if offsets_check_requested(check_offsets) and not reason.startswith("unsupported input"):
         # the fallback would compute the same wrong rows: the contents are checked either way
         if packed:

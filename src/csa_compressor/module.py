@@ -167,6 +167,9 @@ class Compressor(nn.Module):
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
         # False: the epilogue as the composition of torch ops it is bitwise equal to
         self.fused_epilogue = True
+        # False: the fused epilogue after the pooling kernels (its own kernels), not inside
+        # them (the same bits)
+        self.epilogue_in_kernels = True
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -216,52 +219,76 @@ class Compressor(nn.Module):
         self._join_weights()
         return out
 
-    def pool_packed(self, kvs, cu, cuc, total_comp, score_first: bool = False):
+    def pool_packed(self, kvs, cu, cuc, total_comp, score_first: bool = False, pos=None):
         """pool() of project()'s output (``[score | kv]`` where ``score_first``), its halves
         read in place."""
         kv, score = halves(kvs, score_first)
-        return self.pool(kv, score, cu, cuc, total_comp, packed=kvs, score_first=score_first)
+        return self.pool(kv, score, cu, cuc, total_comp, packed=kvs, score_first=score_first,
+                         pos=pos)
 
-    def pool(self, kv, score, cu, cuc, total_comp, packed=None, score_first=False):
+    def pool(self, kv, score, cu, cuc, total_comp, packed=None, score_first=False, pos=None):
         """The pooled rows: fused where it can run (on ``packed``, kv and score's one tensor,
-        where given), else the fp32 reference."""
+        where given), else the fp32 reference. ``pos`` given: the epilogue's output at
+        those positions (in the pooling kernels where the fused path runs)."""
         args = (kv, score, self.ape, cu, cuc, total_comp)
         kw = dict(ratio=self.ratio, coff=self.coff)
         num = self.pool_numerics
+        fin = self._in_kernel_finish(pos)
         return self._pooled(
-            lambda: (fused_or_reason(*args, **kw, numerics=num) if packed is None
+            lambda: (fused_or_reason(*args, **kw, numerics=num, finish=fin) if packed is None
                      else fused_packed_or_reason(packed, *args[2:], **kw,
-                                                 score_first=score_first, numerics=num)),
-            lambda: reference.compress_thd(*args, **kw, mode=reference.MODE_OF_NUMERICS[num]))
+                                                 score_first=score_first, numerics=num,
+                                                 finish=fin)),
+            lambda: reference.compress_thd(*args, **kw, mode=reference.MODE_OF_NUMERICS[num]),
+            fin is not None, pos)
 
-    def pool_sbhd(self, x):
+    def pool_sbhd(self, x, pos=None):
         """The pooled ``(S // ratio, B, head_dim)`` rows of ``x`` ``(S, B, hidden)``: the
         projections' output read in place by the fused kernels (one GEMM where
-        ``one_projection``), else the fp32 reference."""
+        ``one_projection``), else the fp32 reference. ``pos``: as pool()'s."""
         kw = dict(ratio=self.ratio, coff=self.coff)
+        fin = self._in_kernel_finish(pos)
         if self.one_projection:
             kvs, score_first = self._project(x)
             kv, score = halves(kvs, score_first)
             fused = lambda: fused_sbhd_or_reason(kvs, None, self.ape, packed=True,  # noqa: E731
-                                                 score_first=score_first, **kw)
+                                                 score_first=score_first, **kw, finish=fin)
         else:
             kv, score = self.wkv(x), self.wgate(x)
             fused = lambda: fused_sbhd_or_reason(kv, score, self.ape, **kw,  # noqa: E731
-                                                 numerics=self.pool_numerics)
+                                                 numerics=self.pool_numerics, finish=fin)
         mode = reference.MODE_OF_NUMERICS[self.pool_numerics]
         return self._pooled(fused, lambda: reference.compress_sbhd(kv, score, self.ape, **kw,
-                                                                   mode=mode))
+                                                                   mode=mode),
+                            fin is not None, pos)
 
-    def _pooled(self, fused, fallback):
+    def _in_kernel_finish(self, pos):
+        """The epilogue the fused pooling takes inside its kernels (fp32 numerics with the
+        fused epilogue; fused_epilogue.Finish), or None."""
+        if pos is None or self.numerics != "fp32" or not self.fused_epilogue \
+                or not self.epilogue_in_kernels:
+            return None
+        from .fused_epilogue import Finish
+
+        return Finish(self.epilogue, self.norm_weight, pos,
+                      inv_freq=self._rope_inv_freq(pos.device))
+
+    def _pooled(self, fused, fallback, finished=False, pos=None):
         """``fused()``'s rows where the fused path runs (``pooling`` not "reference"), else
-        ``fallback()``'s; ``pooling="fused"`` raises with the reason instead."""
+        ``fallback()``'s; ``pooling="fused"`` raises with the reason instead. With ``pos``
+        the epilogue's output (``finished``: the fused path's rows are that already)."""
         if self.pooling != "reference":
             out, reason = fused()
             if reason is None:
-                return out
+                if pos is None or finished:
+                    return out
+                return self._finish(out.reshape(-1, out.shape[-1]), pos).view(out.shape)
             if self.pooling == "fused":
                 raise RuntimeError(f"Compressor(pooling='fused'): {reason}")
-        return fallback()
+        out = fallback()
+        if pos is None:
+            return out
+        return self._finish(out.reshape(-1, out.shape[-1]), pos).view(out.shape)
 
     def _finish(self, pooled, pos):
         if self.numerics != "fp32":
@@ -298,10 +325,8 @@ class Compressor(nn.Module):
             S, B, _ = x.shape
             if S < self.ratio:
                 return None
-            pooled = self.pool_sbhd(x)  # (n, B, head_dim)
-            n = pooled.shape[0]
-            pos = sbhd_positions(n, B, self.ratio, device=x.device)
-            return self._finish(pooled.reshape(n * B, -1), pos).view(n, B, -1)
+            pos = sbhd_positions(S // self.ratio, B, self.ratio, device=x.device)
+            return self.pool_sbhd(x, pos)  # (n, B, head_dim)
         if x.dim() == 3:
             if x.shape[1] != 1:
                 raise ValueError(f"x: a 3-D THD input must be (T, 1, hidden), got {tuple(x.shape)}")
@@ -316,12 +341,12 @@ class Compressor(nn.Module):
                 total_comp = int(cuc[-1])
         if total_comp == 0 and self.megatron_layout:
             return None, cuc
+        pos = rope_positions(cuc, total_comp, self.ratio, None if max_seqlen is None else int(max_seqlen))
         if self.one_projection:
             kvs, score_first = self._project(x)
-            pooled = self.pool_packed(kvs, cu_seqlens, cuc, total_comp, score_first)
+            out = self.pool_packed(kvs, cu_seqlens, cuc, total_comp, score_first, pos)
         else:
             kv, score = self.wkv(x), self.wgate(x)
-            pooled = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp)
-        pos = rope_positions(cuc, total_comp, self.ratio, None if max_seqlen is None else int(max_seqlen))
-        out = self._finish(pooled, pos)
+            out = self.pool(kv.contiguous(), score.contiguous(), cu_seqlens, cuc, total_comp,
+                            pos=pos)
         return (out.unsqueeze(1) if self.megatron_layout else out), cuc

@@ -222,21 +222,25 @@ class _PackedFn(torch.autograd.Function):
 
 def compress_thd_fused_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                               check_offsets: bool = False, score_first: bool = False,
-                              numerics: str = "fp32"):
+                              numerics: str = "fp32", epilogue=None, norm_weight=None,
+                              positions=None, rope_table=None):
     """compress_thd_fused with ``kv`` and ``score`` as the column halves of one tensor
     ``kvs`` ``(T, 2*coff*d)`` (``[kv | score]``, one projection's output; ``[score | kv]``
     where ``score_first``): ``(total_comp, head_dim)``, differentiable in ``kvs`` (one
     gradient of its layout) and ``ape``. Needs ``coff*d*element size`` a multiple of 16
-    bytes. Results are bitwise those of compress_thd_fused on the two halves."""
+    bytes. Results are bitwise those of compress_thd_fused on the two halves (``epilogue``
+    and the rest: as compress_thd_fused's)."""
     check_pool_numerics(numerics)
     p = validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
                         coff=coff, for_kernel=True, check_offsets=check_offsets,
                         score_first=score_first)
-    return fused_from_problem(_with(p, numerics))
+    return fused_from_problem(_with(p, numerics),
+                              _finish(epilogue, norm_weight, positions, rope_table))
 
 
 def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
-                       deterministic=None, check_offsets: bool = False, numerics: str = "fp32"):
+                       deterministic=None, check_offsets: bool = False, numerics: str = "fp32",
+                       epilogue=None, norm_weight=None, positions=None, rope_table=None):
     """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
 
     Differentiable in ``kv``, ``score`` and ``ape``. Raises (never falls back) on anything
@@ -250,40 +254,71 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     ``numerics="eager"`` rounds as Megatron-LM's eager region does (the softmax weights
     and each product in the input dtype; the backward's product gradients likewise)
     instead of the default fp32 region (docs/contract.md, "Eager numerics").
+
+    ``epilogue`` (an Epilogue) with ``norm_weight`` ``(head_dim,)``: the rows go on
+    through RMSNorm, the rotary embedding and the rotation, inside the pooling kernels
+    where they take it (fused_epilogue), bitwise ``apply_epilogue`` of the pooled rows;
+    differentiable in ``norm_weight`` too. ``positions`` ``(N,)``: the rows' rotary
+    positions (default ``block_index * ratio``); ``rope_table``: apply_epilogue's.
     """
     check_pool_numerics(numerics)
     p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio, coff=coff,
                  for_kernel=True, check_offsets=check_offsets)
-    return fused_from_problem(_with(p, numerics))
+    return fused_from_problem(_with(p, numerics),
+                              _finish(epilogue, norm_weight, positions, rope_table))
 
 
-def compress_sbhd_fused(kv, score, ape, *, ratio, coff, numerics: str = "fp32"):
+def compress_sbhd_fused(kv, score, ape, *, ratio, coff, numerics: str = "fp32", epilogue=None,
+                        norm_weight=None, positions=None, rope_table=None):
     """Fused gated pooling of ``B`` sequences of ``S`` tokens in the SBHD layout: ``kv`` and
     ``score`` ``(S, B, coff*d)`` -> ``(S // ratio, B, head_dim)`` (no rows where S < ratio).
     The kernels read the strided token rows in place (no transposed copy); results are
     bitwise those of compress_thd_fused on the sequences packed one after another.
     Differentiable in ``kv``, ``score`` and ``ape``; needs ``coff*d*element size`` and
-    ``d*element size`` multiples of 16 bytes. ``numerics``: as compress_thd_fused's."""
+    ``d*element size`` multiples of 16 bytes. ``numerics`` and ``epilogue``: as
+    compress_thd_fused's (the positions default to ``row * ratio``, ``(n * B,)`` in the
+    rows' ``(n, B)`` order)."""
     check_pool_numerics(numerics)
     return fused_from_problem(_with(validate_sbhd(kv, score, ape, ratio=ratio, coff=coff,
-                                                  for_kernel=True), numerics))
+                                                  for_kernel=True), numerics),
+                              _finish(epilogue, norm_weight, positions, rope_table))
 
 
 def compress_sbhd_fused_packed(kvs, ape, *, ratio, coff, score_first: bool = False,
-                               numerics: str = "fp32"):
+                               numerics: str = "fp32", epilogue=None, norm_weight=None,
+                               positions=None, rope_table=None):
     """compress_sbhd_fused with ``kv`` and ``score`` as the column halves of one tensor
     ``kvs`` ``(S, B, 2*coff*d)`` (one projection's output; ``[score | kv]`` where
     ``score_first``), its gradient one tensor of that layout."""
     check_pool_numerics(numerics)
     return fused_from_problem(_with(validate_sbhd(kvs, None, ape, ratio=ratio, coff=coff,
                                                   for_kernel=True, packed=True,
-                                                  score_first=score_first), numerics))
+                                                  score_first=score_first), numerics),
+                              _finish(epilogue, norm_weight, positions, rope_table))
 
 
-def fused_from_problem(p: Problem):
+def _finish(epilogue, norm_weight, positions, rope_table):
+    """The ops' epilogue arguments as a fused_epilogue.Finish (None: no epilogue)."""
+    if epilogue is None:
+        for name, v in (("norm_weight", norm_weight), ("positions", positions),
+                        ("rope_table", rope_table)):
+            if v is not None:
+                raise ValueError(f"{name}: given without epilogue=")
+        return None
+    from .fused_epilogue import Finish
+
+    return Finish(epilogue, norm_weight, positions, rope_table=rope_table)
+
+
+def fused_from_problem(p: Problem, finish=None):
     """The fused op on arguments already validated for the kernels (validate,
     validate_packed or validate_sbhd: the dispatch and the module validate once and come
-    here): the caller's tensors go through autograd where a gradient is wanted."""
+    here): the caller's tensors go through autograd where a gradient is wanted. With a
+    ``finish`` (fused_epilogue.Finish), the epilogue's output."""
+    if finish is not None:
+        from .fused_epilogue import pool_with_epilogue
+
+        return pool_with_epilogue(p, finish)
     packed = p.kvs is not None
     inputs = (p.kvs,) if packed else (p.full or (p.kv, p.score))
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(

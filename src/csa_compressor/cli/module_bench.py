@@ -100,20 +100,27 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
             out = m._finish(pooled, pos)
             return torch.autograd.grad(out, [kvs_in[i], m.ape, m.norm_weight], g)
 
+        def op_in_kernels_step(i):
+            out = m.pool_packed(kvs_in[i], cu, cuc, cap, pos=pos)
+            return torch.autograd.grad(out, [kvs_in[i], m.ape, m.norm_weight], g)
+
         row = {"config": name, "tokens": T, "hidden": HIDDEN}
         graphs = {}
-        for key, step, one, node, numerics in (
-                ("gemms", gemm_step, None, True, "fp32"),
-                ("one_projection", module_step, True, True, "fp32"),
-                ("two_projections", module_step, False, True, "fp32"),
-                ("before", module_step, False, False, "fp32"),
-                ("megatron_numerics", module_step, False, True, "megatron"),
-                ("op_node", op_step, True, True, "fp32"),
-                ("op_eager", op_step, True, False, "fp32")):
+        for key, step, one, node, numerics, inside in (
+                ("gemms", gemm_step, None, True, "fp32", True),
+                ("one_projection", module_step, True, True, "fp32", True),
+                ("one_projection_node", module_step, True, True, "fp32", False),
+                ("two_projections", module_step, False, True, "fp32", True),
+                ("before", module_step, False, False, "fp32", False),
+                ("megatron_numerics", module_step, False, True, "megatron", True),
+                ("op_in_kernels", op_in_kernels_step, True, True, "fp32", True),
+                ("op_node", op_step, True, True, "fp32", False),
+                ("op_eager", op_step, True, False, "fp32", False)):
             progress(f"{name} {key} ...")
             if one is not None:
                 m.one_projection = one
-            m.fused_epilogue, m.numerics = node, numerics  # read while the graph captures
+            # read while the graph captures
+            m.fused_epilogue, m.numerics, m.epilogue_in_kernels = node, numerics, inside
             try:
                 step(0)  # warm-up
                 torch.cuda.synchronize()
@@ -123,6 +130,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         m.one_projection, m.fused_epilogue, m.numerics = True, True, "fp32"
+        m.epilogue_in_kernels = True
         # every variant timed in the same rounds: the step / GEMMs ratio is a paired one
         for key, us in timer(graphs).items():
             row[f"{key}_us"] = us
@@ -142,16 +150,18 @@ def table(rows) -> str:
     def ratio(r, a, b):
         return f"{r[f'{a}_us'] / r[f'{b}_us']:.2f}x" if f"{a}_us" in r and f"{b}_us" in r else "-"
 
-    lines = ["| config | module µs (kernels) | two projections | two projections, eager "
-             "epilogue (the module before) | numerics=\"megatron\" | projection GEMMs alone | "
-             "step / GEMMs | pooling + epilogue node | pooling + eager epilogue |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | module µs (kernels) | epilogue after the pooling kernels | two "
+             "projections | two projections, eager epilogue (the module before) | "
+             "numerics=\"megatron\" | projection GEMMs alone | step / GEMMs | pooling with the "
+             "epilogue inside | pooling + epilogue node | pooling + eager epilogue |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {cell(r, 'one_projection')} | "
+                     f"{cell(r, 'one_projection_node')} | "
                      f"{cell(r, 'two_projections')} | {cell(r, 'before')} | "
                      f"{cell(r, 'megatron_numerics')} | {cell(r, 'gemms')} | "
-                     f"{ratio(r, 'one_projection', 'gemms')} | {cell(r, 'op_node')} | "
-                     f"{cell(r, 'op_eager')} |")
+                     f"{ratio(r, 'one_projection', 'gemms')} | {cell(r, 'op_in_kernels')} | "
+                     f"{cell(r, 'op_node')} | {cell(r, 'op_eager')} |")
     return "\n".join(lines)
 
 

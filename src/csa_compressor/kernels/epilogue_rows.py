@@ -221,45 +221,62 @@ class EpilogueRows:
             for e in cutlass.range_constexpr(E):
                 v[e] = x[e]
             if cutlass.const_expr(not self.backward):
-                r = Float32(0.0)
-                if cutlass.const_expr(self.norm):
-                    # torch: x.pow(2) -> mean(-1) (the sum times fl(N) / fl(N*d)) -> + eps -> rsqrt
-                    for e in cutlass.range_constexpr(E):
-                        sRow[warp, lane * E + e] = mul_rn(v[e], v[e])
-                    cute.arch.sync_warp()
-                    n = cutlass.Int64(rows)
-                    factor = div_exact(i64_to_f32(n), i64_to_f32(n * self.d))
-                    r = rsqrt_approx(mul_rn(self.row_sum(sRow, warp, lane), factor)
-                                     + Float32(self.eps))
-                    if lane == 0:
-                        mR[row, 0] = r
-                else:
-                    r = mR[row, 0]
-                w = gW[(None, lane)].load().to(Float32)
-                for e in cutlass.range_constexpr(E):
-                    # pinned: the butterfly's adds must not absorb them into FMAs
-                    v[e] = mul_rn(mul_rn(v[e], r), w[e])
-                if cutlass.const_expr(self.R > 0):
-                    self.rope(v, gCos, gSin, row, lane, 1)
-                if cutlass.const_expr(self.rotate):
-                    for st in cutlass.range_constexpr(self.stages):
-                        self.stage(v, 1 << st, lane)
-                    for e in cutlass.range_constexpr(E):
-                        v[e] = mul_rn(v[e], Float32(self.scale))
+                self.forward_row(v, sRow, mR, gW, gCos, gSin, row, rows, warp, lane)
             else:
-                if cutlass.const_expr(self.rotate):
-                    for e in cutlass.range_constexpr(E):
-                        v[e] = mul_rn(v[e], Float32(self.scale))
-                    for st in cutlass.range_constexpr(self.stages):
-                        self.stage(v, 1 << (self.stages - 1 - st), lane)
-                if cutlass.const_expr(self.R > 0):
-                    self.rope(v, gCos, gSin, row, lane, -1)
-                if cutlass.const_expr(self.norm):
-                    self.norm_backward(v, gX, mR, gW, gAux, sRow, row, warp, lane)
+                self.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, row, warp, lane)
             gOut[(None, (row, lane))].store(v.load().to(gOut.element_type))
 
     @cute.jit
-    def norm_backward(self, v, gX, mR, gW, gAux, sRow, row, warp, lane):
+    def forward_row(self, v, sRow, mR, gW, gCos, gSin, row, rows, warp, lane):
+        """The forward of the warp's row ``row`` (of ``rows``) on its fp32 values ``v``
+        (``E`` a lane), in place; with ``norm`` its statistics to ``mR`` (``sRow[warp]``
+        the row sum's scratch), else read from it. Also the pooling kernels' epilogue
+        (pool_epilogue), which is why it is a method of its own."""
+        E = self.E
+        r = Float32(0.0)
+        if cutlass.const_expr(self.norm):
+            # torch: x.pow(2) -> mean(-1) (the sum times fl(N) / fl(N*d)) -> + eps -> rsqrt
+            for e in cutlass.range_constexpr(E):
+                sRow[warp, lane * E + e] = mul_rn(v[e], v[e])
+            cute.arch.sync_warp()
+            n = cutlass.Int64(rows)
+            factor = div_exact(i64_to_f32(n), i64_to_f32(n * self.d))
+            r = rsqrt_approx(mul_rn(self.row_sum(sRow, warp, lane), factor)
+                             + Float32(self.eps))
+            if lane == 0:
+                mR[row, 0] = r
+        else:
+            r = mR[row, 0]
+        w = gW[(None, lane)].load().to(Float32)
+        for e in cutlass.range_constexpr(E):
+            # pinned: the butterfly's adds must not absorb them into FMAs
+            v[e] = mul_rn(mul_rn(v[e], r), w[e])
+        if cutlass.const_expr(self.R > 0):
+            self.rope(v, gCos, gSin, row, lane, 1)
+        if cutlass.const_expr(self.rotate):
+            for st in cutlass.range_constexpr(self.stages):
+                self.stage(v, 1 << st, lane)
+            for e in cutlass.range_constexpr(E):
+                v[e] = mul_rn(v[e], Float32(self.scale))
+
+    @cute.jit
+    def backward_row(self, v, gX, mR, gW, gCos, gSin, gAux, sRow, row, warp, lane, aux=True):
+        """The backward of the warp's row ``row``: ``v`` the output's gradient in, the
+        rows' gradient out (with ``norm``; else the gradient before the norm). ``aux``:
+        whether this lane stores its weight products."""
+        E = self.E
+        if cutlass.const_expr(self.rotate):
+            for e in cutlass.range_constexpr(E):
+                v[e] = mul_rn(v[e], Float32(self.scale))
+            for st in cutlass.range_constexpr(self.stages):
+                self.stage(v, 1 << (self.stages - 1 - st), lane)
+        if cutlass.const_expr(self.R > 0):
+            self.rope(v, gCos, gSin, row, lane, -1)
+        if cutlass.const_expr(self.norm):
+            self.norm_backward(v, gX, mR, gW, gAux, sRow, row, warp, lane, aux)
+
+    @cute.jit
+    def norm_backward(self, v, gX, mR, gW, gAux, sRow, row, warp, lane, aux=True):
         """``v``: the gradient of ``y = (x*r) * w`` in, the rows' gradient out, each op as
         autograd runs the composition's: ``g_xr = gy*w``, the weight's ``gy * (x*r)``
         (to gAux), ``g_r = sum(g_xr * x)``, ``g_mean = (-0.5 * g_r) * ((r*r)*r)``, then
@@ -274,7 +291,8 @@ class EpilogueRows:
             v[e] = mul_rn(gy, w[e])  # g_xr
             p[e] = mul_rn(gy, mul_rn(xv[e], r))
             sRow[warp, lane * E + e] = mul_rn(v[e], xv[e])
-        gAux[(None, (row, lane))].store(p.load())
+        if aux:
+            gAux[(None, (row, lane))].store(p.load())
         cute.arch.sync_warp()
         g_r = self.row_sum(sRow, warp, lane)
         g_mean = mul_rn(mul_rn(g_r, Float32(-0.5)), mul_rn(mul_rn(r, r), r))

@@ -90,13 +90,13 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
-                    batch: int = 0, numerics: str = "fp32"):
+                    batch: int = 0, numerics: str = "fp32", epilogue=None):
     """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
     sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
     BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
     copies its first row at a guess."""
     c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride,
-                               batch=batch, numerics=numerics), device)
+                               batch=batch, numerics=numerics, epilogue=epilogue), device)
     t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
@@ -107,11 +107,11 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
-                  batch: int = 0, numerics: str = "fp32"):
+                  batch: int = 0, numerics: str = "fp32", epilogue=None):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch."""
     c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
-                        numerics)
+                        numerics, epilogue)
     schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
@@ -181,6 +181,45 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows.
         C = ratio * coff * d
+        rows = row_ctas * c.kernel.grid_z()
+        dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
+    return grad_kv, grad_score, grad_ape
+
+
+# The pooling with the epilogue inside (pool_epilogue): the launches of fused_epilogue.py,
+# on problems it found the kernels take (plan.epilogue_designable; at least one row and
+# token).
+
+def launch_forward_epilogue(p, key, out, x, r, weight, cos, sin, y):
+    """Pooled rows into ``out`` (the kernels' view: SBHD sequence 0's), and the epilogue of
+    them: ``x`` the same rows flat ``(N * batch, d)``, ``r`` their statistics, ``y`` the
+    output (flat)."""
+    dev = p.kv.device
+    with _on_device(dev):
+        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
+                                   row_stride=p.row_stride, batch=p.batch,
+                                   numerics=p.numerics, epilogue=key), dev)
+        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
+        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows, x, r, weight,
+             cos, sin, y)
+    return y
+
+
+def launch_backward_epilogue(p, key, gy, x, r, weight, cos, sin, gx, gx_rows, aux, grad_kv,
+                             grad_score, grad_ape):
+    """The epilogue's backward into ``gx`` (flat; ``gx_rows`` the kernels' view of it) and
+    the weight's products ``aux``, then the pooling's into the window gradients and
+    ``grad_ape``."""
+    dev, N, T = p.kv.device, p.total_comp, p.num_tokens
+    with _on_device(dev):
+        c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(
+            dev, p.kv.dtype, p.ratio, p.coff, p.head_dim, N, T, p.row_stride, p.batch,
+            p.numerics, key)
+        workspace = torch.empty(shape, dtype=torch.float32, device=dev)
+        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, gx_rows, grad_kv,
+             grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, gy, x, r, weight, cos,
+             sin, gx, aux)
+        C = p.ratio * p.coff * p.head_dim
         rows = row_ctas * c.kernel.grid_z()
         dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape

@@ -26,6 +26,23 @@ def cutlass_dtype(dtype: torch.dtype):
 
 
 @dataclass(frozen=True)
+class EpilogueKey:
+    """What the pooling kernels with the epilogue inside (pool_epilogue) are compiled for:
+    the rotary channels and their pair layout, the Hadamard rotation, the norm's eps and
+    its weight's dtype."""
+
+    rope_dim: int
+    interleaved: bool
+    rotate: bool
+    eps: float
+    weight_dtype: torch.dtype
+
+    def __str__(self):
+        return (f"epilogue(rope_dim={self.rope_dim}, interleaved={self.interleaved}, "
+                f"rotate={self.rotate}, eps={self.eps}, weight={self.weight_dtype})")
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     """One specialisation. ``tuning`` is the code-generating view (Tuning.codegen()), so
     a sweep's variant is another key and never reuses a stale kernel."""
@@ -45,6 +62,8 @@ class KernelSpec:
     # "fp32": the pooling's fp32 region; "eager": the weights and products rounded to the
     # input dtype as Megatron-LM's eager region rounds them (ptx.rounder).
     numerics: str = "fp32"
+    # The epilogue inside the kernels (pool_epilogue); None: the pooling alone.
+    epilogue: EpilogueKey | None = None
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
@@ -52,7 +71,7 @@ class KernelSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
-                      self.row_stride, self.batch, self.numerics))
+                      self.row_stride, self.batch, self.numerics, self.epilogue))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -60,6 +79,7 @@ class KernelSpec:
         rows = f", row_stride={self.row_stride}" if self.row_stride else ""
         rows += f", batch={self.batch}" if self.batch else ""
         rows += f", numerics={self.numerics!r}" if self.numerics != "fp32" else ""
+        rows += f", {self.epilogue}" if self.epilogue is not None else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
@@ -79,14 +99,14 @@ _SPECS: dict = {}
 
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
          tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0,
-         numerics: str = "fp32") -> KernelSpec:
+         numerics: str = "fp32", epilogue: EpilogueKey | None = None) -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
     cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
     id cannot be reused."""
     t = tuning or current()
-    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics)
+    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics, epilogue)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
@@ -96,13 +116,13 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
         raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
     if direction in ("dape", "dape_wide"):
         # the partials are fp32 whatever the inputs are, in one layout
-        dtype, row_stride, batch, numerics = torch.float32, 0, 0, "fp32"
+        dtype, row_stride, batch, numerics, epilogue = torch.float32, 0, 0, "fp32", None
     if batch == 1:
         batch = 0  # one SBHD sequence is a one-segment pack
     if row_stride == coff * head_dim and not batch:
         row_stride = 0  # packed rows: one spec, one kernel
     made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch,
-                      numerics)
+                      numerics, epilogue)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -114,7 +134,7 @@ def family(s: KernelSpec) -> tuple:
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
     sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0,
-                         numerics="fp32")
+                         numerics="fp32", epilogue=None)
                  for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)
@@ -128,15 +148,15 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     specialisation does not have)."""
     specs = family(s)
     args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
-                         f.batch) for f in specs]
+                         f.batch, f.epilogue) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
-                          f.row_stride, f.batch, f.numerics) for f in specs]
+                          f.row_stride, f.batch, f.numerics, f.epilogue) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                arch_major: int, tuning, row_stride: int = 0, batch: int = 0,
-               numerics: str = "fp32"):
+               numerics: str = "fp32", epilogue: EpilogueKey | None = None):
     """The kernel object of one specialisation, None where it has none: windows of more
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
@@ -153,6 +173,9 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         if direction == "dape_wide" and not wide:
             return None
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
+    if epilogue is not None:
+        return _epilogue_kernel(direction, dtype, ratio, coff, head_dim, arch_major, tuning,
+                                row_stride, batch, numerics, epilogue)
     if long:
         if direction == "fwd":
             return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
@@ -172,6 +195,67 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
             if default.has_large_variant else None)
 
 
+def _epilogue_kernel(direction, dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
+                     batch, numerics, epilogue):
+    from .pool_epilogue import PoolEpilogueBackward, PoolEpilogueForward
+
+    cdt = cutlass_dtype(dtype)
+    if not epilogue_designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
+                               batch, numerics, epilogue):
+        return None
+    if direction == "fwd":
+        return PoolEpilogueForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                                   row_stride=row_stride, batch=batch, numerics=numerics,
+                                   epilogue=epilogue)
+    default = PoolEpilogueBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                                   row_stride=row_stride, batch=batch, numerics=numerics,
+                                   epilogue=epilogue)
+    if direction == "bwd":
+        return default
+    return (PoolEpilogueBackward(cdt, ratio, coff, head_dim, arch_major, large=True,
+                                 tuning=tuning, row_stride=row_stride, batch=batch,
+                                 numerics=numerics, epilogue=epilogue)
+            if default.has_large_variant else None)
+
+
+_DESIGNABLE: dict = {}
+
+
+def epilogue_designable(dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+                        arch_major: int, tuning, row_stride: int = 0, batch: int = 0,
+                        numerics: str = "fp32", epilogue: EpilogueKey | None = None) -> bool:
+    """Whether the pooling kernels of this specialisation take the epilogue inside: a
+    register-resident window (the slot-parallel kernels split a row over CTAs), a
+    forward whose CTA holds whole rows, whole warps, and a geometry the row math covers
+    (epilogue_rows.supported). Kept: asked on every launch."""
+    key = (dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, batch, numerics,
+           epilogue)
+    hit = _DESIGNABLE.get(key)
+    if hit is None:
+        hit = _designable(*key)
+        _DESIGNABLE[key] = hit
+    return hit
+
+
+def _designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, batch, numerics,
+                epilogue):
+    from .epilogue_rows import dtypes, supported
+    from .pool_bwd import PoolBackward
+    from .pool_fwd import PoolForward
+
+    if epilogue is None or tuning.long_window(coff * ratio) or epilogue.weight_dtype not in dtypes():
+        return False
+    if not supported(dtype, head_dim, epilogue.rope_dim, epilogue.interleaved, epilogue.rotate):
+        return False
+    cdt = cutlass_dtype(dtype)
+    fwd = PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                      row_stride=row_stride, batch=batch, numerics=numerics)
+    bwd = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
+                       row_stride=row_stride, batch=batch, numerics=numerics)
+    return (fwd.col_groups == 1 and fwd.threads % 32 == 0 and bwd.threads % 32 == 0
+            and 32 % bwd.col_groups == 0)
+
+
 def _fake(dtype, shape, align):
     import cutlass.cute as cute
 
@@ -180,7 +264,8 @@ def _fake(dtype, shape, align):
 
 
 def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-                 row_stride: int = 0, batch: int = 0) -> tuple:
+                 row_stride: int = 0, batch: int = 0, epilogue: EpilogueKey | None = None
+                 ) -> tuple:
     """Symbolic arguments of a direction's launch: token, row, batch and partial-row counts
     stay symbolic, so packs change without recompiling; ``row_stride`` (0: packed rows) is
     the token rows' static stride in kv, score, dkv and dscore; ``batch`` (SBHD) makes the
@@ -211,10 +296,31 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
     kv, score = rows(), rows()
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
+    ep = () if epilogue is None else _epilogue_args(direction, cdt, head_dim, epilogue)
     if direction == "fwd":
-        return kv, score, ape, cu, cuc, outs(), Int32(1), stream
+        return (kv, score, ape, cu, cuc, outs(), Int32(1)) + ep + (stream,)
     grad = outs()
     dkv, dscore = rows(), rows()
     work = _fake(cutlass.Float32, (P, W), 16)
-    return (kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1), Int32(1), Int32(1),
-            stream)
+    return (kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1), Int32(1),
+            Int32(1)) + ep + (stream,)
+
+
+def _epilogue_args(direction, cdt, head_dim, epilogue):
+    """The epilogue's symbolic arguments (pool_epilogue's launches): flat rows of the whole
+    pack (``N * batch``), their statistics, the weight, the cosine and sine rows."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .epilogue_rows import cos_sin_vec
+
+    NF, M = cute.sym_int32(), cute.sym_int32()
+    cs = max(epilogue.rope_dim // 2, cos_sin_vec(head_dim, epilogue.interleaved))
+    flat = lambda dt: _fake(dt, (NF, head_dim), 16)  # noqa: E731
+    common = (_fake(cutlass.Float32, (NF, 1), 4), _fake(cutlass_dtype(epilogue.weight_dtype),
+                                                        (head_dim,), 16),
+              _fake(cutlass.Float32, (M, cs), 16), _fake(cutlass.Float32, (M, cs), 16))
+    if direction == "fwd":  # pooled rows, statistics, weight, cos, sin, output
+        return (flat(cdt),) + common + (flat(cdt),)
+    # output gradient, pooled rows, statistics, weight, cos, sin, rows gradient, products
+    return (flat(cdt), flat(cdt)) + common + (flat(cdt), flat(cutlass.Float32))

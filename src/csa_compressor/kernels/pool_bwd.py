@@ -185,6 +185,16 @@ class PoolBackward(BackwardGrid, WindowSlots):
         # Before any read or write: any predecessor may produce our inputs or still read
         # the memory of our outputs.
         cute.arch.griddepcontrol_wait()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
+                       rows_per_cta, num_row_ctas, tid, ty, bx, by)
+
+    @cute.jit
+    def pool_rows(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+                  mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+                  gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+                  num_row_ctas: Int32, tid, ty, bx, by):
+        """The CTA's work: its rows' window gradients and dape partial, or its zero fill
+        (thread ``(tid, ty)`` of CTA ``(bx, by)``, cta_coords())."""
         (gKV, gSc, gDKV, gDSc), (gGrad,), gWork = self.batch_tensors(
             (gKV, gSc, gDKV, gDSc), (gGrad,), gWork, num_row_ctas * self.ratio)
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr

@@ -163,6 +163,13 @@ class PoolForward(WindowSlots):
         # written before that kernel has completed and flushed (any predecessor may produce
         # our inputs or still read the memory of our output).
         cute.arch.griddepcontrol_wait()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, num_tokens, rows_per_thread)
+
+    @cute.jit
+    def pool_rows(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+                  mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
+                  rows_per_thread: Int32):
+        """The CTA's rows ``[bx * rows_per_thread * row_lanes, ...)``, pooled and stored."""
         (gKV, gSc), (gOut,), _ = self.batch_tensors((gKV, gSc), (gOut,))
         tid, ty, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()

@@ -1,0 +1,190 @@
+"""The fused pooling followed by the epilogue, as one op: on the GPU one kernel a
+direction (kernels.pool_epilogue: the pooling kernels with the epilogue's row math
+inside), bitwise the pooling op followed by ``apply_epilogue``, which it falls back to
+where those kernels do not run (long windows, a row split over CTAs, too few rows for the
+norm's in-kernel statistics, torch.compile, a gradient in another dtype).
+
+The ops take it as ``epilogue=``: ``compress_thd_fused(..., epilogue=Epilogue(...),
+norm_weight=w)`` and the packed and SBHD ops likewise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .epilogue import (Epilogue, _backward as _epilogue_backward, _column_sum, _norm_in_kernel,
+                       apply_epilogue, check_rope_table, rope_cos_sin, rope_positions,
+                       sbhd_positions)
+from .softmax_order import ROWSUM_MIN_ROWS
+from .validation import Problem, halves, kernel_aligned
+
+
+class Finish:
+    """The epilogue after a pooling: its settings, the norm weight, the rows' positions
+    (None: the layout's, ``block_index * ratio``), the rotary frequencies where the caller
+    keeps them, or a caller's ``(cos, sin)`` table."""
+
+    __slots__ = ("ep", "norm_weight", "positions", "inv_freq", "rope_table")
+
+    def __init__(self, ep, norm_weight, positions=None, inv_freq=None, rope_table=None):
+        self.ep, self.norm_weight, self.positions = ep, norm_weight, positions
+        self.inv_freq, self.rope_table = inv_freq, rope_table
+
+    def check(self, p: Problem) -> "Finish":
+        """The arguments checked against the pooling's problem (as apply_epilogue checks
+        them), the positions made where not given."""
+        ep, w, d = self.ep, self.norm_weight, p.head_dim
+        if not isinstance(ep, Epilogue):
+            raise TypeError(f"epilogue: expected a csa_compressor.Epilogue, got {type(ep).__name__}")
+        ep.check(d)
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"norm_weight: expected a torch.Tensor with epilogue=, got "
+                            f"{type(w).__name__}")
+        if not w.is_floating_point() or tuple(w.shape) != (d,) or w.device != p.kv.device:
+            raise ValueError(f"norm_weight: expected a floating-point ({d},) tensor on "
+                             f"{p.kv.device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
+        rows = p.total_comp * max(p.batch, 1)
+        pos = self.positions
+        if pos is None:
+            pos = (sbhd_positions(p.total_comp, p.batch, p.ratio, p.kv.device) if p.batch
+                   else rope_positions(p.cu_seqlens_comp, p.total_comp, p.ratio))
+        elif not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() \
+                or tuple(pos.shape) != (rows,) or pos.device != p.kv.device:
+            raise ValueError(f"positions: expected ({rows},) integer positions on {p.kv.device}, "
+                             f"got {getattr(pos, 'dtype', type(pos).__name__)} "
+                             f"{tuple(getattr(pos, 'shape', ()))}")
+        table = self.rope_table
+        if table is not None:
+            table = check_rope_table(table, ep.rope_dim, p.kv.device)
+        return Finish(ep, w, pos, self.inv_freq, table)
+
+    def apply(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The epilogue node on ``pooled`` (any shape whose last dim is head_dim)."""
+        rows = apply_epilogue(pooled.reshape(-1, pooled.shape[-1]), self.norm_weight,
+                              self.positions, self.ep, self.inv_freq, self.rope_table)
+        return rows.view(pooled.shape)
+
+    def key(self):
+        from .kernels.plan import EpilogueKey
+
+        ep = self.ep
+        return EpilogueKey(ep.rope_dim, bool(ep.rope_interleaved), bool(ep.rotate),
+                           float(ep.eps), self.norm_weight.dtype)
+
+
+def _rows(p: Problem, t):
+    return t[:, 0] if p.batch else t
+
+
+def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor) -> bool:
+    """Whether the pooling kernels with the epilogue inside take this problem: the design
+    (plan.epilogue_designable), and the norm's statistics in the kernel
+    (epilogue._norm_in_kernel: enough rows, its order checked torch's)."""
+    from .kernels import hardware, plan
+    from .kernels.tuning import current
+    from .dispatch import small_kernels_usable
+
+    if flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 or not small_kernels_usable(flat):
+        return False
+    if not plan.epilogue_designable(p.kv.dtype, p.ratio, p.coff, p.head_dim,
+                                    hardware.target_major(), current().codegen(), p.row_stride,
+                                    p.batch, p.numerics, f.key()):
+        return False
+    return _norm_in_kernel(flat, f.norm_weight, f.ep)
+
+
+def _pooled_buffer(p: Problem) -> torch.Tensor:
+    d = p.head_dim
+    shape = (p.total_comp, p.batch, d) if p.batch else (p.total_comp, d)
+    return torch.empty(shape, dtype=p.kv.dtype, device=p.kv.device)
+
+
+def _cos_sin_args(f: Finish, cos, sin, d, device):
+    """What the kernels take for the rotary rows: the tables, or a placeholder pair."""
+    from .kernels.compile import placeholder
+    from .kernels.epilogue_rows import cos_sin_vec
+
+    if cos is not None:
+        return cos, sin
+    ph = placeholder((1, cos_sin_vec(d, f.ep.rope_interleaved)), torch.float32, device)
+    return ph, ph
+
+
+def _forward(p: Problem, f: Finish, pooled: torch.Tensor):
+    """``(y, pooled, r, cos, sin)`` by the kernels, into ``pooled``."""
+    from .kernels.launch import launch_forward_epilogue
+
+    d = p.head_dim
+    flat = pooled.view(-1, d)
+    cos = sin = None
+    if f.ep.rope_dim:
+        cos, sin = (kernel_aligned(t) for t in rope_cos_sin(f.positions, f.ep, f.inv_freq,
+                                                            f.rope_table))
+    r = torch.empty((flat.shape[0], 1), dtype=torch.float32, device=flat.device)
+    y = torch.empty_like(flat)
+    launch_forward_epilogue(p, f.key(), _rows(p, pooled), flat, r, kernel_aligned(f.norm_weight),
+                            *_cos_sin_args(f, cos, sin, d, flat.device), y)
+    return y.view(pooled.shape), pooled, r, cos, sin
+
+
+def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
+    """``(grads of the pooling's inputs..., dape, the weight's gradient)``."""
+    from .kernels.launch import launch_backward_epilogue
+    from .ops import _launch_backward
+
+    d = p.head_dim
+    flat = pooled.view(-1, d)
+    grads = ((torch.empty_like(p.kvs),) if p.kvs is not None
+             else tuple(torch.empty_like(t) for t in (p.full or (p.kv, p.score))))
+    views = halves(grads[0], p.score_first) if p.kvs is not None else grads
+    g = gy.reshape(flat.shape)
+    if g.dtype != flat.dtype:  # the composition's ops (its row kernel takes one dtype)
+        gx, gw = _epilogue_backward(g, flat, f.norm_weight, cos, sin, r, f.ep)
+        dape = _launch_backward(gx.view(pooled.shape), p, views)
+        return grads + (dape, gw)
+    gx = torch.empty_like(pooled)
+    aux = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    dape = torch.empty_like(p.ape)
+    launch_backward_epilogue(p, f.key(), kernel_aligned(g), flat, r,
+                             kernel_aligned(f.norm_weight),
+                             *_cos_sin_args(f, cos, sin, d, flat.device), gx.view(-1, d),
+                             _rows(p, gx), aux, *(_rows(p, v) for v in views), dape)
+    return grads + (dape, _column_sum(aux).to(f.norm_weight.dtype))
+
+
+class _PoolEpilogueFn(torch.autograd.Function):
+    """The pooling and the epilogue as one node, differentiable in the pooling's inputs,
+    the APE and the norm weight."""
+
+    @staticmethod
+    def forward(ctx, p, f, pooled, ape, weight, *inputs):
+        y, pooled, r, cos, sin = _forward(p, f, pooled)
+        ctx.p, ctx.f = p, f
+        ctx.save_for_backward(pooled, r, cos, sin)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        pooled, r, cos, sin = ctx.saved_tensors
+        *dinputs, dape, dw = _backward(ctx.p, ctx.f, gy, pooled, r, cos, sin)
+        return (None,) * 3 + (dape, dw) + tuple(dinputs)
+
+
+def pool_with_epilogue(p: Problem, f: Finish) -> torch.Tensor:
+    """The fused pooling of a validated problem followed by the epilogue: the pooled rows'
+    shape (``(N, d)``, SBHD ``(n, B, d)``), the input dtype."""
+    from .ops import fused_from_problem
+
+    f = f.check(p)
+    pooled = None
+    if not torch.compiler.is_compiling():
+        pooled = _pooled_buffer(p)
+        if not _in_kernels(p, f, pooled.view(-1, p.head_dim)):
+            pooled = None
+    if pooled is None:  # the pooling op and the epilogue node: the same bits
+        return f.apply(fused_from_problem(p))
+    inputs = (p.kvs,) if p.kvs is not None else (p.full or (p.kv, p.score))
+    if not (torch.is_grad_enabled() and any(t.requires_grad
+                                            for t in inputs + (p.ape, f.norm_weight))):
+        return _forward(p, f, pooled)[0]
+    return _PoolEpilogueFn.apply(p, f, pooled, p.ape, f.norm_weight, *inputs)

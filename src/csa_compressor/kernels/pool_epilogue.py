@@ -1,0 +1,208 @@
+"""The pooling kernels with the epilogue (RMSNorm, rotary embedding, Hadamard rotation)
+inside them: one launch a direction instead of a pooling and a row kernel.
+
+- forward: the tuned pooling writes the CTA's pooled rows (they are the node's saved
+  input), then, after one CTA barrier, its warps take those rows one a warp and run
+  epilogue_rows.EpilogueRows.forward_row on them, reading back what the CTA just wrote
+  (from L2), and write the output and the norm's statistics;
+- backward: first the warps run EpilogueRows.backward_row on the CTA's rows, the
+  output's gradient through the rotation, the rotary embedding and the norm into the
+  pooled rows' gradient (written where the pooling then reads it, and the weight's
+  products for its column sum), then, after one CTA barrier, the pooling backward as
+  ever. Where the pooling splits a row over column groups (d=512 bf16's backward), each
+  group computes the whole row and writes its own columns.
+
+The row math is EpilogueRows's, op for op, so the output and every gradient are bitwise
+those of the pooling followed by the epilogue node (epilogue.apply_epilogue). The norm's
+mean counts the rows of the whole pack (torch's ``mean`` of the ``(N, d)`` rows).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .epilogue_rows import EpilogueRows, cos_sin_vec
+from .pool_bwd import PoolBackward
+from .pool_fwd import PoolForward
+from .staging import smem_footprint
+
+
+class EpilogueWarps:
+    """What both directions share: the warps of the CTA taking rows, the rows' scratch in
+    shared memory (one row a warp, the norm's row sums), the flat row of an SBHD
+    sequence's row. Needs ``threads``, ``lanes``, ``d``, ``batch`` and ``smem_bytes``."""
+
+    def setup_epilogue(self, dtype, epilogue, backward: bool):
+        assert self.threads % 32 == 0, "the epilogue takes whole warps"
+        self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
+                                    epilogue.rotate, backward, norm=True, eps=epilogue.eps)
+        self.E = self.d // 32
+        self.warps = self.threads // 32
+        self.cs_vec = cos_sin_vec(self.d, epilogue.interleaved)
+        # The scratch comes from an allocator of its own, so it shares the staging's shared
+        # memory: the forward uses it after its last staged row has landed, the backward
+        # before its first is issued, each behind a CTA barrier.
+        self.smem_bytes = max(self.smem_bytes, smem_footprint(self.warps * self.d * 4))
+        # Compiled for the CTAs an SM the pooling's grid is sized for: left unbounded, the
+        # epilogue's registers held fewer.
+        self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
+        self.hold_to(self.target_ctas_per_sm)
+
+    def epilogue_tiles(self, mX, mW, mCos, mSin, mOut, mAux=None):
+        E, cs = self.E, self.cs_vec
+        tiles = (cute.zipped_divide(mX, (1, E)), cute.zipped_divide(mW, (E,)),
+                 cute.zipped_divide(mCos, (1, cs)), cute.zipped_divide(mSin, (1, cs)),
+                 cute.zipped_divide(mOut, (1, E)))
+        if mAux is not None:
+            tiles = tiles + (cute.zipped_divide(mAux, (1, E)),)
+        return tiles
+
+    @cute.jit
+    def scratch(self):
+        smem = cutlass.memory.SmemAllocator()
+        return smem.allocate_tensor(Float32, cute.make_layout((self.warps, self.d),
+                                                              stride=(self.d, 1)), 16)
+
+    @cute.jit
+    def warp_lane(self):
+        tid, ty, _ = cute.arch.thread_idx()
+        thr = ty * self.lanes + tid
+        return thr // 32, thr % 32
+
+    @cute.jit
+    def flat_row(self, row):
+        """The row's index in the ``(N * batch, d)`` rows of an SBHD launch (sequence
+        ``z``'s row ``row`` is flat row ``row * batch + z``); ``row`` in a THD launch."""
+        if cutlass.const_expr(self.batch):
+            _, _, bz = cute.arch.block_idx()
+            return row * self.batch + bz
+        else:
+            return row
+
+
+class PoolEpilogueForward(EpilogueWarps, PoolForward):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
+                 tuning=None, row_stride: int = 0, batch: int = 0, numerics: str = "fp32",
+                 epilogue=None):
+        super().__init__(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, batch,
+                         numerics)
+        assert self.col_groups == 1, "a CTA holds whole rows"
+        self.setup_epilogue(dtype, epilogue, backward=False)
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mOut: cute.Tensor, rows_per_thread: Int32, mX: cute.Tensor,
+                 mR: cute.Tensor, mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor,
+                 mY: cute.Tensor, stream):
+        """PoolForward's launch, plus: ``mX`` the pooled rows ``mOut`` as ``(N*batch, d)``
+        flat rows (the same memory), ``mR`` their statistics (written), the norm weight,
+        the rows' cosines and sines, and ``mY`` the output (flat rows)."""
+        tiler = (1, self.vec)
+        num_rows = mOut.shape[0]
+        rows_per_cta = rows_per_thread * self.row_lanes
+        grid_x = (num_rows + rows_per_cta - 1) // rows_per_cta
+        gX, gW, gCos, gSin, gY = self.epilogue_tiles(mX, mW, mCos, mSin, mY)
+        self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+                    cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mOut, tiler),
+                    num_rows, mKV.shape[0], rows_per_thread, gX, mR, gW, gCos, gSin, gY).launch(
+            grid=[grid_x, 1, self.grid_z()], block=[self.lanes, self.row_lanes, 1],
+            smem=self.smem_bytes, stream=stream, use_pdl=True,
+            preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gOut: cute.Tensor, num_rows: Int32, num_tokens: Int32,
+               rows_per_thread: Int32, gX: cute.Tensor, mR: cute.Tensor, gW: cute.Tensor,
+               gCos: cute.Tensor, gSin: cute.Tensor, gY: cute.Tensor):
+        sRow = self.scratch()
+        cute.arch.griddepcontrol_wait()  # PoolForward.kernel's reason
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gOut, num_rows, num_tokens, rows_per_thread)
+        # The CTA's pooled rows are in global memory and visible to all its threads.
+        cute.arch.barrier()
+        bx, _, _ = cute.arch.block_idx()
+        warp, lane = self.warp_lane()
+        count = rows_per_thread * self.row_lanes
+        first = bx * count
+        total = mR.shape[0]
+        for j in cutlass.range(warp, count, self.warps):
+            row = first + j
+            if row < num_rows:  # uniform over the warp
+                flat = self.flat_row(row)
+                v = cute.make_rmem_tensor((self.E,), Float32)
+                x = gX[(None, (flat, lane))].load().to(Float32)
+                for e in cutlass.range_constexpr(self.E):
+                    v[e] = x[e]
+                self.rows_ep.forward_row(v, sRow, mR, gW, gCos, gSin, flat, total, warp, lane)
+                gY[(None, (flat, lane))].store(v.load().to(self.dtype))
+                # the next row's statistics reuse the warp's scratch
+                cute.arch.sync_warp()
+
+
+class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
+                 large: bool = False, tuning=None, row_stride: int = 0, batch: int = 0,
+                 numerics: str = "fp32", epilogue=None):
+        super().__init__(dtype, ratio, coff, head_dim, arch_major, large, tuning, row_stride,
+                         batch, numerics)
+        assert 32 % self.col_groups == 0
+        self.group_lanes = 32 // self.col_groups  # lanes of a row whose columns a group owns
+        self.setup_epilogue(dtype, epilogue, backward=True)
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
+                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32,
+                 num_zero_ctas: Int32, mGY: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor,
+                 mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mGX: cute.Tensor,
+                 mAux: cute.Tensor, stream):
+        """PoolBackward's launch, plus: ``mGY`` the output's gradient (flat rows), ``mX``
+        the pooled rows, ``mR`` their statistics, the norm weight, cosines and sines,
+        ``mGX`` the pooled rows' gradient as flat rows (written here; ``mGrad`` is the
+        pooling's view of it), ``mAux`` the weight's products (fp32, written)."""
+        tiler = (1, self.vec)
+        gY, gW, gCos, gSin, gX, gAux = self.epilogue_tiles(mGY, mW, mCos, mSin, mX, mAux)
+        self.kernel(
+            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
+            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
+            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
+            num_row_ctas, gY, gX, mR, gW, gCos, gSin, cute.zipped_divide(mGX, (1, self.E)),
+            gAux,
+        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
+                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
+                 use_pdl=True, preferred_smem_carveout=self.carveout,
+                 min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+               num_row_ctas: Int32, gY: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor,
+               gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor, gGX: cute.Tensor,
+               gAux: cute.Tensor):
+        sRow = self.scratch()
+        tid, ty, _ = cute.arch.thread_idx()
+        bx, by = self.cta_coords()
+        cute.arch.griddepcontrol_launch_dependents()  # PoolBackward.kernel's reasons
+        cute.arch.griddepcontrol_wait()
+        if bx < num_row_ctas:  # uniform over the CTA
+            warp, lane = self.warp_lane()
+            mine = lane // self.group_lanes == by  # the lane's columns are this group's
+            for j in cutlass.range(warp, rows_per_cta, self.warps):
+                row = bx * rows_per_cta + j
+                if row < num_rows:  # uniform over the warp
+                    flat = self.flat_row(row)
+                    v = cute.make_rmem_tensor((self.E,), Float32)
+                    g = gY[(None, (flat, lane))].load().to(Float32)
+                    for e in cutlass.range_constexpr(self.E):
+                        v[e] = g[e]
+                    # Each group stores its own columns (of the weight's products too).
+                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
+                                              lane, mine)
+                    if mine:
+                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
+                    cute.arch.sync_warp()
+            # The rows' gradients are in global memory, visible to the CTA's threads.
+            cute.arch.barrier()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
+                       rows_per_cta, num_row_ctas, tid, ty, bx, by)

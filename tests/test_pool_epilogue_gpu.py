@@ -1,0 +1,213 @@
+"""The pooling with the epilogue inside its kernels (``epilogue=`` on the fused ops) on the
+GPU: bitwise the pooling op followed by the epilogue node (itself bitwise the composition of
+torch ops), the output and every gradient (kv, score or the packed tensor, APE, the norm
+weight), on ragged THD packs with capacity padding rows, grouped rows, SBHD, packed and
+separate inputs; rotation on and off, rope_dim 0, 64 and head_dim; and that the kernels with
+the epilogue are what ran (or, where they do not take the geometry, that nothing did)."""
+
+import pytest
+import torch
+
+import csa_compressor as C
+from csa_compressor.epilogue import Epilogue, apply_epilogue, eager_epilogue, grouped_positions
+from csa_compressor.grouped import grouped_offsets
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def record(monkeypatch):
+    """The launches of the kernels with the epilogue inside from here on ("fwd" / "bwd")."""
+    from csa_compressor.kernels import launch
+
+    seen = []
+    for name, tag in (("launch_forward_epilogue", "fwd"), ("launch_backward_epilogue", "bwd")):
+        fn = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _f=fn, _t=tag, **k: seen.append(_t) or _f(*a, **k))
+    return seen
+
+
+def thd_pack(ratio, T=24576 + 37):
+    """Ragged offsets: a long segment, an empty one, one shorter than the ratio, a tail, and
+    tokens past the last offset; plus capacity padding rows."""
+    cu = torch.tensor([0, 8192, 8192, 8195, 9198, T - 37], dtype=torch.int32, device=DEV)
+    cuc = C.compressed_cu_seqlens(cu, ratio)
+    return T, cu, cuc, int(cuc[-1]) + 7
+
+
+def inputs(T, width, d, ratio, coff, dtype, wdtype, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    kv = torch.randn(T, width, device=DEV, generator=gen).to(dtype)
+    score = (2 * torch.randn(T, width, device=DEV, generator=gen)).to(dtype)
+    ape = 0.5 * torch.randn(ratio, coff * d, device=DEV, generator=gen)
+    w = (1 + 0.1 * torch.randn(d, device=DEV, generator=gen)).to(wdtype)
+    return kv, score, ape, w
+
+
+def run(fn, tensors, g):
+    """(out, grads of ``tensors``) of ``fn(*leaves)``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def assert_same(a, b, names):
+    for name, x, y in zip(names, a, b):
+        assert torch.equal(x, y), name
+
+
+EPILOGUES = [
+    Epilogue(rope_dim=64, rope_interleaved=True, rotate=True),
+    Epilogue(rope_dim=64, rope_interleaved=False, rotate=False),
+    Epilogue(rope_dim=0, rotate=True),
+]
+
+
+@pytest.mark.parametrize("d,ratio,coff", [(128, 4, 2), (512, 4, 2), (64, 8, 1)])
+@pytest.mark.parametrize("ep", EPILOGUES, ids=["rope64-rotate", "halves64", "rope0-rotate"])
+def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep):
+    T, cu, cuc, n = thd_pack(ratio)
+    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+
+    def composed(kv, score, ape, w):
+        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
+
+    want = run(composed, (kv, score, ape, w), g)
+    seen = record(monkeypatch)
+    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
+                                                             epilogue=ep, norm_weight=w),
+              (kv, score, ape, w), g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
+    # and the composition of torch ops, forward
+    pooled = C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw)
+    assert torch.equal(got[0], eager_epilogue(pooled, w, pos, ep))
+
+
+@pytest.mark.parametrize("d,rope_dim", [(128, 128), (512, 0), (256, 64)])
+@pytest.mark.parametrize("score_first", [False, True])
+def test_packed_and_grouped_are_the_pooling_then_the_epilogue(monkeypatch, d, rope_dim,
+                                                              score_first):
+    ratio, coff, G = 4, 2, 3 * 2048 + 5
+    ids = torch.arange(G, device=DEV) % 2048 - (torch.arange(G, device=DEV) >= 3 * 2048).long() * 4096
+    cu, cuc = grouped_offsets(ids.to(torch.int32), ratio)
+    kv, score, ape, w = inputs(G * ratio, 2 * coff * d, d, ratio, coff, torch.bfloat16,
+                               torch.bfloat16, rope_dim)
+    kvs = kv  # (T, 2*coff*d): both halves
+    g = torch.randn(G, d, device=DEV).to(torch.bfloat16)
+    pos = grouped_positions(ids, ratio)
+    ep = Epilogue(rope_dim=rope_dim, rotate=d != 256)
+    kw = dict(ratio=ratio, coff=coff, score_first=score_first)
+
+    def composed(kvs, ape, w):
+        return apply_epilogue(C.compress_thd_fused_packed(kvs, ape, cu, cuc, G, **kw), w, pos, ep)
+
+    want = run(composed, (kvs, ape, w), g)
+    seen = record(monkeypatch)
+    got = run(lambda kvs, ape, w: C.compress_thd_fused_packed(kvs, ape, cu, cuc, G, **kw,
+                                                              epilogue=ep, norm_weight=w,
+                                                              positions=pos),
+              (kvs, ape, w), g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out", "dkvs", "dape", "dweight"))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("d,ep", [(128, Epilogue(rope_dim=64, rotate=True)),
+                                  (512, Epilogue(rope_dim=512, rotate=False))])
+def test_sbhd_is_the_pooling_then_the_epilogue(monkeypatch, packed, d, ep):
+    ratio, coff, S, B = 4, 2, 4100, 3
+    kv, score, ape, w = inputs(S * B, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 7)
+    kv, score = kv.view(S, B, -1), score.view(S, B, -1)
+    n = S // ratio
+    g = torch.randn(n, B, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.sbhd_positions(n, B, ratio, device=DEV)
+    if packed:
+        joint = torch.cat((kv, score), -1)
+
+        def composed(kvs, ape, w):
+            out = C.compress_sbhd_fused_packed(kvs, ape, **kw)
+            return apply_epilogue(out.reshape(n * B, d), w, pos, ep).view(n, B, d)
+
+        def fused(kvs, ape, w):
+            return C.compress_sbhd_fused_packed(kvs, ape, **kw, epilogue=ep, norm_weight=w)
+
+        tensors = (joint, ape, w)
+    else:
+        def composed(kv, score, ape, w):
+            out = C.compress_sbhd_fused(kv, score, ape, **kw)
+            return apply_epilogue(out.reshape(n * B, d), w, pos, ep).view(n, B, d)
+
+        def fused(kv, score, ape, w):
+            return C.compress_sbhd_fused(kv, score, ape, **kw, epilogue=ep, norm_weight=w)
+
+        tensors = (kv, score, ape, w)
+    want = run(composed, tensors, g)
+    seen = record(monkeypatch)
+    got = run(fused, tensors, g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out",) + ("d",) * (len(tensors) + 1))
+
+
+@pytest.mark.parametrize("ratio,coff,d,T", [(128, 1, 512, 20000), (4, 2, 128, 40)])
+def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, ratio, coff, d, T):
+    """Long windows (a row over several CTAs) and packs of fewer rows than the norm's
+    in-kernel statistics take: the pooling op and the epilogue node, the same bits."""
+    cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+    cuc = C.compressed_cu_seqlens(cu, ratio)
+    n = int(cuc[-1])
+    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 3)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    ep = Epilogue(rope_dim=64, rotate=True)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+    kw = dict(ratio=ratio, coff=coff)
+    want = run(lambda kv, score, ape, w: apply_epilogue(
+        C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep), (kv, score, ape, w), g)
+    seen = record(monkeypatch)
+    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
+                                                             epilogue=ep, norm_weight=w),
+              (kv, score, ape, w), g)
+    assert seen == []
+    assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
+
+
+def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(monkeypatch):
+    torch.manual_seed(0)
+    m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    T = 8192 + 37
+    cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
+    x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    seen = record(monkeypatch)
+    out, _ = m(x, cu, max_seqlen=4096)
+    out.float().square().sum().backward()
+    assert seen == ["fwd", "bwd"]
+    # the same step, the pooling and the epilogue as two nodes
+    ref = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    ref.load_state_dict(m.state_dict())
+    monkeypatch.setattr(ref, "_in_kernel_finish", lambda pos: None)
+    x2 = x.detach().clone().requires_grad_(True)
+    out2, _ = ref(x2, cu, max_seqlen=4096)
+    out2.float().square().sum().backward()
+    assert torch.equal(out, out2)
+    assert torch.equal(x.grad, x2.grad)
+    for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    # captured in a CUDA graph: the same output
+    static_x = x.detach().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        m(static_x, cu, max_seqlen=4096)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out, _ = m(static_x, cu, max_seqlen=4096)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out.detach())
