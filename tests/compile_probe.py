@@ -15,6 +15,8 @@ direction, dtype, ratio, coff, d = sys.argv[1], sys.argv[2], *map(int, sys.argv[
 row_stride = int(sys.argv[6]) if len(sys.argv) > 6 else 0  # 0: packed rows
 batch = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # SBHD sequences (0: THD)
 numerics = sys.argv[8] if len(sys.argv) > 8 else "fp32"
+# the epilogue inside the kernels, "rope_dim:interleaved:rotate:weight dtype" ("" none)
+epilogue = sys.argv[9] if len(sys.argv) > 9 else ""
 dump = tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
@@ -53,8 +55,13 @@ def _modelled(self, size, byte_alignment=1, *a, **k):
 SmemAllocator.allocate = _modelled
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    ep = None
+    if epilogue:
+        rope, inter, rot, wdt = epilogue.split(":")
+        ep = plan.EpilogueKey(int(rope), inter == "1", rot == "1", 1e-6, getattr(torch, wdt))
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
-                               row_stride=row_stride, batch=batch, numerics=numerics))
+                               row_stride=row_stride, batch=batch, numerics=numerics,
+                               epilogue=ep))
 if built is None:  # the specialisation has no such kernel (plan.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)
@@ -83,6 +90,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
+                  "shfl_bfly": ptx.count("shfl.sync.bfly"), "bar_sync": len(re.findall(r"\bbar(?:rier)?\.sync", ptx)),
                   "cvt_rn": len(re.findall(r"cvt\.rn\.(?:bf16|f16)\.f32", ptx)),
                   "cvt_rn_x2": len(re.findall(r"cvt\.rn\.(?:bf16|f16)x2\.f32", ptx)),
                   "vec": kernel.vec, "elem_bytes": torch.tensor([], dtype=getattr(torch, dtype)).element_size(),

@@ -371,3 +371,33 @@ def test_the_eager_numerics_compile_spill_free_with_their_roundings(arch, cfg):
         assert eager[key] == plain[key], (key, eager[key], plain[key])
     added = (eager["cvt_rn"] - plain["cvt_rn"]) + 2 * (eager["cvt_rn_x2"] - plain["cvt_rn_x2"])
     assert added >= 2 * eager["chunk_slots"] * eager["vec"], (eager, plain)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg,ep", [
+    (("fwd", "bfloat16", 4, 2, 512), "64:1:0:float32"), (("bwd", "bfloat16", 4, 2, 512), "64:1:0:float32"),
+    (("fwd", "bfloat16", 4, 2, 128), "64:1:1:float32"), (("bwd", "bfloat16", 4, 2, 128), "64:1:1:float32"),
+    (("bwd_large", "bfloat16", 4, 2, 128), "64:0:1:bfloat16"), (("fwd", "bfloat16", 4, 2, 128), "0:1:1:bfloat16")],
+    ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c)
+def test_the_pooling_kernels_with_the_epilogue_compile(arch, cfg, ep):
+    """kernels.pool_epilogue at the Compressor's geometries: the pooling's design as the
+    plain kernel's (copies, staging, vectors), the programmatic wait before any memory
+    access, no local memory or stack, the epilogue's row math in the PTX (its pinned
+    products, the rotation's shuffles where it rotates), a CTA barrier between the two
+    phases, and a one-wave grid that the registers hold."""
+    plain = probe(arch, cfg)
+    if plain.get("absent"):
+        assert cfg[0] == "bwd_large" and arch == "sm_100a", cfg
+        return
+    fused = probe(arch, (*cfg, 0, 0, "fp32", ep))
+    assert not fused.get("absent"), "no kernel with the epilogue for a production geometry"
+    assert fused["local"] == 0 and all(s == 0 for s in fused["stack"]), fused
+    assert fused["pdl_wait_first"], fused
+    for key in ("coop", "async_copies_by_bytes", "vec", "chunk_slots"):
+        assert fused[key] == plain[key], (key, fused[key], plain[key])
+    assert fused["mul_rn"] > plain["mul_rn"], (fused["mul_rn"], plain["mul_rn"])
+    assert fused["bar_sync"] > plain["bar_sync"], (fused["bar_sync"], plain["bar_sync"])
+    if ep.split(":")[2] == "1":
+        assert fused["shfl_bfly"] > plain["shfl_bfly"], fused
+    assert fused["smem_asked"] >= fused["smem_used"], fused
+    assert fused["grid_ctas"] * fused["threads"] * (-(-max(fused["regs"]) // 8) * 8) <= 65536, fused
