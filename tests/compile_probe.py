@@ -36,9 +36,11 @@ def _verbose(*a, options="", **k):
 
 cute.compile = _verbose
 
-# The shared memory the kernel's allocators hand out, modelled as they allocate: each
-# SmemAllocator bumps from offset 0, every allocation aligned up to its alignment. A launch
-# that asks for less than the largest end overruns (compute-sanitizer caught one).
+# The shared memory the kernel's allocators hand out, modelled as they allocate: one running
+# end over every SmemAllocator of the kernel (the DSL sums them: a second allocator's
+# buffers follow the first's), each allocation aligned up to its alignment. A launch that
+# asks for less than that end overruns (compute-sanitizer caught one; the DSL itself
+# reports "may exceed available memory set in kernel launch").
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 _allocate = SmemAllocator.allocate
@@ -47,8 +49,8 @@ smem_ends = {}
 
 def _modelled(self, size, byte_alignment=1, *a, **k):
     if isinstance(size, int):
-        at = -(-smem_ends.get(id(self), 0) // byte_alignment) * byte_alignment
-        smem_ends[id(self)] = at + size
+        at = -(-smem_ends.get("end", 0) // byte_alignment) * byte_alignment
+        smem_ends["end"] = at + size
     return _allocate(self, size, byte_alignment, *a, **k)
 
 

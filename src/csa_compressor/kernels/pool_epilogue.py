@@ -39,16 +39,14 @@ class EpilogueWarps:
         self.E = self.d // 32
         self.warps = self.threads // 32
         self.cs_vec = cos_sin_vec(self.d, epilogue.interleaved)
-        # The scratch comes from an allocator of its own, so it shares the staging's shared
-        # memory: the forward uses it after its last staged row has landed, the backward
-        # before its first is issued, each behind a CTA barrier.
-        self.smem_bytes = max(self.smem_bytes, smem_footprint(self.warps * self.d * 4))
+        # The scratch is an allocation of its own: the DSL adds it to the pooling's.
+        self.smem_bytes = self.smem_bytes + smem_footprint(self.warps * self.d * 4)
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         bound = self.target_ctas_per_sm  # unbounded, the d=512 forward fell from 4 to 3
         if backward and self.carveout is None:
             bound = 0  # as the plain kernel: d=128 held to its 3 spilled 8 B
         elif not backward and self.carveout is not None:
-            bound -= 2  # the narrow forwards: held to 8 at d=128 they spilled 64 B, to 7 32 B, to 6 none
+            bound -= 2  # narrow forwards: held to 8 at d=128 spilled 64 B, to 7 32 B, to 6 none
         self.hold_to(bound)
 
     def epilogue_tiles(self, mX, mW, mCos, mSin, mOut, mAux=None):
