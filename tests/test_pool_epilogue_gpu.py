@@ -211,3 +211,34 @@ def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(m
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out.detach())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_under_torch_compile_the_same_kernels_and_bits(monkeypatch, packed):
+    """fullgraph torch.compile: the node's directions as custom ops run the kernels with
+    the epilogue inside, bit for bit the eager call."""
+    ratio, coff, d = 4, 2, 128
+    T, cu, cuc, n = thd_pack(ratio)
+    kv, score, ape, w = inputs(T, 2 * coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 5)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+    ep = Epilogue(rope_dim=64, rotate=True)
+    kw = dict(ratio=ratio, coff=coff, epilogue=ep)
+    if packed:
+        def fn(kvs, ape, w):
+            return C.compress_thd_fused_packed(kvs, ape, cu, cuc, n, **kw, norm_weight=w,
+                                               positions=pos)
+        tensors = (kv, ape, w)
+    else:
+        half = kv[:, : coff * d].contiguous()
+
+        def fn(kv, score, ape, w):
+            return C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw, norm_weight=w,
+                                        positions=pos)
+        tensors = (half, score[:, : coff * d].contiguous(), ape, w)
+    want = run(fn, tensors, g)
+    torch._dynamo.reset()
+    seen = record(monkeypatch)
+    got = run(torch.compile(fn, fullgraph=True), tensors, g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out",) + ("d",) * len(tensors))

@@ -1,8 +1,10 @@
 """The fused pooling followed by the epilogue, as one op: on the GPU one kernel a
 direction (kernels.pool_epilogue: the pooling kernels with the epilogue's row math
-inside), bitwise the pooling op followed by ``apply_epilogue``, which it falls back to
-where those kernels do not run (long windows, a row split over CTAs, too few rows for the
-norm's in-kernel statistics, torch.compile, a gradient in another dtype).
+inside), bitwise the pooling op followed by ``apply_epilogue``. Where those kernels do not
+take a problem (long windows, whose rows span CTAs; too few rows for the norm's in-kernel
+statistics; a gradient in another dtype) the same node runs the pooling kernels and the
+epilogue's own kernels in turn (the same bits). Under torch.compile the node's two
+directions are custom ops, as the pooling's are.
 
 The ops take it as ``epilogue=``: ``compress_thd_fused(..., epilogue=Epilogue(...),
 norm_weight=w)`` and the packed and SBHD ops likewise.
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .epilogue import (Epilogue, _backward as _epilogue_backward, _column_sum, _norm_in_kernel,
+from .epilogue import (Epilogue, _backward as _epilogue_backward, _column_sum,
+                       _ep_args, _ep_of, _forward as _epilogue_forward, _norm_in_kernel,
                        apply_epilogue, check_rope_table, rope_cos_sin, rope_positions,
                        sbhd_positions)
 from .softmax_order import ROWSUM_MIN_ROWS
@@ -110,12 +113,20 @@ def _cos_sin_args(f: Finish, cos, sin, d, device):
     return ph, ph
 
 
-def _forward(p: Problem, f: Finish, pooled: torch.Tensor):
-    """``(y, pooled, r, cos, sin)`` by the kernels, into ``pooled``."""
+def _forward(p: Problem, f: Finish):
+    """``(y, pooled, r, cos, sin)``: by the kernels with the epilogue inside where they take
+    the problem, else by the pooling kernels and the epilogue node's forward in turn."""
     from .kernels.launch import launch_forward_epilogue
+    from .ops import _forward as pool_forward
 
     d = p.head_dim
+    pooled = _pooled_buffer(p)
     flat = pooled.view(-1, d)
+    if not _in_kernels(p, f, flat):
+        pooled = pool_forward(p)
+        y, r, cos, sin = _epilogue_forward(pooled.view(-1, d), f.norm_weight, f.positions,
+                                           f.inv_freq, f.ep, f.rope_table)
+        return y.view(pooled.shape), pooled, r, cos, sin
     cos = sin = None
     if f.ep.rope_dim:
         cos, sin = (kernel_aligned(t) for t in rope_cos_sin(f.positions, f.ep, f.inv_freq,
@@ -128,7 +139,8 @@ def _forward(p: Problem, f: Finish, pooled: torch.Tensor):
 
 
 def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
-    """``(grads of the pooling's inputs..., dape, the weight's gradient)``."""
+    """``(grads of the pooling's inputs..., dape, the weight's gradient)``: as _forward ran,
+    by the kernels with the epilogue inside or by parts."""
     from .kernels.launch import launch_backward_epilogue
     from .ops import _launch_backward
 
@@ -138,7 +150,7 @@ def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
              else tuple(torch.empty_like(t) for t in (p.full or (p.kv, p.score))))
     views = halves(grads[0], p.score_first) if p.kvs is not None else grads
     g = gy.reshape(flat.shape)
-    if g.dtype != flat.dtype:  # the composition's ops (its row kernel takes one dtype)
+    if g.dtype != flat.dtype or not _in_kernels(p, f, flat):
         gx, gw = _epilogue_backward(g, flat, f.norm_weight, cos, sin, r, f.ep)
         dape = _launch_backward(gx.view(pooled.shape), p, views)
         return grads + (dape, gw)
@@ -152,13 +164,110 @@ def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
     return grads + (dape, _column_sum(aux).to(f.norm_weight.dtype))
 
 
+# Under torch.compile the node's directions are custom ops (opaque: the compiled graph runs
+# the same launches). A problem travels as the pooling ops' arguments (``kvs`` None: kv and
+# score apart; the offsets None: SBHD), the epilogue as apply_epilogue's op's scalars.
+
+def _op_problem(kv, score, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
+    from .ops import _packed_problem, _problem
+
+    if kvs is not None:
+        return _packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
+    return _problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics)
+
+
+def _op_finish(weight, positions, inv_freq, cos_table, sin_table, ep_args):
+    table = None if cos_table is None else (cos_table, sin_table)
+    return Finish(_ep_of(*ep_args), weight, positions, inv_freq, table)
+
+
+@torch.library.custom_op("csa_compressor::pool_epilogue_fwd", mutates_args=())
+def pool_epilogue_fwd_op(kv: torch.Tensor | None, score: torch.Tensor | None,
+                         kvs: torch.Tensor | None, ape: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                         cu_seqlens_comp: torch.Tensor | None, total_comp: int, ratio: int,
+                         coff: int, score_first: bool, numerics: str, weight: torch.Tensor,
+                         positions: torch.Tensor, inv_freq: torch.Tensor | None,
+                         cos_table: torch.Tensor | None, sin_table: torch.Tensor | None,
+                         eps: float, rope_dim: int, rope_theta: float, interleaved: bool,
+                         yarn: list[float], rotate: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
+    p = _op_problem(kv, score, kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                    score_first, numerics)
+    f = _op_finish(weight, positions, inv_freq, cos_table, sin_table,
+                   (eps, rope_dim, rope_theta, interleaved, yarn, rotate))
+    y, pooled, r, cos, sin = _forward(p, f)
+    if cos is None:  # an op returns tensors: empty ones where there is no rotary table
+        cos, sin = (r.new_empty((0, 0)) for _ in range(2))
+    return y, pooled, r, cos, sin
+
+
+@pool_epilogue_fwd_op.register_fake
+def _(kv, score, kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_first,
+      numerics, weight, positions, inv_freq, cos_table, sin_table, eps, rope_dim, rope_theta,
+      interleaved, yarn, rotate):
+    t = kvs if kvs is not None else kv
+    d = t.shape[-1] // (2 * coff if kvs is not None else coff)
+    shape = (total_comp, t.shape[1], d) if cu_seqlens is None else (total_comp, d)
+    rows = positions.shape[0]
+    n = rows if rope_dim else 0
+    cs = t.new_empty((n, rope_dim // 2), dtype=torch.float32)
+    return (t.new_empty(shape), t.new_empty(shape), t.new_empty((rows, 1), dtype=torch.float32),
+            cs, torch.empty_like(cs))
+
+
+@torch.library.custom_op("csa_compressor::pool_epilogue_bwd", mutates_args=())
+def pool_epilogue_bwd_op(g: torch.Tensor, kv: torch.Tensor | None, score: torch.Tensor | None,
+                         kvs: torch.Tensor | None, ape: torch.Tensor,
+                         cu_seqlens: torch.Tensor | None, cu_seqlens_comp: torch.Tensor | None,
+                         total_comp: int, ratio: int, coff: int, score_first: bool,
+                         numerics: str, weight: torch.Tensor, positions: torch.Tensor,
+                         pooled: torch.Tensor, r: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, eps: float, rope_dim: int, rope_theta: float,
+                         interleaved: bool, yarn: list[float], rotate: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = _op_problem(kv, score, kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+                    score_first, numerics)
+    f = _op_finish(weight, positions, None, None, None,
+                   (eps, rope_dim, rope_theta, interleaved, yarn, rotate))
+    if not rope_dim:
+        cos = sin = None
+    grads = _backward(p, f, g, pooled, r, cos, sin)
+    if len(grads) == 3:  # packed: one input gradient (the second an empty placeholder)
+        grads = (grads[0], ape.new_empty((0,))) + grads[1:]
+    return tuple(grads)
+
+
+@pool_epilogue_bwd_op.register_fake
+def _(g, kv, score, kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, score_first,
+      numerics, weight, positions, pooled, r, cos, sin, eps, rope_dim, rope_theta, interleaved,
+      yarn, rotate):
+    if kvs is not None:
+        return (torch.empty_like(kvs), ape.new_empty((0,)), torch.empty_like(ape),
+                torch.empty_like(weight))
+    return (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape),
+            torch.empty_like(weight))
+
+
+def _op_args(p: Problem) -> tuple:
+    """The pooling's tensors as the custom ops take them (SBHD: the caller's tensors, no
+    offsets) and its scalars."""
+    cu, cuc = (None, None) if p.batch else (p.cu_seqlens, p.cu_seqlens_comp)
+    if p.kvs is not None:
+        kv = score = None
+    else:
+        kv, score = p.full or (p.kv, p.score)
+    return (kv, score, p.kvs, p.ape, cu, cuc), (p.total_comp, p.ratio, p.coff, p.score_first,
+                                                 p.numerics)
+
+
 class _PoolEpilogueFn(torch.autograd.Function):
     """The pooling and the epilogue as one node, differentiable in the pooling's inputs,
-    the APE and the norm weight."""
+    the APE and the norm weight (eager calls: the problem travels as it is)."""
 
     @staticmethod
-    def forward(ctx, p, f, pooled, ape, weight, *inputs):
-        y, pooled, r, cos, sin = _forward(p, f, pooled)
+    def forward(ctx, p, f, ape, weight, *inputs):
+        y, pooled, r, cos, sin = _forward(p, f)
         ctx.p, ctx.f = p, f
         ctx.save_for_backward(pooled, r, cos, sin)
         return y
@@ -167,24 +276,43 @@ class _PoolEpilogueFn(torch.autograd.Function):
     def backward(ctx, gy):
         pooled, r, cos, sin = ctx.saved_tensors
         *dinputs, dape, dw = _backward(ctx.p, ctx.f, gy, pooled, r, cos, sin)
-        return (None,) * 3 + (dape, dw) + tuple(dinputs)
+        return (None,) * 2 + (dape, dw) + tuple(dinputs)
+
+
+class _PoolEpilogueOpFn(torch.autograd.Function):
+    """The same node under torch.compile: tensors and scalars only, each direction one
+    custom op."""
+
+    @staticmethod
+    def forward(ctx, kv, score, kvs, ape, cu, cuc, weight, positions, inv_freq, cos_table,
+                sin_table, meta, ep):
+        y, pooled, r, cos, sin = pool_epilogue_fwd_op(kv, score, kvs, ape, cu, cuc, *meta,
+                                                      weight, positions, inv_freq, cos_table,
+                                                      sin_table, *_ep_args(ep))
+        ctx.save_for_backward(kv, score, kvs, ape, cu, cuc, weight, positions, pooled, r, cos,
+                              sin)
+        ctx.meta, ctx.ep = meta, ep
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        kv, score, kvs, ape, cu, cuc, weight, positions, pooled, r, cos, sin = ctx.saved_tensors
+        a, b, dape, dw = pool_epilogue_bwd_op(gy, kv, score, kvs, ape, cu, cuc, *ctx.meta, weight,
+                                              positions, pooled, r, cos, sin, *_ep_args(ctx.ep))
+        grads = (None, None, a) if kvs is not None else (a, b, None)
+        return grads + (dape, None, None, dw) + (None,) * 6
 
 
 def pool_with_epilogue(p: Problem, f: Finish) -> torch.Tensor:
     """The fused pooling of a validated problem followed by the epilogue: the pooled rows'
     shape (``(N, d)``, SBHD ``(n, B, d)``), the input dtype."""
-    from .ops import fused_from_problem
-
     f = f.check(p)
-    pooled = None
-    if not torch.compiler.is_compiling():
-        pooled = _pooled_buffer(p)
-        if not _in_kernels(p, f, pooled.view(-1, p.head_dim)):
-            pooled = None
-    if pooled is None:  # the pooling op and the epilogue node: the same bits
-        return f.apply(fused_from_problem(p))
+    if torch.compiler.is_compiling():
+        tensors, meta = _op_args(p)
+        table = f.rope_table or (None, None)
+        return _PoolEpilogueOpFn.apply(*tensors, f.norm_weight, f.positions, f.inv_freq, *table,
+                                       meta, f.ep)
     inputs = (p.kvs,) if p.kvs is not None else (p.full or (p.kv, p.score))
-    if not (torch.is_grad_enabled() and any(t.requires_grad
-                                            for t in inputs + (p.ape, f.norm_weight))):
-        return _forward(p, f, pooled)[0]
-    return _PoolEpilogueFn.apply(p, f, pooled, p.ape, f.norm_weight, *inputs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs + (p.ape, f.norm_weight)):
+        return _PoolEpilogueFn.apply(p, f, p.ape, f.norm_weight, *inputs)
+    return _forward(p, f)[0]
