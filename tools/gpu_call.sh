@@ -15,6 +15,7 @@
 #                        tests_fused_k a -k "$TESTS_K" subset
 #   check                python -m csa_compressor check (the numerics gate)
 #   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
+#   pool_epilogue_probe  tools/pool_epilogue_probe.py: each direction inside vs by parts
 #   sanitize             compute-sanitizer memcheck over tools/sanitize_probe.py
 #   cache                tests/test_disk_cache_gpu.py with its cold and warm first-call times
 #   fuzz                 tests/test_fuzz_gpu.py (hypothesis, 200 cases a property) under
@@ -88,6 +89,7 @@ cmd_of() {
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py -rs --durations=10" ;;
         check) echo "python3 -m csa_compressor check" ;;
         pool_epilogue) echo "python3 -m pytest -q -m gpu tests/test_pool_epilogue_gpu.py -rs --durations=10" ;;
+        pool_epilogue_probe) echo "python3 tools/pool_epilogue_probe.py" ;;
         tests_fused_k) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k \"${TESTS_K:?}\" -rs" ;;
         tests) echo "python3 -m pytest -q -m gpu tests -rs --durations=15" ;;
         sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 tools/sanitize_probe.py" ;;

@@ -22,6 +22,11 @@ from .softmax_order import ROWSUM_MIN_ROWS
 from .validation import Problem, halves, kernel_aligned
 
 
+# The directions that run in the kernels with the epilogue inside where those take the
+# problem (the others by parts: the same bits).
+INSIDE = ("fwd", "bwd")
+
+
 class Finish:
     """The epilogue after a pooling: its settings, the norm weight, the rows' positions
     (None: the layout's, ``block_index * ratio``), the rotary frequencies where the caller
@@ -79,15 +84,17 @@ def _rows(p: Problem, t):
     return t[:, 0] if p.batch else t
 
 
-def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor) -> bool:
-    """Whether the pooling kernels with the epilogue inside take this problem: the design
-    (plan.epilogue_designable), and the norm's statistics in the kernel
-    (epilogue._norm_in_kernel: enough rows, its order checked torch's)."""
+def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bool:
+    """Whether ``direction`` runs in the pooling kernels with the epilogue inside: it is in
+    INSIDE, the design takes the problem (plan.epilogue_designable), and the norm's
+    statistics run in the kernel (epilogue._norm_in_kernel: enough rows, its order checked
+    torch's)."""
     from .kernels import hardware, plan
     from .kernels.tuning import current
     from .dispatch import small_kernels_usable
 
-    if flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 or not small_kernels_usable(flat):
+    if direction not in INSIDE or flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 \
+            or not small_kernels_usable(flat):
         return False
     if not plan.epilogue_designable(p.kv.dtype, p.ratio, p.coff, p.head_dim,
                                     hardware.target_major(), current().codegen(), p.row_stride,
@@ -122,7 +129,7 @@ def _forward(p: Problem, f: Finish):
     d = p.head_dim
     pooled = _pooled_buffer(p)
     flat = pooled.view(-1, d)
-    if not _in_kernels(p, f, flat):
+    if not _in_kernels(p, f, flat, "fwd"):
         pooled = pool_forward(p)
         y, r, cos, sin = _epilogue_forward(pooled.view(-1, d), f.norm_weight, f.positions,
                                            f.inv_freq, f.ep, f.rope_table)
@@ -139,8 +146,8 @@ def _forward(p: Problem, f: Finish):
 
 
 def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
-    """``(grads of the pooling's inputs..., dape, the weight's gradient)``: as _forward ran,
-    by the kernels with the epilogue inside or by parts."""
+    """``(grads of the pooling's inputs..., dape, the weight's gradient)``: by the kernels
+    with the epilogue inside or by parts (either after either forward)."""
     from .kernels.launch import launch_backward_epilogue
     from .ops import _launch_backward
 
@@ -150,7 +157,7 @@ def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
              else tuple(torch.empty_like(t) for t in (p.full or (p.kv, p.score))))
     views = halves(grads[0], p.score_first) if p.kvs is not None else grads
     g = gy.reshape(flat.shape)
-    if g.dtype != flat.dtype or not _in_kernels(p, f, flat):
+    if g.dtype != flat.dtype or not _in_kernels(p, f, flat, "bwd"):
         gx, gw = _epilogue_backward(g, flat, f.norm_weight, cos, sin, r, f.ep)
         dape = _launch_backward(gx.view(pooled.shape), p, views)
         return grads + (dape, gw)
