@@ -68,3 +68,12 @@ def test_which_geometries_take_the_epilogue_inside(ratio, coff, d, taken):
     kernel = plan.kernel_for("fwd", torch.bfloat16, ratio, coff, d, 9, current().codegen(),
                              epilogue=key)
     assert (kernel is not None) is taken
+
+
+def test_precompile_names_a_wrong_epilogue_before_the_device():
+    with pytest.raises(TypeError, match="epilogue: expected a csa_compressor.Epilogue"):
+        C.precompile(torch.bfloat16, 4, 2, 128, epilogue="norm")
+    with pytest.raises(ValueError, match="head_dim: rotate=True needs a power of two"):
+        C.precompile(torch.bfloat16, 4, 2, 96, epilogue=C.Epilogue(rope_dim=0, rotate=True))
+    with pytest.raises(TypeError, match="weight_dtype: expected bf16, fp16 or fp32"):
+        C.precompile(torch.bfloat16, 4, 2, 128, epilogue=C.Epilogue(), weight_dtype=torch.int8)

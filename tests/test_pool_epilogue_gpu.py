@@ -17,13 +17,13 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def record(monkeypatch):
+def record(monkeypatch, inside=("fwd", "bwd")):
     """The launches of the kernels with the epilogue inside from here on ("fwd" / "bwd"),
-    both directions asked to run there whatever the package's default."""
+    the directions ``inside`` asked to run there whatever the package's default."""
     from csa_compressor import fused_epilogue
     from csa_compressor.kernels import launch
 
-    monkeypatch.setattr(fused_epilogue, "INSIDE", ("fwd", "bwd"))
+    monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
     seen = []
     for name, tag in (("launch_forward_epilogue", "fwd"), ("launch_backward_epilogue", "bwd")):
         fn = getattr(launch, name)
@@ -68,9 +68,12 @@ EPILOGUES = [
 ]
 
 
+@pytest.mark.parametrize("inside", [("fwd", "bwd"), ("fwd",), ("bwd",)], ids="-".join)
 @pytest.mark.parametrize("d,ratio,coff", [(128, 4, 2), (512, 4, 2), (64, 8, 1)])
 @pytest.mark.parametrize("ep", EPILOGUES, ids=["rope64-rotate", "halves64", "rope0-rotate"])
-def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep):
+def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, inside):
+    """Either direction inside after either forward (each direction's choice is its
+    own: fused_epilogue.INSIDE)."""
     T, cu, cuc, n = thd_pack(ratio)
     kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d)
     g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
@@ -81,11 +84,11 @@ def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep):
         return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
 
     want = run(composed, (kv, score, ape, w), g)
-    seen = record(monkeypatch)
+    seen = record(monkeypatch, inside)
     got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
                                                              epilogue=ep, norm_weight=w),
               (kv, score, ape, w), g)
-    assert seen == ["fwd", "bwd"]
+    assert seen == list(inside)
     assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
     # and the composition of torch ops, forward
     pooled = C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw)

@@ -23,8 +23,9 @@ from .validation import Problem, halves, kernel_aligned
 
 
 # The directions that run in the kernels with the epilogue inside where those take the
-# problem (the others by parts: the same bits).
-INSIDE = ("fwd", "bwd")
+# problem (the others by parts: the same bits). The backward inside measured slower on
+# the H200 (2-8 µs at the module's shapes; docs/lab/perf-notes.md v46), the forward faster.
+INSIDE = ("fwd",)
 
 
 class Finish:
@@ -100,6 +101,15 @@ def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bo
                                     hardware.target_major(), current().codegen(), p.row_stride,
                                     p.batch, p.numerics, f.key()):
         return False
+    if torch.cuda.is_current_stream_capturing():
+        # a kernel first asked for while a graph captures cannot compile: by parts instead
+        from .kernels.compile import is_compiled
+
+        spec = plan.spec(direction, p.kv.dtype, p.ratio, p.coff, p.head_dim,
+                         row_stride=p.row_stride, batch=p.batch, numerics=p.numerics,
+                         epilogue=f.key())
+        if not is_compiled(spec, flat.device):
+            return False
     return _norm_in_kernel(flat, f.norm_weight, f.ep)
 
 

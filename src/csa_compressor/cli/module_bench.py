@@ -4,13 +4,14 @@ The ``Compressor`` module forward + backward (THD, static capacity, hidden 4096,
 3x8192 tokens in three configurations, each timed as the op bench times (CUDA graphs of
 calls over inputs rotated past the L2; the variants' graphs replayed in turn, round after
 round, so the ratios pair their times): the module with one projection GEMM into
-``[kv | score]`` (the packed op) and with two (the plain op on two projections, the
-layout before) and, as the module was before its epilogue node, two projections with the
-epilogue as eager torch ops; with ``numerics="megatron"`` (two projections, Megatron's
+``[kv | score]`` (the packed op, its forward the pooling kernel with the epilogue inside),
+the same with the epilogue after the pooling kernels (``epilogue_in_kernels = False``),
+with two projections (the plain op, the layout before) and, as the module was before its
+epilogue node, two projections with the epilogue as eager torch ops; with ``numerics="megatron"`` (two projections, Megatron's
 roundings in torch ops); the projection GEMMs alone (forward and input + weight
 gradients of one GEMM of both weights) as the floor the whole step is measured against;
-and the op alone on the projections' output: pooling + the epilogue node against pooling
-+ the eager epilogue. Kernel launches a step from torch.profiler.
+and the op alone on the projections' output: the pooling with the epilogue inside against
+pooling + the epilogue node and pooling + the eager epilogue. Kernel launches a step from torch.profiler.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import disk_cache, hardware, plan
+from .tuning import current
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -270,6 +271,12 @@ def get_kernel(direction: str, device: torch.device, dtype: torch.dtype, ratio: 
     return compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim), device)
 
 
+def is_compiled(spec: plan.KernelSpec, device: torch.device) -> bool:
+    """Whether ``spec`` is compiled for ``device`` in this process (compiled_for would not
+    compile)."""
+    return (device.type, device.index, spec) in _CACHE
+
+
 def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
     """The compiled kernel of ``spec`` on ``device``: the cache keys on the pair. A miss
     compiles the spec's whole family (plan.lower), so a warm-up or precompile before
@@ -307,12 +314,15 @@ def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
                directions=("fwd", "bwd"), packed: bool = False, sbhd_batch: int = 0,
-               numerics: str = "fp32") -> None:
+               numerics: str = "fp32", epilogue=None, weight_dtype=None) -> None:
     """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
     its large-pack variant. ``packed``: also the kernels of the packed layout
     (compress_thd_fused_packed, the Compressor module's THD path). ``sbhd_batch``: also
     those of SBHD inputs of that many sequences (compress_sbhd_fused, and with ``packed``
-    compress_sbhd_fused_packed). ``numerics``: the ops' (the "eager" kernels are others)."""
+    compress_sbhd_fused_packed). ``numerics``: the ops' (the "eager" kernels are others).
+    ``epilogue`` (an Epilogue): also the kernels with it inside that the ops' ``epilogue=``
+    runs (fused_epilogue.INSIDE), for a norm weight of ``weight_dtype`` (default
+    ``dtype``)."""
     from ..validation import (check_cuda_device, check_flag, check_int, check_pool_numerics,
                               check_specialisation)
 
@@ -322,11 +332,32 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
     check_pool_numerics(numerics)
     if isinstance(directions, str) or not set(directions) <= {"fwd", "bwd"} or not directions:
         raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
+    if epilogue is not None:
+        from ..epilogue import Epilogue
+
+        if not isinstance(epilogue, Epilogue):
+            raise TypeError(f"epilogue: expected a csa_compressor.Epilogue, got {type(epilogue).__name__}")
+        epilogue.check(head_dim)
+        if weight_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"weight_dtype: expected bf16, fp16 or fp32, got {weight_dtype}")
     device = check_cuda_device(device)
     widths = (coff * head_dim, 2 * coff * head_dim) if packed else (coff * head_dim,)
     layouts = [(w, 0) for w in widths] + [(sbhd_batch * w, sbhd_batch) for w in widths
                                           if sbhd_batch]
+    keys = [None]
+    if epilogue is not None:
+        from ..fused_epilogue import INSIDE
+
+        keys.append(plan.EpilogueKey(epilogue.rope_dim, bool(epilogue.rope_interleaved),
+                                     bool(epilogue.rotate), float(epilogue.eps),
+                                     weight_dtype or dtype))
     for row_stride, batch in layouts:
         for direction in directions:
-            compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, row_stride=row_stride,
-                                   batch=batch, numerics=numerics), device)
+            for key in keys:
+                if key is not None and (direction not in INSIDE or not plan.epilogue_designable(
+                        dtype, ratio, coff, head_dim, hardware.target_major(),
+                        current().codegen(), row_stride, batch, numerics, key)):
+                    continue
+                compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim,
+                                       row_stride=row_stride, batch=batch, numerics=numerics,
+                                       epilogue=key), device)
