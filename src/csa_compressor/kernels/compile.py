@@ -320,9 +320,8 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
     (compress_thd_fused_packed, the Compressor module's THD path). ``sbhd_batch``: also
     those of SBHD inputs of that many sequences (compress_sbhd_fused, and with ``packed``
     compress_sbhd_fused_packed). ``numerics``: the ops' (the "eager" kernels are others).
-    ``epilogue`` (an Epilogue): also the kernels with it inside that the ops' ``epilogue=``
-    runs (fused_epilogue.INSIDE), for a norm weight of ``weight_dtype`` (default
-    ``dtype``)."""
+    ``epilogue`` (an Epilogue): also the kernels with it inside (the ops' ``epilogue=``),
+    both directions asked for, for a norm weight of ``weight_dtype`` (default ``dtype``)."""
     from ..validation import (check_cuda_device, check_flag, check_int, check_pool_numerics,
                               check_specialisation)
 
@@ -346,17 +345,15 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
                                           if sbhd_batch]
     keys = [None]
     if epilogue is not None:
-        from ..fused_epilogue import INSIDE
-
         keys.append(plan.EpilogueKey(epilogue.rope_dim, bool(epilogue.rope_interleaved),
                                      bool(epilogue.rotate), float(epilogue.eps),
                                      weight_dtype or dtype))
     for row_stride, batch in layouts:
         for direction in directions:
             for key in keys:
-                if key is not None and (direction not in INSIDE or not plan.epilogue_designable(
+                if key is not None and not plan.epilogue_designable(
                         dtype, ratio, coff, head_dim, hardware.target_major(),
-                        current().codegen(), row_stride, batch, numerics, key)):
+                        current().codegen(), row_stride, batch, numerics, key):
                     continue
                 compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim,
                                        row_stride=row_stride, batch=batch, numerics=numerics,
