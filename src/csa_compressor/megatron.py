@@ -136,11 +136,11 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                       packed=False, score_first=False):
+                       packed=False, score_first=False, finish=None):
     """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
     once, the problem going on to the launch. ``packed``: ``kv`` is ``[kv | score]`` (or
     ``[score | kv]`` where ``score_first``) as one ``(T, 2 * coff * d)`` tensor and
-    ``score`` is None."""
+    ``score`` is None. ``finish`` (_finish_for): the epilogue's output instead."""
     from .dispatch import _unavailable, fused_from_validated
 
     try:
@@ -150,7 +150,7 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
         reason = str(exc)
     if reason is not None:
         return _fallback(reason)
-    return fused_from_validated(p, numerics=_state["numerics"])
+    return fused_from_validated(p, numerics=_state["numerics"], finish=finish)
 
 
 def _method_reason(comp, x):
@@ -220,17 +220,23 @@ def _rope_freqs(comp, device):
     return freqs
 
 
-def _fused_epilogue(comp, rows, positions):
-    """``rows`` ``(N, head_dim)`` through the fused epilogue with ``comp``'s norm weight and
-    eps, its rotary frequencies (interleaved pairs, as Megatron's MLA rotary embedding
-    takes them) and its rotation."""
-    from .epilogue import Epilogue, apply_epilogue
+def _finish_for(comp, positions):
+    """The fused epilogue of ``comp`` at ``positions`` (a fused_epilogue.Finish): its norm
+    weight and eps, its rotary frequencies (interleaved pairs, as Megatron's MLA rotary
+    embedding takes them) and its rotation."""
+    from .epilogue import Epilogue
+    from .fused_epilogue import Finish
 
     rope_dim = comp.qk_pos_emb_head_dim
-    freqs = _rope_freqs(comp, rows.device) if rope_dim else None
+    freqs = _rope_freqs(comp, positions.device) if rope_dim else None
     # rope_theta is not read: the frequencies are given
     ep = Epilogue(float(comp.norm.eps), rope_dim, 10000.0, True, None, bool(comp.rotate))
-    return apply_epilogue(rows, comp.norm.weight, positions, ep, inv_freq=freqs)
+    return Finish(ep, comp.norm.weight, positions, inv_freq=freqs)
+
+
+def _fused_epilogue(comp, rows, positions):
+    """``rows`` ``(N, head_dim)`` through the fused epilogue (_finish_for)."""
+    return _finish_for(comp, positions).apply(rows)
 
 
 def _epilogue_on(comp, grouped: bool) -> bool:
@@ -312,16 +318,23 @@ def _forward_sbhd(self, x):
     from .dispatch import fused_sbhd_or_reason
 
     n = sq // ratio
+    epilogue, fin = _epilogue_on(self, grouped=False), None
+    if epilogue and kv.dtype == x.dtype:  # the pooling kernel runs it inside (the same bits)
+        from .epilogue import sbhd_positions
+
+        fin = _finish_for(self, sbhd_positions(n, x.shape[1], ratio, x.device))
     try:
         pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
                                               packed=joint, score_first=score_first,
-                                              numerics=_state["numerics"])
+                                              numerics=_state["numerics"], finish=fin)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         pooled, reason = None, str(exc)
     if pooled is None:
         _fallback(reason)
         return original(self, x)
-    if _epilogue_on(self, grouped=False):
+    if fin is not None:
+        return pooled
+    if epilogue:
         from .epilogue import sbhd_positions
 
         b, d = pooled.shape[1], pooled.shape[2]
@@ -423,11 +436,18 @@ def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
     total_comp = int(fixed_total_comp) if fixed_total_comp is not None else int(cuc[-1].item())
     if total_comp == 0:
         return None, cuc
+    positions = None
+    if fused_epilogue:
+        positions = rope_positions(cuc, total_comp, ratio, int(max_seqlen_q))
     if joint:
         kvs, score_first = _joint(self, x)  # (total, 1, 2 * coff * head_dim)
+        # with the epilogue, the pooling kernel runs it inside (the same bits)
+        fin = _finish_for(self, positions) if fused_epilogue and kvs.dtype == x.dtype else None
         pooled = _fused_or_fallback(kvs.view(kvs.shape[0], -1), None, self.ape, cu_seqlens, cuc,
                                     total_comp, ratio, self.coff, packed=True,
-                                    score_first=score_first)
+                                    score_first=score_first, finish=fin)
+        if pooled is not None and fin is not None:
+            return pooled.unsqueeze(1), cuc
     else:
         kv, _ = self.linear_wkv(x)  # (total, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)
@@ -439,7 +459,6 @@ def _thd_fused(self, x, cu_seqlens, max_seqlen_q, fixed_total_comp, eager):
         return eager()
     rows = pooled.to(x.dtype)
     if fused_epilogue:
-        positions = rope_positions(cuc, total_comp, ratio, int(max_seqlen_q))
         return _fused_epilogue(self, rows, positions).unsqueeze(1), cuc
     # Megatron's own THD epilogue, as its method runs it
     out = self.norm(rows.unsqueeze(1))
