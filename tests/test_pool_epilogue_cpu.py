@@ -77,3 +77,152 @@ def test_precompile_names_a_wrong_epilogue_before_the_device():
         C.precompile(torch.bfloat16, 4, 2, 96, epilogue=C.Epilogue(rope_dim=0, rotate=True))
     with pytest.raises(TypeError, match="weight_dtype: expected bf16, fp16 or fp32"):
         C.precompile(torch.bfloat16, 4, 2, 128, epilogue=C.Epilogue(), weight_dtype=torch.int8)
+
+
+def by_parts_on_cpu(monkeypatch):
+    """The node's by-parts directions with the pooling kernels' launches replaced by the
+    reference (the kernels' contract), so the node's plumbing runs on the CPU."""
+    from csa_compressor import fused_epilogue, reference
+
+    @torch.no_grad()
+    def pool(p):  # as the kernels write it: a fresh contiguous tensor, no autograd history
+        kv, score = (p.full or (p.kv, p.score)) if p.kvs is None else halves3(p)
+        if p.batch:
+            return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio,
+                                           coff=p.coff).contiguous()
+        return reference.compress_thd(kv, score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
+                                      p.total_comp, ratio=p.ratio, coff=p.coff).contiguous()
+
+    def halves3(p):
+        from csa_compressor.validation import halves
+
+        return halves(p.kvs, p.score_first)
+
+    def launch_backward(grad, p, grads):
+        kv, score = (p.full or (p.kv, p.score)) if p.kvs is None else halves3(p)
+
+        def pooled(kv, score, ape):
+            if p.batch:
+                return reference.compress_sbhd(kv, score, ape, ratio=p.ratio, coff=p.coff)
+            return reference.compress_thd(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp,
+                                          p.total_comp, ratio=p.ratio, coff=p.coff)
+
+        # torch.func: it differentiates inside the node's backward and inside a custom op
+        _, vjp = torch.func.vjp(pooled, kv.detach(), score.detach(), p.ape.detach())
+        dkv, dscore, dape = vjp(grad)
+        grads[0].copy_(dkv)
+        grads[1].copy_(dscore)
+        return dape
+
+    monkeypatch.setattr(fused_epilogue, "_in_kernels", lambda *a: False)
+    monkeypatch.setattr(ops, "_forward", pool)
+    monkeypatch.setattr(ops, "_launch_backward", launch_backward)
+
+
+@pytest.mark.parametrize("layout", ["thd", "packed", "packed_score_first", "sbhd"])
+def test_the_node_is_the_pooling_then_the_epilogue_node(monkeypatch, layout):
+    """The node's forward and every gradient (the pooling's inputs, the APE, the norm
+    weight), in the order autograd hands them back, equal the pooling followed by
+    apply_epilogue (by parts on the CPU; the kernels' equality is the GPU tests')."""
+    from csa_compressor import reference
+    from csa_compressor.fused_epilogue import pool_with_epilogue
+    from csa_compressor.validation import halves, validate_packed, validate_sbhd
+
+    by_parts_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    ratio, coff, d = 4, 2, 64
+    ep = C.Epilogue(rope_dim=32, rotate=True)
+    w = (1 + 0.1 * torch.randn(d)).requires_grad_(True)
+    ape = (0.1 * torch.randn(ratio, coff * d)).requires_grad_(True)
+    if layout == "sbhd":
+        S, B = 42, 3
+        kv = torch.randn(S, B, coff * d).requires_grad_(True)
+        score = torch.randn(S, B, coff * d).requires_grad_(True)
+        leaves = (kv, score)
+        p = validate_sbhd(kv, score, ape, ratio=ratio, coff=coff)
+        n = S // ratio
+        pos = C.epilogue.sbhd_positions(n, B, ratio)
+        pooled = reference.compress_sbhd(kv, score, ape, ratio=ratio, coff=coff)
+        want = apply_epilogue_rows(pooled, w, pos, ep)
+    else:
+        T = 70
+        cu = torch.tensor([0, 30, 33, T], dtype=torch.int32)
+        cuc = C.compressed_cu_seqlens(cu, ratio)
+        n = int(cuc[-1]) + 2
+        pos = C.epilogue.rope_positions(cuc, n, ratio)
+        if layout == "thd":
+            kv = torch.randn(T, coff * d).requires_grad_(True)
+            score = torch.randn(T, coff * d).requires_grad_(True)
+            leaves = (kv, score)
+            p = validate(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff)
+        else:
+            kvs = torch.randn(T, 2 * coff * d).requires_grad_(True)
+            leaves = (kvs,)
+            p = validate_packed(kvs, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                score_first=layout == "packed_score_first")
+            kv, score = halves(kvs, p.score_first)
+        pooled = reference.compress_thd(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff)
+        want = apply_epilogue_rows(pooled, w, pos, ep)
+    g = torch.randn(want.shape)
+    want_grads = torch.autograd.grad(want, leaves + (ape, w), g)
+    got = pool_with_epilogue(p, Finish(ep, w))
+    got_grads = torch.autograd.grad(got, leaves + (ape, w), g)
+    assert torch.equal(got, want.detach())
+    names = [f"input {i}" for i in range(len(leaves))] + ["ape", "norm_weight"]
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert torch.equal(a, b), name
+
+
+def apply_epilogue_rows(pooled, w, pos, ep):
+    rows = C.apply_epilogue(pooled.reshape(-1, pooled.shape[-1]), w, pos, ep)
+    return rows.view(pooled.shape)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_under_torch_compile_the_custom_ops_give_the_eager_bits(monkeypatch, packed):
+    """fullgraph torch.compile: the node's directions as custom ops (their fakes give the
+    shapes) return what the eager node returns, every gradient included (by parts on the
+    CPU, as above)."""
+    from csa_compressor import validation
+
+    by_parts_on_cpu(monkeypatch)
+    for name in ("validate", "validate_packed", "validate_sbhd"):
+        fn = getattr(validation, name)
+        monkeypatch.setattr(ops, name, lambda *a, _f=fn, for_kernel=False, **k: _f(*a, **k))
+    torch.manual_seed(1)
+    ratio, coff, d, T = 4, 2, 64, 70
+    cu = torch.tensor([0, 30, 33, T], dtype=torch.int32)
+    cuc = C.compressed_cu_seqlens(cu, ratio)
+    n = int(cuc[-1]) + 2
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+    ep = C.Epilogue(rope_dim=32, rotate=True)
+    w = 1 + 0.1 * torch.randn(d)
+    ape = 0.1 * torch.randn(ratio, coff * d)
+    if packed:
+        def fn(kvs, ape, w):
+            return C.compress_thd_fused_packed(kvs, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                               epilogue=ep, norm_weight=w, positions=pos)
+        tensors = (torch.randn(T, 2 * coff * d), ape, w)
+    else:
+        def fn(kv, score, ape, w):
+            return C.compress_thd_fused(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                        epilogue=ep, norm_weight=w, positions=pos)
+        tensors = (torch.randn(T, coff * d), torch.randn(T, coff * d), ape, w)
+    g = torch.randn(n, d)
+
+    def run(f):
+        leaves = [t.clone().requires_grad_(True) for t in tensors]
+        out = f(*leaves)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, g))
+
+    from csa_compressor import fused_epilogue
+
+    bodies, op_problem = [], fused_epilogue._op_problem  # called by the custom ops' bodies only
+    monkeypatch.setattr(fused_epilogue, "_op_problem", lambda *a: bodies.append(1) or op_problem(*a))
+    want = run(fn)
+    assert bodies == []
+    torch._dynamo.reset()
+    got = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    assert len(bodies) == 2  # the forward's op and the backward's
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
