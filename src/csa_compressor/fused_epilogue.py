@@ -1,10 +1,10 @@
-"""The fused pooling followed by the epilogue, as one op: on the GPU one kernel a
-direction (kernels.pool_epilogue: the pooling kernels with the epilogue's row math
-inside), bitwise the pooling op followed by ``apply_epilogue``. Where those kernels do not
-take a problem (long windows, whose rows span CTAs; too few rows for the norm's in-kernel
-statistics; a gradient in another dtype) the same node runs the pooling kernels and the
-epilogue's own kernels in turn (the same bits). Under torch.compile the node's two
-directions are custom ops, as the pooling's are.
+"""The fused pooling followed by the epilogue, as one op, bitwise the pooling op followed
+by ``apply_epilogue``: on the GPU a direction in INSIDE runs as one kernel
+(kernels.pool_epilogue: the pooling kernel with the epilogue's row math inside); the
+others, and problems those kernels do not take (long windows, whose rows span CTAs; too
+few rows for the norm's in-kernel statistics; a gradient in another dtype), run the
+pooling kernels and the epilogue's own kernels in turn (by parts: the same bits). Under
+torch.compile the node's two directions are custom ops, as the pooling's are.
 
 The ops take it as ``epilogue=``: ``compress_thd_fused(..., epilogue=Epilogue(...),
 norm_weight=w)`` and the packed and SBHD ops likewise.
