@@ -25,9 +25,20 @@ def record(monkeypatch, inside=("fwd", "bwd")):
 
     monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
     seen = []
-    for name, tag in (("launch_forward_epilogue", "fwd"), ("launch_backward_epilogue", "bwd")):
-        fn = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _f=fn, _t=tag, **k: seen.append(_t) or _f(*a, **k))
+    fwd, bwd = launch.launch_forward, launch.launch_backward
+
+    def launch_forward(p, out, epilogue=None, extra=()):
+        if epilogue is not None:
+            seen.append("fwd")
+        return fwd(p, out, epilogue, extra)
+
+    def launch_backward(p, *grads, workspace=None, epilogue=None, extra=()):
+        if epilogue is not None:
+            seen.append("bwd")
+        return bwd(p, *grads, workspace=workspace, epilogue=epilogue, extra=extra)
+
+    monkeypatch.setattr(launch, "launch_forward", launch_forward)
+    monkeypatch.setattr(launch, "launch_backward", launch_backward)
     return seen
 
 

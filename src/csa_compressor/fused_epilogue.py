@@ -33,11 +33,11 @@ class Finish:
     (None: the layout's, ``block_index * ratio``), the rotary frequencies where the caller
     keeps them, or a caller's ``(cos, sin)`` table."""
 
-    __slots__ = ("ep", "norm_weight", "positions", "inv_freq", "rope_table")
+    __slots__ = ("ep", "norm_weight", "positions", "inv_freq", "rope_table", "_key")
 
     def __init__(self, ep, norm_weight, positions=None, inv_freq=None, rope_table=None):
         self.ep, self.norm_weight, self.positions = ep, norm_weight, positions
-        self.inv_freq, self.rope_table = inv_freq, rope_table
+        self.inv_freq, self.rope_table, self._key = inv_freq, rope_table, None
 
     def check(self, p: Problem) -> "Finish":
         """The arguments checked against the pooling's problem (as apply_epilogue checks
@@ -74,11 +74,12 @@ class Finish:
         return rows.view(pooled.shape)
 
     def key(self):
-        from .kernels.plan import EpilogueKey
+        """The kernels' EpilogueKey (asked at each decision and launch of a call: made once)."""
+        if self._key is None:
+            from .kernels.plan import EpilogueKey
 
-        ep = self.ep
-        return EpilogueKey(ep.rope_dim, bool(ep.rope_interleaved), bool(ep.rotate),
-                           float(ep.eps), self.norm_weight.dtype)
+            self._key = EpilogueKey.of(self.ep, self.norm_weight.dtype)
+        return self._key
 
 
 def _rows(p: Problem, t):
@@ -133,16 +134,15 @@ def _cos_sin_args(f: Finish, cos, sin, d, device):
 def _forward(p: Problem, f: Finish):
     """``(y, pooled, r, cos, sin)``: by the kernels with the epilogue inside where they take
     the problem, else by the pooling kernels and the epilogue node's forward in turn."""
-    from .kernels.launch import launch_forward_epilogue
-    from .ops import _forward as pool_forward
+    from .kernels.launch import launch_forward
 
     d = p.head_dim
     pooled = _pooled_buffer(p)
     flat = pooled.view(-1, d)
     if not _in_kernels(p, f, flat, "fwd"):
-        pooled = pool_forward(p)
-        y, r, cos, sin = _epilogue_forward(pooled.view(-1, d), f.norm_weight, f.positions,
-                                           f.inv_freq, f.ep, f.rope_table)
+        launch_forward(p, _rows(p, pooled))
+        y, r, cos, sin = _epilogue_forward(flat, f.norm_weight, f.positions, f.inv_freq, f.ep,
+                                           f.rope_table)
         return y.view(pooled.shape), pooled, r, cos, sin
     cos = sin = None
     if f.ep.rope_dim:
@@ -150,15 +150,16 @@ def _forward(p: Problem, f: Finish):
                                                             f.rope_table))
     r = torch.empty((flat.shape[0], 1), dtype=torch.float32, device=flat.device)
     y = torch.empty_like(flat)
-    launch_forward_epilogue(p, f.key(), _rows(p, pooled), flat, r, kernel_aligned(f.norm_weight),
-                            *_cos_sin_args(f, cos, sin, d, flat.device), y)
+    launch_forward(p, _rows(p, pooled), f.key(),
+                   (flat, r, kernel_aligned(f.norm_weight),
+                    *_cos_sin_args(f, cos, sin, d, flat.device), y))
     return y.view(pooled.shape), pooled, r, cos, sin
 
 
 def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
     """``(grads of the pooling's inputs..., dape, the weight's gradient)``: by the kernels
     with the epilogue inside or by parts (either after either forward)."""
-    from .kernels.launch import launch_backward_epilogue
+    from .kernels.launch import launch_backward
     from .ops import _launch_backward
 
     d = p.head_dim
@@ -174,10 +175,9 @@ def _backward(p: Problem, f: Finish, gy, pooled, r, cos, sin):
     gx = torch.empty_like(pooled)
     aux = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
     dape = torch.empty_like(p.ape)
-    launch_backward_epilogue(p, f.key(), kernel_aligned(g), flat, r,
-                             kernel_aligned(f.norm_weight),
-                             *_cos_sin_args(f, cos, sin, d, flat.device), gx.view(-1, d),
-                             _rows(p, gx), aux, *(_rows(p, v) for v in views), dape)
+    launch_backward(p, _rows(p, gx), *(_rows(p, v) for v in views), dape, epilogue=f.key(),
+                    extra=(kernel_aligned(g), flat, r, kernel_aligned(f.norm_weight),
+                           *_cos_sin_args(f, cos, sin, d, flat.device), gx.view(-1, d), aux))
     return grads + (dape, _column_sum(aux).to(f.norm_weight.dtype))
 
 

@@ -345,9 +345,7 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
                                           if sbhd_batch]
     keys = [None]
     if epilogue is not None:
-        keys.append(plan.EpilogueKey(epilogue.rope_dim, bool(epilogue.rope_interleaved),
-                                     bool(epilogue.rotate), float(epilogue.eps),
-                                     weight_dtype or dtype))
+        keys.append(plan.EpilogueKey.of(epilogue, weight_dtype or dtype))
     for row_stride, batch in layouts:
         for direction in directions:
             for key in keys:

@@ -206,7 +206,6 @@ class EpilogueRows:
         lane, warp, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         row = bx * WARPS_PER_CTA + warp
-        E = self.E
         sRow = None
         if cutlass.const_expr(self.norm):
             smem = cutlass.memory.SmemAllocator()
@@ -216,15 +215,22 @@ class EpilogueRows:
         # gradient's producer's) tail; nothing is read or written before that has completed.
         cute.arch.griddepcontrol_wait()
         if row < rows:  # uniform over the warp: its shuffles see every lane
-            v = cute.make_rmem_tensor((E,), Float32)
-            x = gIn[(None, (row, lane))].load().to(Float32)
-            for e in cutlass.range_constexpr(E):
-                v[e] = x[e]
+            v = self.load_row(gIn, row, lane)
             if cutlass.const_expr(not self.backward):
                 self.forward_row(v, sRow, mR, gW, gCos, gSin, row, rows, warp, lane)
             else:
                 self.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, row, warp, lane)
             gOut[(None, (row, lane))].store(v.load().to(gOut.element_type))
+
+    @cute.jit
+    def load_row(self, g: cute.Tensor, row, lane):
+        """The lane's ``E`` values of row ``row`` of ``g`` (``(1, E)`` tiles), in fp32
+        registers."""
+        v = cute.make_rmem_tensor((self.E,), Float32)
+        x = g[(None, (row, lane))].load().to(Float32)
+        for e in cutlass.range_constexpr(self.E):
+            v[e] = x[e]
+        return v
 
     @cute.jit
     def forward_row(self, v, sRow, mR, gW, gCos, gSin, row, rows, warp, lane):

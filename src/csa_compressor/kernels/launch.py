@@ -51,17 +51,20 @@ class _on_device:
             self.guard.__exit__(*exc)
 
 
-def launch_forward(p, out):
-    """Forward launch on a validated problem into a checked ``out``."""
+def launch_forward(p, out, epilogue=None, extra=()):
+    """Forward launch on a validated problem into a checked ``out``. ``epilogue`` (an
+    EpilogueKey): the kernel with the epilogue inside (pool_epilogue), ``extra`` its
+    arguments after the pooling's (the rows flat, their statistics, the weight, cos, sin,
+    the output)."""
     if p.total_comp == 0:
         return out
     dev = p.kv.device
     with _on_device(dev):
         c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
                                    row_stride=p.row_stride, batch=p.batch,
-                                   numerics=p.numerics), dev)
+                                   numerics=p.numerics, epilogue=epilogue), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
-        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows)
+        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
     return out
 
 
@@ -158,9 +161,14 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
     return launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace)
 
 
-def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
+def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, epilogue=None,
+                    extra=()):
     """Backward launch on a validated problem into checked buffers (an SBHD problem's:
-    sequence 0's views of them, rows and tokens present; ops.py zero-fills the rest)."""
+    sequence 0's views of them, rows and tokens present; ops.py zero-fills the rest).
+    ``epilogue`` (an EpilogueKey): the kernel with the epilogue's backward inside, which
+    writes ``grad_out`` itself before reading it; ``extra`` its arguments after the
+    pooling's (the output's gradient, the rows, their statistics, the weight, cos, sin,
+    ``grad_out`` flat, the weight's products)."""
     dev, dt, N, T, d, ratio, coff = (p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens,
                                      p.head_dim, p.ratio, p.coff)
     if N == 0 or T == 0:
@@ -171,13 +179,13 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
     with _on_device(dev):
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
                                                                       p.row_stride, p.batch,
-                                                                      p.numerics)
+                                                                      p.numerics, epilogue)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:
             raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
-             grad_score, workspace, rows_per_cta, row_ctas, zero_ctas)
+             grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, *extra)
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows.
         C = ratio * coff * d
@@ -185,41 +193,3 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None):
         dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape
 
-
-# The pooling with the epilogue inside (pool_epilogue): the launches of fused_epilogue.py,
-# on problems it found the kernels take (plan.epilogue_designable; at least one row and
-# token).
-
-def launch_forward_epilogue(p, key, out, x, r, weight, cos, sin, y):
-    """Pooled rows into ``out`` (the kernels' view: SBHD sequence 0's), and the epilogue of
-    them: ``x`` the same rows flat ``(N * batch, d)``, ``r`` their statistics, ``y`` the
-    output (flat)."""
-    dev = p.kv.device
-    with _on_device(dev):
-        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
-                                   row_stride=p.row_stride, batch=p.batch,
-                                   numerics=p.numerics, epilogue=key), dev)
-        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
-        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows, x, r, weight,
-             cos, sin, y)
-    return y
-
-
-def launch_backward_epilogue(p, key, gy, x, r, weight, cos, sin, gx, gx_rows, aux, grad_kv,
-                             grad_score, grad_ape):
-    """The epilogue's backward into ``gx`` (flat; ``gx_rows`` the kernels' view of it) and
-    the weight's products ``aux``, then the pooling's into the window gradients and
-    ``grad_ape``."""
-    dev, N, T = p.kv.device, p.total_comp, p.num_tokens
-    with _on_device(dev):
-        c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(
-            dev, p.kv.dtype, p.ratio, p.coff, p.head_dim, N, T, p.row_stride, p.batch,
-            p.numerics, key)
-        workspace = torch.empty(shape, dtype=torch.float32, device=dev)
-        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, gx_rows, grad_kv,
-             grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, gy, x, r, weight, cos,
-             sin, gx, aux)
-        C = p.ratio * p.coff * p.head_dim
-        rows = row_ctas * c.kernel.grid_z()
-        dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
-    return grad_kv, grad_score, grad_ape

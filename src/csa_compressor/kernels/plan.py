@@ -37,6 +37,12 @@ class EpilogueKey:
     eps: float
     weight_dtype: torch.dtype
 
+    @classmethod
+    def of(cls, ep, weight_dtype: torch.dtype) -> "EpilogueKey":
+        """The key of an epilogue.Epilogue with a norm weight of ``weight_dtype``."""
+        return cls(ep.rope_dim, bool(ep.rope_interleaved), bool(ep.rotate), float(ep.eps),
+                   weight_dtype)
+
     def __str__(self):
         return (f"epilogue(rope_dim={self.rope_dim}, interleaved={self.interleaved}, "
                 f"rotate={self.rotate}, eps={self.eps}, weight={self.weight_dtype})")
@@ -161,7 +167,9 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
     default has one; ``dape`` / ``dape_wide`` the two layouts of the backward's partial sum,
-    the wide one where the partials have the columns for it."""
+    the wide one where the partials have the columns for it. With an ``epilogue``: the
+    register-resident kernels with it inside (pool_epilogue), None where the design does
+    not take it (epilogue_designable)."""
     from .dape_reduce import DapeReduce
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
@@ -173,48 +181,26 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         if direction == "dape_wide" and not wide:
             return None
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
-    if epilogue is not None:
-        return _epilogue_kernel(direction, dtype, ratio, coff, head_dim, arch_major, tuning,
-                                row_stride, batch, numerics, epilogue)
-    if long:
+    kw = dict(tuning=tuning, row_stride=row_stride, batch=batch, numerics=numerics)
+    forward, backward = PoolForward, PoolBackward
+    if epilogue is not None:  # the register-resident kernels with the epilogue inside
+        if not epilogue_designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
+                                   batch, numerics, epilogue):
+            return None
+        from .pool_epilogue import PoolEpilogueBackward, PoolEpilogueForward
+
+        forward, backward = PoolEpilogueForward, PoolEpilogueBackward
+        kw["epilogue"] = epilogue
+    elif long:
         if direction == "fwd":
-            return LongPoolForward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
-                                   batch=batch, numerics=numerics)
-        return (LongPoolBackward(cdt, ratio, coff, head_dim, tuning=tuning, row_stride=row_stride,
-                                 batch=batch, numerics=numerics)
-                if direction == "bwd" else None)
+            return LongPoolForward(cdt, ratio, coff, head_dim, **kw)
+        return LongPoolBackward(cdt, ratio, coff, head_dim, **kw) if direction == "bwd" else None
     if direction == "fwd":
-        return PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride, batch=batch, numerics=numerics)
-    default = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                           row_stride=row_stride, batch=batch, numerics=numerics)
+        return forward(cdt, ratio, coff, head_dim, arch_major, **kw)
+    default = backward(cdt, ratio, coff, head_dim, arch_major, **kw)
     if direction == "bwd":
         return default
-    return (PoolBackward(cdt, ratio, coff, head_dim, arch_major, large=True, tuning=tuning,
-                         row_stride=row_stride, batch=batch, numerics=numerics)
-            if default.has_large_variant else None)
-
-
-def _epilogue_kernel(direction, dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
-                     batch, numerics, epilogue):
-    from .pool_epilogue import PoolEpilogueBackward, PoolEpilogueForward
-
-    cdt = cutlass_dtype(dtype)
-    if not epilogue_designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
-                               batch, numerics, epilogue):
-        return None
-    if direction == "fwd":
-        return PoolEpilogueForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                                   row_stride=row_stride, batch=batch, numerics=numerics,
-                                   epilogue=epilogue)
-    default = PoolEpilogueBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
-                                   row_stride=row_stride, batch=batch, numerics=numerics,
-                                   epilogue=epilogue)
-    if direction == "bwd":
-        return default
-    return (PoolEpilogueBackward(cdt, ratio, coff, head_dim, arch_major, large=True,
-                                 tuning=tuning, row_stride=row_stride, batch=batch,
-                                 numerics=numerics, epilogue=epilogue)
+    return (backward(cdt, ratio, coff, head_dim, arch_major, large=True, **kw)
             if default.has_large_variant else None)
 
 

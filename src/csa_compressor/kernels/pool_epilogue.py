@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .epilogue_rows import EpilogueRows, cos_sin_vec
+from .epilogue_rows import EpilogueRows
 from .pool_bwd import PoolBackward
 from .pool_fwd import PoolForward
 from .staging import smem_footprint
@@ -36,9 +36,8 @@ class EpilogueWarps:
         assert self.threads % 32 == 0, "the epilogue takes whole warps"
         self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
                                     epilogue.rotate, backward, norm=True, eps=epilogue.eps)
-        self.E = self.d // 32
+        self.E, self.cs_vec = self.rows_ep.E, self.rows_ep.cs_vec  # a lane's channels, cos/sin
         self.warps = self.threads // 32
-        self.cs_vec = cos_sin_vec(self.d, epilogue.interleaved)
         # The scratch is an allocation of its own: the DSL adds it to the pooling's.
         self.smem_bytes = self.smem_bytes + smem_footprint(self.warps * self.d * 4)
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
@@ -129,10 +128,7 @@ class PoolEpilogueForward(EpilogueWarps, PoolForward):
             row = first + j
             if row < num_rows:  # uniform over the warp
                 flat = self.flat_row(row)
-                v = cute.make_rmem_tensor((self.E,), Float32)
-                x = gX[(None, (flat, lane))].load().to(Float32)
-                for e in cutlass.range_constexpr(self.E):
-                    v[e] = x[e]
+                v = self.rows_ep.load_row(gX, flat, lane)
                 self.rows_ep.forward_row(v, sRow, mR, gW, gCos, gSin, flat, total, warp, lane)
                 gY[(None, (flat, lane))].store(v.load().to(self.dtype))
                 # the next row's statistics reuse the warp's scratch
@@ -193,10 +189,7 @@ class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
                 row = bx * rows_per_cta + j
                 if row < num_rows:  # uniform over the warp
                     flat = self.flat_row(row)
-                    v = cute.make_rmem_tensor((self.E,), Float32)
-                    g = gY[(None, (flat, lane))].load().to(Float32)
-                    for e in cutlass.range_constexpr(self.E):
-                        v[e] = g[e]
+                    v = self.rows_ep.load_row(gY, flat, lane)
                     # Each group stores its own columns (of the weight's products too).
                     self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
                                               lane, mine)
