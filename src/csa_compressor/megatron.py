@@ -317,12 +317,14 @@ def _forward_sbhd(self, x):
             score, _ = self.linear_wgate(x)
     from .dispatch import fused_sbhd_or_reason
 
-    n = sq // ratio
+    n, b = sq // ratio, x.shape[1]
     epilogue, fin = _epilogue_on(self, grouped=False), None
-    if epilogue and kv.dtype == x.dtype:  # the pooling kernel runs it inside (the same bits)
+    if epilogue:
         from .epilogue import sbhd_positions
 
-        fin = _finish_for(self, sbhd_positions(n, x.shape[1], ratio, x.device))
+        positions = sbhd_positions(n, b, ratio, x.device)
+        if kv.dtype == x.dtype:  # the pooling kernel runs it inside (the same bits)
+            fin = _finish_for(self, positions)
     try:
         pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
                                               packed=joint, score_first=score_first,
@@ -335,11 +337,9 @@ def _forward_sbhd(self, x):
     if fin is not None:
         return pooled
     if epilogue:
-        from .epilogue import sbhd_positions
-
-        b, d = pooled.shape[1], pooled.shape[2]
+        d = pooled.shape[2]
         rows = pooled.to(x.dtype).reshape(n * b, d)
-        return _fused_epilogue(self, rows, sbhd_positions(n, b, ratio, x.device)).view(n, b, d)
+        return _fused_epilogue(self, rows, positions).view(n, b, d)
     kv = self.norm(pooled.to(x.dtype))
     kv = mod._apply_rope(kv, self.head_dim - self.qk_pos_emb_head_dim, self.qk_pos_emb_head_dim,
                          self.rotary_pos_emb, self.config, n, ratio=ratio,
