@@ -377,7 +377,9 @@ def test_the_eager_numerics_compile_spill_free_with_their_roundings(arch, cfg):
 @pytest.mark.parametrize("cfg,ep", [
     (("fwd", "bfloat16", 4, 2, 512), "64:1:0:float32"), (("bwd", "bfloat16", 4, 2, 512), "64:1:0:float32"),
     (("fwd", "bfloat16", 4, 2, 128), "64:1:1:float32"), (("bwd", "bfloat16", 4, 2, 128), "64:1:1:float32"),
-    (("bwd_large", "bfloat16", 4, 2, 128), "64:0:1:bfloat16"), (("fwd", "bfloat16", 4, 2, 128), "0:1:1:bfloat16")],
+    (("bwd_large", "bfloat16", 4, 2, 128), "64:0:1:bfloat16"), (("fwd", "bfloat16", 4, 2, 128), "0:1:1:bfloat16"),
+    (("fwd", "bfloat16", 128, 1, 512), "64:0:0:float32"), (("bwd", "bfloat16", 128, 1, 512), "64:0:0:float32"),
+    (("bwd", "bfloat16", 128, 2, 128), "64:1:1:float32")],
     ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c)
 def test_the_pooling_kernels_with_the_epilogue_compile(arch, cfg, ep):
     """kernels.pool_epilogue at the Compressor's geometries: the pooling's design as the

@@ -54,7 +54,7 @@ def test_checked_positions_default_to_the_layouts():
 
 @pytest.mark.parametrize("ratio,coff,d,taken", [
     (4, 2, 512, True), (4, 2, 128, True), (8, 1, 64, True), (4, 2, 256, True),
-    (128, 1, 512, False),  # slot-parallel: a row spans CTAs
+    (128, 1, 512, True), (128, 2, 128, True),  # slot-parallel: a row's last CTA finishes it
     (16, 1, 512, False),  # the forward splits the row over two column groups
     (4, 2, 96, False),  # the rope channels not whole lanes (head_dim - rope_dim) % (d // 32)
 ])
@@ -68,6 +68,9 @@ def test_which_geometries_take_the_epilogue_inside(ratio, coff, d, taken):
     kernel = plan.kernel_for("fwd", torch.bfloat16, ratio, coff, d, 9, current().codegen(),
                              epilogue=key)
     assert (kernel is not None) is taken
+    if taken:
+        long = current().long_window(ratio * coff)
+        assert type(kernel).__name__ == ("LongPoolEpilogueForward" if long else "PoolEpilogueForward")
 
 
 def test_precompile_names_a_wrong_epilogue_before_the_device():

@@ -172,10 +172,92 @@ def test_sbhd_is_the_pooling_then_the_epilogue(monkeypatch, packed, d, ep):
     assert_same(got, want, ("out",) + ("d",) * (len(tensors) + 1))
 
 
-@pytest.mark.parametrize("ratio,coff,d,T", [(128, 1, 512, 20000), (4, 2, 128, 40)])
+@pytest.mark.parametrize("inside", [("fwd", "bwd"), ("fwd",), ("bwd",)], ids="-".join)
+@pytest.mark.parametrize("d,ratio,coff,ep", [
+    (512, 128, 1, Epilogue(rope_dim=64, rope_interleaved=False, rotate=False)),
+    (128, 128, 2, Epilogue(rope_dim=64, rope_interleaved=True, rotate=True)),
+    (512, 32, 1, Epilogue(rope_dim=512, rope_interleaved=False, rotate=True)),
+], ids=["d512-r128-halves64", "d128-r128c2-rope64-rotate", "d512-r32-rope512-rotate"])
+def test_long_windows_are_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, inside):
+    """The slot-parallel kernels (a row over several CTAs): the forward's last CTA of a
+    row runs its epilogue, every backward CTA its rows' whole epilogue backward; the same
+    bits as the pooling then the epilogue node, and a CUDA graph's replays give them again
+    (the rows' counts start from zero each replay)."""
+    T, cu, cuc, n = thd_pack(ratio)
+    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d + 1)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+
+    def composed(kv, score, ape, w):
+        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
+
+    def fused(kv, score, ape, w):
+        return C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw, epilogue=ep, norm_weight=w)
+
+    want = run(composed, (kv, score, ape, w), g)
+    seen = record(monkeypatch, inside)
+    got = run(fused, (kv, score, ape, w), g)
+    assert seen == list(inside)
+    assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
+    if inside != ("fwd", "bwd"):
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        fused(kv, score, ape, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = fused(kv, score, ape, w)
+    for _ in range(3):
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, want[0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_long_window_sbhd_and_packed_are_the_pooling_then_the_epilogue(monkeypatch, packed):
+    """SBHD (one grid.z a sequence: the rows' counts and flat rows interleave sequences),
+    separate and packed inputs, at ratio 128."""
+    d, ratio, coff, S, B = 512, 128, 1, 4100, 3
+    ep = Epilogue(rope_dim=64, rotate=False)
+    kv, score, ape, w = inputs(S * B, coff * d, d, ratio, coff, torch.bfloat16, torch.bfloat16, 11)
+    kv, score = kv.view(S, B, -1), score.view(S, B, -1)
+    n = S // ratio
+    g = torch.randn(n, B, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.sbhd_positions(n, B, ratio, device=DEV)
+    if packed:
+        def composed(kvs, ape, w):
+            out = C.compress_sbhd_fused_packed(kvs, ape, **kw)
+            return apply_epilogue(out.reshape(n * B, d), w, pos, ep).view(n, B, d)
+
+        def fused(kvs, ape, w):
+            return C.compress_sbhd_fused_packed(kvs, ape, **kw, epilogue=ep, norm_weight=w)
+
+        tensors = (torch.cat((kv, score), -1), ape, w)
+    else:
+        def composed(kv, score, ape, w):
+            out = C.compress_sbhd_fused(kv, score, ape, **kw)
+            return apply_epilogue(out.reshape(n * B, d), w, pos, ep).view(n, B, d)
+
+        def fused(kv, score, ape, w):
+            return C.compress_sbhd_fused(kv, score, ape, **kw, epilogue=ep, norm_weight=w)
+
+        tensors = (kv, score, ape, w)
+    want = run(composed, tensors, g)
+    seen = record(monkeypatch)
+    got = run(fused, tensors, g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out",) + ("d",) * (len(tensors) + 1))
+
+
+@pytest.mark.parametrize("ratio,coff,d,T", [(4, 2, 128, 40), (128, 1, 512, 1500)])
 def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, ratio, coff, d, T):
-    """Long windows (a row over several CTAs) and packs of fewer rows than the norm's
-    in-kernel statistics take: the pooling op and the epilogue node, the same bits."""
+    """Packs of fewer rows than the norm's in-kernel statistics take: the pooling op and
+    the epilogue node, the same bits."""
     cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     cuc = C.compressed_cu_seqlens(cu, ratio)
     n = int(cuc[-1])

@@ -21,12 +21,18 @@ from csa_compressor import epilogue as E  # noqa: E402
 from csa_compressor import fused_epilogue as FE  # noqa: E402
 from csa_compressor.cli.bench import capture_graph, input_sets, time_graphs_interleaved  # noqa: E402
 from csa_compressor.layout import compressed_cu_seqlens  # noqa: E402
+from csa_compressor.kernels.tuning import use  # noqa: E402
 from csa_compressor.ops import _forward as pool_forward, _launch_backward  # noqa: E402
 from csa_compressor.validation import halves, validate_packed  # noqa: E402
 
 FE.INSIDE = ("fwd", "bwd")  # the "inside" steps: whatever the package's default
 
-CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True))
+CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True),
+           ("d512 r128", 512, 128, 1, False))
+
+# The d=512 backward inside as one column group (its CTAs of 256 threads, held to 3 an SM),
+# whose warps each take a row's epilogue once rather than once a column group: "bwd_inside_cg1".
+ONE_GROUP = dict(MAX_CTA_THREADS=256, BWD_TARGET_CTAS_PER_SM=3)
 
 
 def main():
@@ -69,25 +75,37 @@ def main():
             p, (_, pooled, r, cos, sin) = probs[i], saved[i]
             gx, gw = E._backward(grads[i], pooled, w, cos, sin, r, ep)
             dkvs = torch.empty_like(p.kvs)
-            return _launch_backward(gx, p, halves(dkvs)), gw
+            return dkvs, _launch_backward(gx, p, halves(dkvs)), gw
 
         def bwd_inside(i):
             _, pooled, r, cos, sin = saved[i]
             return FE._backward(probs[i], fins[i], grads[i], pooled, r, cos, sin)
 
+        def bwd_inside_cg1(i):
+            with use(**ONE_GROUP):
+                return bwd_inside(i)
+
         steps = {"fwd_parts": fwd_parts, "fwd_inside": fwd_inside, "bwd_parts": bwd_parts,
                  "bwd_inside": bwd_inside}
+        if d == 512 and ratio == 4:
+            steps["bwd_inside_cg1"] = bwd_inside_cg1
         for step in steps.values():
             step(0)
         torch.cuda.synchronize()
         # the two ways agree, bit for bit
         a, b = fwd_parts(0)[0], fwd_inside(0)[0]
         assert torch.equal(a, b.view(a.shape)), name
+        a, b = bwd_parts(0), bwd_inside(0)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), name  # dkvs, dape, dweight
+        if "bwd_inside_cg1" in steps:
+            c = bwd_inside_cg1(0)
+            assert all(torch.equal(x, y) for x, y in zip(b, c)), name
         graphs = {k: capture_graph(s, sets) for k, s in steps.items()}
         us = time_graphs_interleaved(graphs)
         print(name, {k: round(v, 1) for k, v in us.items()}, flush=True)
+        cg1 = f" (one column group: {us['bwd_inside_cg1']:.1f})" if "bwd_inside_cg1" in us else ""
         lines.append(f"| {name} | {us['fwd_parts']:.1f} | {us['fwd_inside']:.1f} | "
-                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f} |")
+                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f}{cg1} |")
     print(f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}; µs a call")
     print("\n".join(lines))
 

@@ -1,8 +1,8 @@
 """The fused pooling followed by the epilogue, as one op, bitwise the pooling op followed
 by ``apply_epilogue``: on the GPU a direction in INSIDE runs as one kernel
 (kernels.pool_epilogue: the pooling kernel with the epilogue's row math inside); the
-others, and problems those kernels do not take (long windows, whose rows span CTAs; too
-few rows for the norm's in-kernel statistics; a gradient in another dtype), run the
+others, and problems those kernels do not take (too few rows for the norm's in-kernel
+statistics; a gradient in another dtype; geometries the row math does not cover), run the
 pooling kernels and the epilogue's own kernels in turn (by parts: the same bits). Under
 torch.compile the node's two directions are custom ops, as the pooling's are.
 
@@ -18,6 +18,7 @@ from .epilogue import (Epilogue, _backward as _epilogue_backward, _column_sum,
                        _ep_args, _ep_of, _forward as _epilogue_forward, _norm_in_kernel,
                        apply_epilogue, check_rope_table, rope_cos_sin, rope_positions,
                        sbhd_positions)
+from .kernels.tuning import current
 from .softmax_order import ROWSUM_MIN_ROWS
 from .validation import Problem, halves, kernel_aligned
 
@@ -92,7 +93,6 @@ def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bo
     statistics run in the kernel (epilogue._norm_in_kernel: enough rows, its order checked
     torch's)."""
     from .kernels import hardware, plan
-    from .kernels.tuning import current
     from .dispatch import small_kernels_usable
 
     if direction not in INSIDE or flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 \
@@ -150,9 +150,12 @@ def _forward(p: Problem, f: Finish):
                                                             f.rope_table))
     r = torch.empty((flat.shape[0], 1), dtype=torch.float32, device=flat.device)
     y = torch.empty_like(flat)
+    counts = ()
+    if current().long_window(p.ratio * p.coff):  # a row over CTAs: the last one finishes it
+        counts = (torch.zeros(flat.shape[0], dtype=torch.int32, device=flat.device),)
     launch_forward(p, _rows(p, pooled), f.key(),
                    (flat, r, kernel_aligned(f.norm_weight),
-                    *_cos_sin_args(f, cos, sin, d, flat.device), y))
+                    *_cos_sin_args(f, cos, sin, d, flat.device), y) + counts)
     return y.view(pooled.shape), pooled, r, cos, sin
 
 

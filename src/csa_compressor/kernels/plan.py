@@ -154,7 +154,7 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     specialisation does not have)."""
     specs = family(s)
     args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
-                         f.batch, f.epilogue) for f in specs]
+                         f.batch, f.epilogue, f.tuning) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
                           f.row_stride, f.batch, f.numerics, f.epilogue) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
@@ -183,18 +183,21 @@ def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_d
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
     kw = dict(tuning=tuning, row_stride=row_stride, batch=batch, numerics=numerics)
     forward, backward = PoolForward, PoolBackward
-    if epilogue is not None:  # the register-resident kernels with the epilogue inside
+    if long:
+        forward, backward = LongPoolForward, LongPoolBackward
+    if epilogue is not None:  # the kernels with the epilogue inside
         if not epilogue_designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
                                    batch, numerics, epilogue):
             return None
-        from .pool_epilogue import PoolEpilogueBackward, PoolEpilogueForward
+        from . import pool_epilogue as pe
 
-        forward, backward = PoolEpilogueForward, PoolEpilogueBackward
+        forward, backward = ((pe.LongPoolEpilogueForward, pe.LongPoolEpilogueBackward) if long
+                             else (pe.PoolEpilogueForward, pe.PoolEpilogueBackward))
         kw["epilogue"] = epilogue
-    elif long:
+    if long:
         if direction == "fwd":
-            return LongPoolForward(cdt, ratio, coff, head_dim, **kw)
-        return LongPoolBackward(cdt, ratio, coff, head_dim, **kw) if direction == "bwd" else None
+            return forward(cdt, ratio, coff, head_dim, **kw)
+        return backward(cdt, ratio, coff, head_dim, **kw) if direction == "bwd" else None
     if direction == "fwd":
         return forward(cdt, ratio, coff, head_dim, arch_major, **kw)
     default = backward(cdt, ratio, coff, head_dim, arch_major, **kw)
@@ -210,10 +213,11 @@ _DESIGNABLE: dict = {}
 def epilogue_designable(dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                         arch_major: int, tuning, row_stride: int = 0, batch: int = 0,
                         numerics: str = "fp32", epilogue: EpilogueKey | None = None) -> bool:
-    """Whether the pooling kernels of this specialisation take the epilogue inside: a
-    register-resident window (the slot-parallel kernels split a row over CTAs), a
-    forward whose CTA holds whole rows, whole warps, and a geometry the row math covers
-    (epilogue_rows.supported). Kept: asked on every launch."""
+    """Whether the pooling kernels of this specialisation take the epilogue inside: whole
+    warps, a geometry the row math covers (epilogue_rows.supported), and a row's columns
+    where its epilogue can find them: a register-resident forward whose CTA holds whole
+    rows, a backward whose column groups own whole lanes of the row math (a lane's
+    channels in one group). Kept: asked on every launch."""
     key = (dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, batch, numerics,
            epilogue)
     hit = _DESIGNABLE.get(key)
@@ -228,12 +232,19 @@ def _designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, ba
     from .epilogue_rows import dtypes, supported
     from .pool_bwd import PoolBackward
     from .pool_fwd import PoolForward
+    from .pool_long import LongPoolBackward, LongPoolForward
 
-    if epilogue is None or tuning.long_window(coff * ratio) or epilogue.weight_dtype not in dtypes():
+    if epilogue is None or epilogue.weight_dtype not in dtypes():
         return False
     if not supported(dtype, head_dim, epilogue.rope_dim, epilogue.interleaved, epilogue.rotate):
         return False
     cdt = cutlass_dtype(dtype)
+    if tuning.long_window(coff * ratio):
+        kw = dict(tuning=tuning, row_stride=row_stride, batch=batch, numerics=numerics)
+        fwd = LongPoolForward(cdt, ratio, coff, head_dim, **kw)
+        bwd = LongPoolBackward(cdt, ratio, coff, head_dim, **kw)
+        return (fwd.threads % 32 == 0 and bwd.threads % 32 == 0
+                and bwd.cols % (head_dim // 32) == 0)
     fwd = PoolForward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
                       row_stride=row_stride, batch=batch, numerics=numerics)
     bwd = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
@@ -250,8 +261,8 @@ def _fake(dtype, shape, align):
 
 
 def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
-                 row_stride: int = 0, batch: int = 0, epilogue: EpilogueKey | None = None
-                 ) -> tuple:
+                 row_stride: int = 0, batch: int = 0, epilogue: EpilogueKey | None = None,
+                 tuning: Tuning | None = None) -> tuple:
     """Symbolic arguments of a direction's launch: token, row, batch and partial-row counts
     stay symbolic, so packs change without recompiling; ``row_stride`` (0: packed rows) is
     the token rows' static stride in kv, score, dkv and dscore; ``batch`` (SBHD) makes the
@@ -282,7 +293,8 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
     kv, score = rows(), rows()
     ape = _fake(cutlass.Float32, (ratio, W), 16)
     cu, cuc = _fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4)
-    ep = () if epilogue is None else _epilogue_args(direction, cdt, head_dim, epilogue)
+    long = (tuning or current()).long_window(coff * ratio)
+    ep = () if epilogue is None else _epilogue_args(direction, cdt, head_dim, epilogue, long)
     if direction == "fwd":
         return (kv, score, ape, cu, cuc, outs(), Int32(1)) + ep + (stream,)
     grad = outs()
@@ -292,9 +304,10 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
             Int32(1)) + ep + (stream,)
 
 
-def _epilogue_args(direction, cdt, head_dim, epilogue):
+def _epilogue_args(direction, cdt, head_dim, epilogue, long: bool):
     """The epilogue's symbolic arguments (pool_epilogue's launches): flat rows of the whole
-    pack (``N * batch``), their statistics, the weight, the cosine and sine rows."""
+    pack (``N * batch``), their statistics, the weight, the cosine and sine rows; the
+    slot-parallel forward also the rows' counts."""
     import cutlass
     import cutlass.cute as cute
 
@@ -306,7 +319,8 @@ def _epilogue_args(direction, cdt, head_dim, epilogue):
     common = (_fake(cutlass.Float32, (NF, 1), 4), _fake(cutlass_dtype(epilogue.weight_dtype),
                                                         (head_dim,), 16),
               _fake(cutlass.Float32, (M, cs), 16), _fake(cutlass.Float32, (M, cs), 16))
-    if direction == "fwd":  # pooled rows, statistics, weight, cos, sin, output
-        return (flat(cdt),) + common + (flat(cdt),)
+    if direction == "fwd":  # pooled rows, statistics, weight, cos, sin, output (, counts)
+        counts = (_fake(cutlass.Int32, (NF,), 4),) if long else ()
+        return (flat(cdt),) + common + (flat(cdt),) + counts
     # output gradient, pooled rows, statistics, weight, cos, sin, rows gradient, products
     return (flat(cdt), flat(cdt)) + common + (flat(cdt), flat(cutlass.Float32))

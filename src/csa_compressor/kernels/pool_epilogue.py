@@ -24,6 +24,7 @@ from cutlass import Float32, Int32
 from .epilogue_rows import EpilogueRows
 from .pool_bwd import PoolBackward
 from .pool_fwd import PoolForward
+from .pool_long import LongPoolBackward, LongPoolForward
 from .staging import smem_footprint
 
 
@@ -32,14 +33,9 @@ class EpilogueWarps:
     shared memory (one row a warp, the norm's row sums), the flat row of an SBHD
     sequence's row. Needs ``threads``, ``lanes``, ``d``, ``batch`` and ``smem_bytes``."""
 
-    def setup_epilogue(self, dtype, epilogue, backward: bool):
-        assert self.threads % 32 == 0, "the epilogue takes whole warps"
-        self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
-                                    epilogue.rotate, backward, norm=True, eps=epilogue.eps)
-        self.E, self.cs_vec = self.rows_ep.E, self.rows_ep.cs_vec  # a lane's channels, cos/sin
-        self.warps = self.threads // 32
-        # The scratch is an allocation of its own: the DSL adds it to the pooling's.
-        self.smem_bytes = self.smem_bytes + smem_footprint(self.warps * self.d * 4)
+    def setup_epilogue(self, dtype, epilogue, backward: bool, scratch_warps: int = 0):
+        """``scratch_warps``: the warps that take rows (0: all of them)."""
+        self.epilogue_rows(dtype, epilogue, backward, scratch_warps)
         self.target_ctas_per_sm = max(1, min(self.target_ctas_per_sm, self.ctas_fitting_smem()))
         bound = self.target_ctas_per_sm  # unbounded, the d=512 forward fell from 4 to 3
         if backward and self.carveout is None:
@@ -48,6 +44,16 @@ class EpilogueWarps:
             bound -= 2  # narrow forwards: held to 8 at d=128 spilled 64 B, to 7 32 B, to 6 none
         self.hold_to(bound)
 
+    def epilogue_rows(self, dtype, epilogue, backward: bool, scratch_warps: int = 0):
+        """The row math and its shared scratch (one row a warp that takes rows)."""
+        assert self.threads % 32 == 0, "the epilogue takes whole warps"
+        self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
+                                    epilogue.rotate, backward, norm=True, eps=epilogue.eps)
+        self.E, self.cs_vec = self.rows_ep.E, self.rows_ep.cs_vec  # a lane's channels, cos/sin
+        self.warps = self.threads // 32
+        self.scratch_warps = scratch_warps or self.warps
+        # The scratch is an allocation of its own: the DSL adds it to the pooling's.
+        self.smem_bytes = self.smem_bytes + smem_footprint(self.scratch_warps * self.d * 4)
     def epilogue_tiles(self, mX, mW, mCos, mSin, mOut, mAux=None):
         E, cs = self.E, self.cs_vec
         tiles = (cute.zipped_divide(mX, (1, E)), cute.zipped_divide(mW, (E,)),
@@ -60,7 +66,7 @@ class EpilogueWarps:
     @cute.jit
     def scratch(self):
         smem = cutlass.memory.SmemAllocator()
-        return smem.allocate_tensor(Float32, cute.make_layout((self.warps, self.d),
+        return smem.allocate_tensor(Float32, cute.make_layout((self.scratch_warps, self.d),
                                                               stride=(self.d, 1)), 16)
 
     @cute.jit
@@ -200,3 +206,125 @@ class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
             cute.arch.barrier()
         self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
                        rows_per_cta, num_row_ctas, tid, ty, bx, by)
+
+
+class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):
+    """The slot-parallel forward with the epilogue: a row's columns are the pooled values
+    of ``col_groups`` CTAs, so the CTA that finishes a row last (a per-row count, bumped
+    once a CTA after its columns are stored) runs the row's epilogue with one warp, reading
+    the row back as the register-resident forward does."""
+
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning=None,
+                 row_stride: int = 0, batch: int = 0, numerics: str = "fp32", epilogue=None):
+        super().__init__(dtype, ratio, coff, head_dim, tuning, row_stride, batch, numerics)
+        self.epilogue_rows(dtype, epilogue, backward=False, scratch_warps=1)
+        self.smem_bytes += 16  # the CTA's "last of its row" flag
+        self.hold_to(self.held)  # the pooling's bound, the carveout for the scratch
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mOut: cute.Tensor, rows_per_thread: Int32, mX: cute.Tensor,
+                 mR: cute.Tensor, mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor,
+                 mY: cute.Tensor, mCount: cute.Tensor, stream):
+        """LongPoolForward's launch, plus PoolEpilogueForward's arguments and ``mCount``
+        the rows' counts (int32, one a flat row, zero before the launch)."""
+        tiler = (1, self.vec)
+        gX, gW, gCos, gSin, gY = self.epilogue_tiles(mX, mW, mCos, mSin, mY)
+        self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+                    cute.zipped_divide(mApe, tiler), mCu, mCuc, mOut, mKV.shape[0], gX, mR, gW,
+                    gCos, gSin, gY, mCount).launch(
+            grid=[mOut.shape[0], self.col_groups, self.grid_z()], block=[self.lanes, self.groups, 1],
+            smem=self.smem_bytes, stream=stream, use_pdl=True,
+            preferred_smem_carveout=self.carveout, min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32, gX: cute.Tensor,
+               mR: cute.Tensor, gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor,
+               gY: cute.Tensor, mCount: cute.Tensor):
+        sRow = self.scratch()
+        last = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout((1,)), 16)
+        cute.arch.griddepcontrol_wait()  # LongPoolForward.kernel's reason
+        self.pool_row(gKV, gSc, gApe, mCu, mCuc, mOut, num_tokens)
+        row, _, _ = cute.arch.block_idx()
+        flat = self.flat_row(row)
+        warp, lane = self.warp_lane()
+        # The CTA's columns are stored before its count: the count's last bump sees them all.
+        cute.arch.barrier()
+        if (warp == 0) & (lane == 0):
+            cute.arch.fence_acq_rel_gpu()
+            done = cute.arch.atomic_add((mCount.iterator + flat).llvm_ptr, Int32(1),
+                                        sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+            last[0] = Int32(done == self.col_groups - 1)
+        cute.arch.barrier()
+        if (last[0] != 0) & (warp == 0):
+            v = self.rows_ep.load_row(gX, flat, lane)
+            self.rows_ep.forward_row(v, sRow, mR, gW, gCos, gSin, flat, mR.shape[0], 0, lane)
+            gY[(None, (flat, lane))].store(v.load().to(self.dtype))
+
+
+class LongPoolEpilogueBackward(EpilogueWarps, LongPoolBackward):
+    """The slot-parallel backward with the epilogue's backward first: every column group's
+    row CTA computes its rows' epilogue backward whole (a row is one warp's; the norm needs
+    the whole row) and stores its own columns of the rows' gradient and of the weight's
+    products, then, after one CTA barrier, runs the pooling backward on them."""
+
+    def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning=None,
+                 row_stride: int = 0, batch: int = 0, numerics: str = "fp32", epilogue=None):
+        super().__init__(dtype, ratio, coff, head_dim, tuning, row_stride, batch, numerics)
+        self.epilogue_rows(dtype, epilogue, backward=True)
+        assert self.cols % self.E == 0, "a lane's channels lie in one column group"
+        self.target_ctas_per_sm = min(self.held, self.ctas_fitting_smem())
+        self.hold_to(self.target_ctas_per_sm)
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
+                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32,
+                 num_zero_ctas: Int32, mGY: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor,
+                 mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mGX: cute.Tensor,
+                 mAux: cute.Tensor, stream):
+        """BackwardGrid's launch, plus PoolEpilogueBackward's arguments."""
+        tiler = (1, self.vec)
+        gY, gW, gCos, gSin, gX, gAux = self.epilogue_tiles(mGY, mW, mCos, mSin, mX, mAux)
+        self.kernel(
+            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
+            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
+            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
+            num_row_ctas, gY, gX, mR, gW, gCos, gSin, cute.zipped_divide(mGX, (1, self.E)),
+            gAux,
+        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
+                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
+                 use_pdl=True, preferred_smem_carveout=self.carveout,
+                 min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+               num_row_ctas: Int32, gY: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor,
+               gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor, gGX: cute.Tensor,
+               gAux: cute.Tensor):
+        sRow = self.scratch()
+        bx, by, _ = cute.arch.block_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # LongPoolBackward.kernel's reasons
+        cute.arch.griddepcontrol_wait()
+        if bx < num_row_ctas:  # uniform over the CTA
+            warp, lane = self.warp_lane()
+            mine = (lane * self.E) // self.cols == by  # the lane's columns are this CTA's
+            for j in cutlass.range(warp, rows_per_cta, self.warps):
+                row = bx * rows_per_cta + j
+                if row < num_rows:  # uniform over the warp
+                    flat = self.flat_row(row)
+                    v = self.rows_ep.load_row(gY, flat, lane)
+                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
+                                              lane, mine)
+                    if mine:
+                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
+                    cute.arch.sync_warp()
+            # The rows' gradients are in global memory, visible to the CTA's threads.
+            cute.arch.barrier()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
+                       rows_per_cta, num_row_ctas)

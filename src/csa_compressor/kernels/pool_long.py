@@ -188,6 +188,12 @@ class LongPoolForward(LongWindow, WindowSlots):
         # A programmatic dependent as pool_fwd (tuning log, "The long kernels as programmatic
         # dependents"): nothing is read or written before the previous kernel completed.
         cute.arch.griddepcontrol_wait()
+        self.pool_row(gKV, gSc, gApe, mCu, mCuc, mOut, num_tokens)
+
+    @cute.jit
+    def pool_row(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
+        """The CTA's work: its columns of row block_idx.x."""
         (gKV, gSc), (mOut,), _ = self.batch_tensors((gKV, gSc), (mOut,))
         tid, g, _ = cute.arch.thread_idx()
         row, by, _ = cute.arch.block_idx()
@@ -355,6 +361,15 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
         # before the previous kernel completed.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
+                       rows_per_cta, num_row_ctas)
+
+    @cute.jit
+    def pool_rows(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+                  mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+                  gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+                  num_row_ctas: Int32):
+        """The CTA's work: its rows' window gradients and dape partial, or its zero fill."""
         (gKV, gSc, gDKV, gDSc), (gGrad,), gWork = self.batch_tensors(
             (gKV, gSc, gDKV, gDSc), (gGrad,), gWork, num_row_ctas * self.ratio)
         tid, g, _ = cute.arch.thread_idx()

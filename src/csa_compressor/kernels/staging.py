@@ -130,6 +130,7 @@ class WindowSlots:
         # SBHD kernels keep their sequence's moved base pointers in registers (a THD kernel's
         # stay in the parameter bank): under the THD bounds several spilled, so they go
         # unbounded and their grid follows the registers they take.
+        self.held = ctas
         self.min_ctas = 0 if self.batch else ctas
         self.carveout = None
         if ctas:
