@@ -411,7 +411,9 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
     the epilogue composed of torch ops (Megatron's norm weight, eps, rotary table and
     positions); Megatron's rotation never called; within a few bf16 ulps of Megatron's own
     epilogue after the same pooling."""
-    from csa_compressor.kernels import epilogue_rows
+    from csa_compressor import fused_epilogue
+    from csa_compressor.kernels import epilogue_rows, launch
+    from csa_compressor.kernels.tuning import current
 
     hidden = 1024
     mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
@@ -444,13 +446,26 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
     launched, run = [], epilogue_rows.run
     monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
         (bwd, a[0].shape[0])) or run(bwd, *a, **k))
+    pooled_with, launch_forward = [], launch.launch_forward
+    monkeypatch.setattr(launch, "launch_forward", lambda p, out, epilogue=None, extra=(): (
+        pooled_with.append(epilogue is not None) or launch_forward(p, out, epilogue, extra)))
     with megatron.installed(epilogue=True, projection=projection):
         got = step()
     monkeypatch.setattr(epilogue_rows, "run", run)
+    monkeypatch.setattr(launch, "launch_forward", launch_forward)
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     assert len(hadamard_standin) == rotations, "Megatron's rotation ran"
     rows = got[0].numel() // head_dim  # the step's launches, not a once-only probe's
-    assert (False, rows) in launched and (True, rows) in launched, (rows, launched)
+    assert (True, rows) in launched, (rows, launched)
+    # The one-GEMM THD path and the SBHD path hand the epilogue to the pooling op, whose
+    # forward runs inside the pooling kernel where INSIDE takes it; the others run the
+    # row kernel after the pooling.
+    handed = path == "sbhd" or (path == "thd" and projection)
+    coff = mg.ape.shape[1] // head_dim  # Megatron's ape: (ratio, coff * head_dim)
+    long = current().long_window(ratio * coff)
+    inside = handed and "fwd" in (fused_epilogue.INSIDE_LONG if long else fused_epilogue.INSIDE)
+    assert (True in pooled_with) is inside, (path, projection, pooled_with)
+    assert ((False, rows) in launched) is not inside, (rows, launched)
 
     xr = x.clone().requires_grad_(True)
     mg.zero_grad(set_to_none=True)

@@ -24,6 +24,7 @@ def record(monkeypatch, inside=("fwd", "bwd")):
     from csa_compressor.kernels import launch
 
     monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
+    monkeypatch.setattr(fused_epilogue, "INSIDE_LONG", inside)
     seen = []
     fwd, bwd = launch.launch_forward, launch.launch_backward
 
@@ -84,7 +85,7 @@ EPILOGUES = [
 @pytest.mark.parametrize("ep", EPILOGUES, ids=["rope64-rotate", "halves64", "rope0-rotate"])
 def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, inside):
     """Either direction inside after either forward (each direction's choice is its
-    own: fused_epilogue.INSIDE)."""
+    own: fused_epilogue.INSIDE / INSIDE_LONG)."""
     T, cu, cuc, n = thd_pack(ratio)
     kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d)
     g = torch.randn(n, d, device=DEV).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from csa_compressor.kernels.tuning import use  # noqa: E402
 from csa_compressor.ops import _forward as pool_forward, _launch_backward  # noqa: E402
 from csa_compressor.validation import halves, validate_packed  # noqa: E402
 
-FE.INSIDE = ("fwd", "bwd")  # the "inside" steps: whatever the package's default
+FE.INSIDE = FE.INSIDE_LONG = ("fwd", "bwd")  # the "inside" steps: whatever the package's default
 
 CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True),
            ("d512 r128", 512, 128, 1, False))

@@ -1,5 +1,6 @@
 """The fused pooling followed by the epilogue, as one op, bitwise the pooling op followed
-by ``apply_epilogue``: on the GPU a direction in INSIDE runs as one kernel
+by ``apply_epilogue``: on the GPU a direction in INSIDE (INSIDE_LONG for windows of more
+than 16 slots) runs as one kernel
 (kernels.pool_epilogue: the pooling kernel with the epilogue's row math inside); the
 others, and problems those kernels do not take (too few rows for the norm's in-kernel
 statistics; a gradient in another dtype; geometries the row math does not cover), run the
@@ -24,9 +25,12 @@ from .validation import Problem, halves, kernel_aligned
 
 
 # The directions that run in the kernels with the epilogue inside where those take the
-# problem (the others by parts: the same bits). The backward inside measured slower on
-# the H200 (2-8 µs at the module's shapes; docs/lab/perf-notes.md v46), the forward faster.
+# problem (the others by parts: the same bits), for register-resident windows and for the
+# slot-parallel ones (INSIDE_LONG). On the H200 the forward inside measured faster at
+# ratio 4 (1.4-2.0 µs), every other inside slower (2.2-8.4 µs; ratio 128 4 µs a direction:
+# docs/lab/perf-notes.md v46, v47).
 INSIDE = ("fwd",)
+INSIDE_LONG = ()
 
 
 class Finish:
@@ -89,13 +93,15 @@ def _rows(p: Problem, t):
 
 def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bool:
     """Whether ``direction`` runs in the pooling kernels with the epilogue inside: it is in
-    INSIDE, the design takes the problem (plan.epilogue_designable), and the norm's
+    INSIDE (INSIDE_LONG for long windows), the design takes the problem
+    (plan.epilogue_designable), and the norm's
     statistics run in the kernel (epilogue._norm_in_kernel: enough rows, its order checked
     torch's)."""
     from .kernels import hardware, plan
     from .dispatch import small_kernels_usable
 
-    if direction not in INSIDE or flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 \
+    inside = INSIDE_LONG if current().long_window(p.ratio * p.coff) else INSIDE
+    if direction not in inside or flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 \
             or not small_kernels_usable(flat):
         return False
     if not plan.epilogue_designable(p.kv.dtype, p.ratio, p.coff, p.head_dim,
