@@ -17,9 +17,7 @@ import pytest
 pytest.importorskip("cutlass")
 pytestmark = pytest.mark.compile
 
-import torch  # noqa: E402
-
-from csa_compressor.kernels import hardware, plan, tuning  # noqa: E402
+from csa_compressor.kernels import hardware, tuning  # noqa: E402
 
 T = tuning.current()
 
@@ -397,21 +395,12 @@ def test_the_pooling_kernels_with_the_epilogue_compile(arch, cfg, ep):
     assert not fused.get("absent"), "no kernel with the epilogue for a production geometry"
     assert fused["local"] == 0 and all(s == 0 for s in fused["stack"]), fused
     assert fused["pdl_wait_first"], fused
-    for key in ("coop", "vec", "chunk_slots"):
+    for key in ("coop", "async_copies_by_bytes", "vec", "chunk_slots"):
         assert fused[key] == plain[key], (key, fused[key], plain[key])
-    copies = dict(plain["async_copies_by_bytes"])
-    if cfg[0] != "fwd" and cfg[2] * cfg[3] <= 16 and tuning.current().EPILOGUE_BWD_PREFETCH:
-        # The prologue writes the first stages' gradients into shared memory: their grad
-        # copies (stage_guess's and fix_guess's where the kernel guesses, prime_stages')
-        # are left out, every other copy stays.
-        k = plan.kernel_for(cfg[0], getattr(torch, cfg[1]), *cfg[2:5], int(arch[3:-1]) // 10,
-                            tuning.current().codegen())
-        grad = str(k.vec * k.dtype.width // 8)
-        copies[grad] -= k.stages - 1 + int(k.guess_first)
-    assert fused["async_copies_by_bytes"] == copies, (fused["async_copies_by_bytes"], copies)
     assert fused["mul_rn"] > plain["mul_rn"], (fused["mul_rn"], plain["mul_rn"])
     assert fused["bar_sync"] > plain["bar_sync"], (fused["bar_sync"], plain["bar_sync"])
     if ep.split(":")[2] == "1":
         assert fused["shfl_bfly"] > plain["shfl_bfly"], fused
     assert fused["smem_asked"] >= fused["smem_used"], fused
     assert fused["grid_ctas"] * fused["threads"] * (-(-max(fused["regs"]) // 8) * 8) <= 65536, fused
+

@@ -235,3 +235,38 @@ def test_under_torch_compile_the_custom_ops_give_the_eager_bits(monkeypatch, pac
     assert len(bodies) == 2  # the forward's op and the backward's
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i
+
+
+def test_the_backward_with_the_epilogue_takes_the_plain_backwards_schedule(monkeypatch):
+    """The APE gradient sums the row CTAs' partials, so the kernel with the epilogue inside
+    runs the plain backward's row CTAs even where its own registers fit fewer CTAs an SM
+    (d=128: 88 registers, 2 CTAs, against the plain kernel's 80 and 3): the sum then runs
+    in the pooling op's order, bit for bit."""
+    import cutlass
+
+    from csa_compressor.kernels import launch
+    from csa_compressor.kernels.compile import Compiled
+    from csa_compressor.kernels.pool_bwd import PoolBackward
+    from csa_compressor.kernels.pool_epilogue import PoolEpilogueBackward
+
+    key = plan.EpilogueKey(64, True, True, 1e-6, torch.float32)
+
+    def compiled_for(spec, device):
+        args = (cutlass.BFloat16, spec.ratio, spec.coff, spec.head_dim)
+        if spec.epilogue is None:
+            k, regs = PoolBackward(*args), 80
+        else:
+            k, regs = PoolEpilogueBackward(*args, epilogue=spec.epilogue), 88
+        return Compiled(k, None, regs, k.grid_ctas_per_sm(regs))
+
+    monkeypatch.setattr(launch, "compiled_for", compiled_for)
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    rows, tokens = 3000, 12003
+    fused = launch.backward_plan(dev, torch.bfloat16, 4, 2, 128, rows, tokens, epilogue=key)
+    alone = launch.backward_plan(dev, torch.bfloat16, 4, 2, 128, rows, tokens)
+    assert isinstance(fused[0].kernel, PoolEpilogueBackward)
+    assert (fused[0].ctas_per_sm, alone[0].ctas_per_sm) == (2, 3)
+    own = launch.backward_schedule(rows, tokens, fused[0].kernel, dev, fused[0].ctas_per_sm)
+    assert own != alone[1]  # its own registers would have sized another grid
+    assert fused[1:] == alone[1:]

@@ -21,7 +21,6 @@ from csa_compressor import epilogue as E  # noqa: E402
 from csa_compressor import fused_epilogue as FE  # noqa: E402
 from csa_compressor.cli.bench import capture_graph, input_sets, time_graphs_interleaved  # noqa: E402
 from csa_compressor.layout import compressed_cu_seqlens  # noqa: E402
-from csa_compressor.kernels.tuning import use  # noqa: E402
 from csa_compressor.ops import _forward as pool_forward, _launch_backward  # noqa: E402
 from csa_compressor.validation import halves, validate_packed  # noqa: E402
 
@@ -29,10 +28,6 @@ FE.INSIDE = FE.INSIDE_LONG = ("fwd", "bwd")  # the "inside" steps: whatever the 
 
 CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True),
            ("d512 r128", 512, 128, 1, False))
-
-# The backward inside without its prefetch (the epilogue's rows before any window copy, as
-# first built): "bwd_inside_plain".
-PLAIN = dict(EPILOGUE_BWD_PREFETCH=0)
 
 
 def main():
@@ -81,14 +76,8 @@ def main():
             _, pooled, r, cos, sin = saved[i]
             return FE._backward(probs[i], fins[i], grads[i], pooled, r, cos, sin)
 
-        def bwd_inside_plain(i):
-            with use(**PLAIN):
-                return bwd_inside(i)
-
         steps = {"fwd_parts": fwd_parts, "fwd_inside": fwd_inside, "bwd_parts": bwd_parts,
                  "bwd_inside": bwd_inside}
-        if ratio == 4:
-            steps["bwd_inside_plain"] = bwd_inside_plain
         for step in steps.values():
             step(0)
         torch.cuda.synchronize()
@@ -97,15 +86,11 @@ def main():
         assert torch.equal(a, b.view(a.shape)), name
         a, b = bwd_parts(0), bwd_inside(0)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), name  # dkvs, dape, dweight
-        if "bwd_inside_plain" in steps:
-            c = bwd_inside_plain(0)
-            assert all(torch.equal(x, y) for x, y in zip(b, c)), name
         graphs = {k: capture_graph(s, sets) for k, s in steps.items()}
         us = time_graphs_interleaved(graphs)
         print(name, {k: round(v, 1) for k, v in us.items()}, flush=True)
-        plain = f" (without the prefetch: {us['bwd_inside_plain']:.1f})" if "bwd_inside_plain" in us else ""
         lines.append(f"| {name} | {us['fwd_parts']:.1f} | {us['fwd_inside']:.1f} | "
-                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f}{plain} |")
+                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f} |")
     print(f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}; µs a call")
     print("\n".join(lines))
 

@@ -110,13 +110,16 @@ def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bo
         return False
     if torch.cuda.is_current_stream_capturing():
         # a kernel first asked for while a graph captures cannot compile: by parts instead
+        # (the backward also sizes its grid by the plain backward's: launch.backward_plan)
         from .kernels.compile import is_compiled
 
-        spec = plan.spec(direction, p.kv.dtype, p.ratio, p.coff, p.head_dim,
-                         row_stride=p.row_stride, batch=p.batch, numerics=p.numerics,
-                         epilogue=f.key())
-        if not is_compiled(spec, flat.device):
-            return False
+        keys = (f.key(),) if direction == "fwd" else (f.key(), None)
+        for key in keys:
+            spec = plan.spec(direction, p.kv.dtype, p.ratio, p.coff, p.head_dim,
+                             row_stride=p.row_stride, batch=p.batch, numerics=p.numerics,
+                             epilogue=key)
+            if not is_compiled(spec, flat.device):
+                return False
     return _norm_in_kernel(flat, f.norm_weight, f.ep)
 
 

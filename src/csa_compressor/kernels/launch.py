@@ -112,10 +112,14 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
                   batch: int = 0, numerics: str = "fp32", epilogue=None):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
-    backward launch."""
+    backward launch. A kernel with the epilogue inside takes the plain backward's schedule:
+    the APE gradient sums the row CTAs' partials, so the same row CTAs keep that sum in the
+    pooling op's order (its own registers may leave fewer CTAs an SM)."""
     c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
                         numerics, epilogue)
-    schedule = backward_schedule(total_comp, num_tokens, c.kernel, device, c.ctas_per_sm)
+    sized = c if epilogue is None else backward_kernel(device, dtype, ratio, coff, head_dim,
+                                                       total_comp, row_stride, batch, numerics)
+    schedule = backward_schedule(total_comp, num_tokens, sized.kernel, device, sized.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
 

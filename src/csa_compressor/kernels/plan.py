@@ -249,11 +249,8 @@ def _designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, ba
                       row_stride=row_stride, batch=batch, numerics=numerics)
     bwd = PoolBackward(cdt, ratio, coff, head_dim, arch_major, tuning=tuning,
                        row_stride=row_stride, batch=batch, numerics=numerics)
-    # The backward's prologue ends in a CTA barrier that every thread reaches (all its column
-    # lanes active) and hands a lane's channels to whole column chunks.
     return (fwd.col_groups == 1 and fwd.threads % 32 == 0 and bwd.threads % 32 == 0
-            and 32 % bwd.col_groups == 0 and bwd.cpr % bwd.lanes == 0
-            and (head_dim // 32) % bwd.vec == 0)
+            and 32 % bwd.col_groups == 0)
 
 
 def _fake(dtype, shape, align):

@@ -133,24 +133,21 @@ class PoolBackward(BackwardGrid, WindowSlots):
         return 0
 
     @cute.jit
-    def issue_row(self, tt: Tiles, pk: Pack, walk, row, stage, grad: bool = True):
+    def issue_row(self, tt: Tiles, pk: Pack, walk, row, stage):
         """Start the cp.async copies of row ``row``'s window and grad_out vector into
-        ``stage``; returns the issuing walk. Rows that compute nothing copy nothing.
-        ``grad`` False: the window alone (the grad_out stage is written otherwise)."""
+        ``stage``; returns the issuing walk. Rows that compute nothing copy nothing."""
         walk = walk_rows(pk.cu, pk.cuc, walk, row, pk.num_seqs)
         t0, has_prev, ok = walk_window(walk, row, pk.num_seqs, pk.num_tokens, self.ratio,
                                        self.coff)
         if (row < pk.num_rows) & self.real(walk, pk.num_seqs) & ok:
-            self.stage_row(tt, row, t0, has_prev, stage, grad)
+            self.stage_row(tt, row, t0, has_prev, stage)
         return walk
 
     @cute.jit
-    def stage_row(self, tt: Tiles, row, t0, has_prev, stage, grad: bool = True):
-        """The cp.async copies of row ``row``'s grad_out vector (with ``grad``) and window
-        (first token t0)."""
-        if cutlass.const_expr(grad):
-            self.copy_vec(tt.grad_atom, tt.grad[(None, (row, tt.chunk))].iterator,
-                          tt.sG[(None, tt.thr, stage)].iterator)
+    def stage_row(self, tt: Tiles, row, t0, has_prev, stage):
+        """The cp.async copies of row ``row``'s grad_out vector and window (first token t0)."""
+        self.copy_vec(tt.grad_atom, tt.grad[(None, (row, tt.chunk))].iterator,
+                      tt.sG[(None, tt.thr, stage)].iterator)
         self.stage_window(tt, t0, has_prev, stage)
 
     @cute.jit
@@ -195,12 +192,9 @@ class PoolBackward(BackwardGrid, WindowSlots):
     def pool_rows(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                   mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
                   gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
-                  num_row_ctas: Int32, tid, ty, bx, by, prologue=None):
+                  num_row_ctas: Int32, tid, ty, bx, by):
         """The CTA's work: its rows' window gradients and dape partial, or its zero fill
-        (thread ``(tid, ty)`` of CTA ``(bx, by)``, cta_coords()). ``prologue(tt)``, where
-        given, runs in a row CTA after the first stages' window copies are issued and
-        before the row loop, and writes those stages' grad_out vectors itself (their
-        copies are left out); every thread of the CTA must reach it."""
+        (thread ``(tid, ty)`` of CTA ``(bx, by)``, cta_coords())."""
         (gKV, gSc, gDKV, gDSc), (gGrad,), gWork = self.batch_tensors(
             (gKV, gSc, gDKV, gDSc), (gGrad,), gWork, num_row_ctas * self.ratio)
         vec, CH, ratio, cpr = self.vec, self.chunk_slots, self.ratio, self.cpr
@@ -227,7 +221,7 @@ class PoolBackward(BackwardGrid, WindowSlots):
                     tt.thr = ty * self.lanes + tid
                 if cutlass.const_expr(self.guess_first):
                     def stage_row(row, t0, has_prev, stage):
-                        self.stage_row(tt, row, t0, has_prev, stage, prologue is None)
+                        self.stage_row(tt, row, t0, has_prev, stage)
 
                     t0g, okg = self.stage_guess(stage_row, row0, mine, num_rows, num_tokens)
                     walk = start_walk(mCu, mCuc, row0, num_seqs, self.warp_search)
@@ -235,19 +229,14 @@ class PoolBackward(BackwardGrid, WindowSlots):
                     def issue(w, row, stage):
                         return self.issue_row(tt, pk, w, row, stage)
 
-                    def issue_first(w, row, stage):
-                        return self.issue_row(tt, pk, w, row, stage, prologue is None)
-
                     if cutlass.const_expr(self.guess_first):
                         t1, prev1, ok1 = walk_window(walk, row0, num_seqs, num_tokens, ratio,
                                                      self.coff)
                         go = (row0 < num_rows) & self.real(walk, num_seqs) & ok1
                         self.fix_guess(stage_row, go, t1, prev1, t0g, okg, row0)
-                        walk_in = self.prime_stages(issue_first, walk, row0, mine, 1)
+                        walk_in = self.prime_stages(issue, walk, row0, mine, 1)
                     else:
-                        walk_in = self.prime_stages(issue_first, walk, row0, mine)
-                if cutlass.const_expr(prologue is not None):
-                    prologue(tt)
+                        walk_in = self.prime_stages(issue, walk, row0, mine)
                 if cutlass.const_expr(self.staged):  # unstaged: APE loaded by load_slots
                     tt.apef = cute.make_rmem_tensor((CH, vec), Float32)
                 for i in cutlass.range(mine):

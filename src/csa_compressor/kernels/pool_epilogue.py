@@ -5,15 +5,12 @@ inside them: one launch a direction instead of a pooling and a row kernel.
   input), then, after one CTA barrier, its warps take those rows one a warp and run
   epilogue_rows.EpilogueRows.forward_row on them, reading back what the CTA just wrote
   (from L2), and write the output and the norm's statistics;
-- backward: the warps run EpilogueRows.backward_row on the CTA's rows, the output's
-  gradient through the rotation, the rotary embedding and the norm into the pooled rows'
-  gradient (written where the pooling then reads it, and the weight's products for its
-  column sum), then, after one CTA barrier, the pooling backward as ever. With
-  EPILOGUE_BWD_PREFETCH this runs inside the pooling's prologue, after its first stages'
-  window copies are issued (their loads overlap the rows' math), and those stages' rows
-  go straight into the grad stages in shared memory. Where the pooling splits a row over
-  column groups (d=512 bf16's backward), each group computes the whole row and writes its
-  own columns.
+- backward: first the warps run EpilogueRows.backward_row on the CTA's rows, the
+  output's gradient through the rotation, the rotary embedding and the norm into the
+  pooled rows' gradient (written where the pooling then reads it, and the weight's
+  products for its column sum), then, after one CTA barrier, the pooling backward as
+  ever. Where the pooling splits a row over column groups (d=512 bf16's backward), each
+  group computes the whole row and writes its own columns.
 
 The row math is EpilogueRows's, op for op, so the output and every gradient are bitwise
 those of the pooling followed by the epilogue node (epilogue.apply_epilogue). The norm's
@@ -45,10 +42,6 @@ class EpilogueWarps:
             bound = 0  # as the plain kernel: d=128 held to its 3 spilled 8 B
         elif not backward and self.carveout is not None:
             bound -= 2  # narrow forwards: held to 8 at d=128 spilled 64 B, to 7 32 B, to 6 none
-        elif backward and self.t.EPILOGUE_BWD_PREFETCH and self.row_lanes == 1:
-            # the prologue inside the pipeline: d=512 held to 6 spilled 8 B (the stacked
-            # d=128 large-pack variant held to 2 did not)
-            bound -= 1
         self.hold_to(bound)
 
     def epilogue_rows(self, dtype, epilogue, backward: bool, scratch_warps: int = 0):
@@ -195,59 +188,24 @@ class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
         bx, by = self.cta_coords()
         cute.arch.griddepcontrol_launch_dependents()  # PoolBackward.kernel's reasons
         cute.arch.griddepcontrol_wait()
-
-        def rows_backward(tt):
-            self.rows_backward(tt, gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
-                               rows_per_cta, bx, by)
-
-        if cutlass.const_expr(self.t.EPILOGUE_BWD_PREFETCH):
-            self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows,
-                           num_tokens, rows_per_cta, num_row_ctas, tid, ty, bx, by,
-                           prologue=rows_backward)
-        else:
-            if bx < num_row_ctas:  # uniform over the CTA
-                rows_backward(None)
-            self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows,
-                           num_tokens, rows_per_cta, num_row_ctas, tid, ty, bx, by)
-
-    @cute.jit
-    def rows_backward(self, tt, gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
-                      rows_per_cta, bx, by):
-        """The epilogue's backward of the row CTA's rows, a warp a row, into their gradient
-        (each column group stores its own columns, of the weight's products too), then a
-        CTA barrier. With the pooling's tiles ``tt`` (the prologue of pool_rows), the rows
-        of its first stages also go straight into their grad stages in shared memory."""
-        warp, lane = self.warp_lane()
-        mine = lane // self.group_lanes == by  # the lane's columns are this group's
-        for j in cutlass.range(warp, rows_per_cta, self.warps):
-            row = bx * rows_per_cta + j
-            if row < num_rows:  # uniform over the warp
-                flat = self.flat_row(row)
-                v = self.rows_ep.load_row(gY, flat, lane)
-                self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
-                                          lane, mine)
-                if mine:
-                    gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
-                    if cutlass.const_expr(tt is not None and self.staged):
-                        i = j // self.row_lanes  # the pooling thread's i-th row
-                        if i < self.stages - 1:
-                            self.stage_grad(tt, v, j % self.row_lanes, i, lane, by)
-                cute.arch.sync_warp()
-        # The rows' gradients are in memory, visible to the CTA's threads.
-        cute.arch.barrier()
-
-    @cute.jit
-    def stage_grad(self, tt, v, ty, stage, lane, by):
-        """Lane ``lane``'s gradient values ``v`` (``E`` channels) into the grad stage
-        ``stage`` of row lane ``ty``, where the pooling's threads of those columns read
-        them as they would their cp.async copy."""
-        n = self.E // self.vec  # the lane's column chunks
-        for k in cutlass.range_constexpr(n):
-            thr = ty * self.lanes + lane * n + k - by * self.lanes
-            vals = cute.make_rmem_tensor((self.vec,), Float32)
-            for e in cutlass.range_constexpr(self.vec):
-                vals[e] = v[k * self.vec + e]
-            tt.sG[(None, thr, stage)].store(vals.load().to(self.dtype))
+        if bx < num_row_ctas:  # uniform over the CTA
+            warp, lane = self.warp_lane()
+            mine = lane // self.group_lanes == by  # the lane's columns are this group's
+            for j in cutlass.range(warp, rows_per_cta, self.warps):
+                row = bx * rows_per_cta + j
+                if row < num_rows:  # uniform over the warp
+                    flat = self.flat_row(row)
+                    v = self.rows_ep.load_row(gY, flat, lane)
+                    # Each group stores its own columns (of the weight's products too).
+                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
+                                              lane, mine)
+                    if mine:
+                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
+                    cute.arch.sync_warp()
+            # The rows' gradients are in global memory, visible to the CTA's threads.
+            cute.arch.barrier()
+        self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
+                       rows_per_cta, num_row_ctas, tid, ty, bx, by)
 
 
 class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):

@@ -51,9 +51,6 @@ class Tuning:
     # Cooperative backwards: windows of more than `elems` elements a thread held to `most`
     # CTAs an SM, per coff ((elems, most), ...): more spilled at d=512.
     BWD_COOP_MAX_CTAS: tuple = ((1, ((20, 4), (16, 5))), (2, ((20, 4),)))
-    # The backward with the epilogue inside (pool_epilogue): 1 issues its first stages' window
-    # copies before the epilogue's rows and writes their gradients into the grad stages.
-    EPILOGUE_BWD_PREFETCH: int = 1
     ZERO_TOKENS_PER_THREAD: int = 32  # tokens a zero-fill thread walks after one search (2 made 25k CTAs)
     # --- long windows (pool_long) ---
     LONG_CTA_THREADS: int = 256  # forward CTA; 128 and 512 were slower
