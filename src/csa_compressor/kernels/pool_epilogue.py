@@ -86,6 +86,57 @@ class EpilogueWarps:
             return row
 
 
+class EpilogueBackward(EpilogueWarps):
+    """The launch and the epilogue's backward rows of both backwards (PoolEpilogueBackward,
+    LongPoolEpilogueBackward), whose kernels differ in the pooling they run after it and
+    in the columns a CTA owns (``owns``)."""
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
+                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
+                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32,
+                 num_zero_ctas: Int32, mGY: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor,
+                 mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mGX: cute.Tensor,
+                 mAux: cute.Tensor, stream):
+        """BackwardGrid's launch, plus: ``mGY`` the output's gradient (flat rows), ``mX``
+        the pooled rows, ``mR`` their statistics, the norm weight, cosines and sines,
+        ``mGX`` the pooled rows' gradient as flat rows (written here; ``mGrad`` is the
+        pooling's view of it), ``mAux`` the weight's products (fp32, written)."""
+        tiler = (1, self.vec)
+        gY, gW, gCos, gSin, gX, gAux = self.epilogue_tiles(mGY, mW, mCos, mSin, mX, mAux)
+        self.kernel(
+            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
+            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
+            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
+            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
+            num_row_ctas, gY, gX, mR, gW, gCos, gSin, cute.zipped_divide(mGX, (1, self.E)),
+            gAux,
+        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
+                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
+                 use_pdl=True, preferred_smem_carveout=self.carveout,
+                 min_blocks_per_mp=self.min_ctas)
+
+    @cute.jit
+    def rows_backward(self, gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows, rows_per_cta,
+                      bx, by):
+        """The epilogue's backward of row CTA ``bx``'s rows, a warp a row, into the rows'
+        gradient; the CTA stores the columns it owns (of the weight's products too), then
+        meets its threads at a barrier: the gradient is in global memory, visible to them."""
+        warp, lane = self.warp_lane()
+        mine = self.owns(lane, by)
+        for j in cutlass.range(warp, rows_per_cta, self.warps):
+            row = bx * rows_per_cta + j
+            if row < num_rows:  # uniform over the warp
+                flat = self.flat_row(row)
+                v = self.rows_ep.load_row(gY, flat, lane)
+                self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
+                                          lane, mine)
+                if mine:
+                    gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
+                cute.arch.sync_warp()
+        cute.arch.barrier()
+
+
 class PoolEpilogueForward(EpilogueWarps, PoolForward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  tuning=None, row_stride: int = 0, batch: int = 0, numerics: str = "fp32",
@@ -141,7 +192,7 @@ class PoolEpilogueForward(EpilogueWarps, PoolForward):
                 cute.arch.sync_warp()
 
 
-class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
+class PoolEpilogueBackward(EpilogueBackward, PoolBackward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False, tuning=None, row_stride: int = 0, batch: int = 0,
                  numerics: str = "fp32", epilogue=None):
@@ -152,29 +203,9 @@ class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
         self.setup_epilogue(dtype, epilogue, backward=True)
 
     @cute.jit
-    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
-                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32,
-                 num_zero_ctas: Int32, mGY: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor,
-                 mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mGX: cute.Tensor,
-                 mAux: cute.Tensor, stream):
-        """PoolBackward's launch, plus: ``mGY`` the output's gradient (flat rows), ``mX``
-        the pooled rows, ``mR`` their statistics, the norm weight, cosines and sines,
-        ``mGX`` the pooled rows' gradient as flat rows (written here; ``mGrad`` is the
-        pooling's view of it), ``mAux`` the weight's products (fp32, written)."""
-        tiler = (1, self.vec)
-        gY, gW, gCos, gSin, gX, gAux = self.epilogue_tiles(mGY, mW, mCos, mSin, mX, mAux)
-        self.kernel(
-            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
-            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
-            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
-            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
-            num_row_ctas, gY, gX, mR, gW, gCos, gSin, cute.zipped_divide(mGX, (1, self.E)),
-            gAux,
-        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
-                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=True, preferred_smem_carveout=self.carveout,
-                 min_blocks_per_mp=self.min_ctas)
+    def owns(self, lane, by):
+        """Whether lane ``lane``'s channels are column group ``by``'s."""
+        return lane // self.group_lanes == by
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -189,21 +220,8 @@ class PoolEpilogueBackward(EpilogueWarps, PoolBackward):
         cute.arch.griddepcontrol_launch_dependents()  # PoolBackward.kernel's reasons
         cute.arch.griddepcontrol_wait()
         if bx < num_row_ctas:  # uniform over the CTA
-            warp, lane = self.warp_lane()
-            mine = lane // self.group_lanes == by  # the lane's columns are this group's
-            for j in cutlass.range(warp, rows_per_cta, self.warps):
-                row = bx * rows_per_cta + j
-                if row < num_rows:  # uniform over the warp
-                    flat = self.flat_row(row)
-                    v = self.rows_ep.load_row(gY, flat, lane)
-                    # Each group stores its own columns (of the weight's products too).
-                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
-                                              lane, mine)
-                    if mine:
-                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
-                    cute.arch.sync_warp()
-            # The rows' gradients are in global memory, visible to the CTA's threads.
-            cute.arch.barrier()
+            self.rows_backward(gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
+                               rows_per_cta, bx, by)
         self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
                        rows_per_cta, num_row_ctas, tid, ty, bx, by)
 
@@ -264,7 +282,7 @@ class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):
             gY[(None, (flat, lane))].store(v.load().to(self.dtype))
 
 
-class LongPoolEpilogueBackward(EpilogueWarps, LongPoolBackward):
+class LongPoolEpilogueBackward(EpilogueBackward, LongPoolBackward):
     """The slot-parallel backward with the epilogue's backward first: every column group's
     row CTA computes its rows' epilogue backward whole (a row is one warp's; the norm needs
     the whole row) and stores its own columns of the rows' gradient and of the weight's
@@ -279,26 +297,9 @@ class LongPoolEpilogueBackward(EpilogueWarps, LongPoolBackward):
         self.hold_to(self.target_ctas_per_sm)
 
     @cute.jit
-    def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
-                 mCuc: cute.Tensor, mGrad: cute.Tensor, mDKV: cute.Tensor, mDScore: cute.Tensor,
-                 mWork: cute.Tensor, rows_per_cta: Int32, num_row_ctas: Int32,
-                 num_zero_ctas: Int32, mGY: cute.Tensor, mX: cute.Tensor, mR: cute.Tensor,
-                 mW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mGX: cute.Tensor,
-                 mAux: cute.Tensor, stream):
-        """BackwardGrid's launch, plus PoolEpilogueBackward's arguments."""
-        tiler = (1, self.vec)
-        gY, gW, gCos, gSin, gX, gAux = self.epilogue_tiles(mGY, mW, mCos, mSin, mX, mAux)
-        self.kernel(
-            cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
-            cute.zipped_divide(mApe, tiler), mCu, mCuc, cute.zipped_divide(mGrad, tiler),
-            cute.zipped_divide(mDKV, tiler), cute.zipped_divide(mDScore, tiler),
-            cute.zipped_divide(mWork, tiler), mGrad.shape[0], mKV.shape[0], rows_per_cta,
-            num_row_ctas, gY, gX, mR, gW, gCos, gSin, cute.zipped_divide(mGX, (1, self.E)),
-            gAux,
-        ).launch(grid=self.grid(num_row_ctas + num_zero_ctas),
-                 block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
-                 use_pdl=True, preferred_smem_carveout=self.carveout,
-                 min_blocks_per_mp=self.min_ctas)
+    def owns(self, lane, by):
+        """Whether lane ``lane``'s channels are column group ``by``'s."""
+        return (lane * self.E) // self.cols == by
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -312,19 +313,7 @@ class LongPoolEpilogueBackward(EpilogueWarps, LongPoolBackward):
         cute.arch.griddepcontrol_launch_dependents()  # LongPoolBackward.kernel's reasons
         cute.arch.griddepcontrol_wait()
         if bx < num_row_ctas:  # uniform over the CTA
-            warp, lane = self.warp_lane()
-            mine = (lane * self.E) // self.cols == by  # the lane's columns are this CTA's
-            for j in cutlass.range(warp, rows_per_cta, self.warps):
-                row = bx * rows_per_cta + j
-                if row < num_rows:  # uniform over the warp
-                    flat = self.flat_row(row)
-                    v = self.rows_ep.load_row(gY, flat, lane)
-                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
-                                              lane, mine)
-                    if mine:
-                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
-                    cute.arch.sync_warp()
-            # The rows' gradients are in global memory, visible to the CTA's threads.
-            cute.arch.barrier()
+            self.rows_backward(gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
+                               rows_per_cta, bx, by)
         self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
                        rows_per_cta, num_row_ctas)
