@@ -11,6 +11,7 @@ import torch
 import csa_compressor as C
 from csa_compressor.epilogue import Epilogue, apply_epilogue, eager_epilogue, grouped_positions
 from csa_compressor.grouped import grouped_offsets
+from csa_compressor.kernels.tuning import current
 
 pytestmark = pytest.mark.gpu
 
@@ -105,6 +106,35 @@ def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, i
     # and the composition of torch ops, forward
     pooled = C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw)
     assert torch.equal(got[0], eager_epilogue(pooled, w, pos, ep))
+
+
+def test_packs_below_the_large_pack_variant(monkeypatch):
+    """A pack of ~1750 rows takes the default d=128 backward, not the large-pack variant
+    (BWD_LARGE_GUESS_PACK_ROWS); its kernel with the epilogue inside takes more registers
+    than the plain one (2 CTAs an SM against 3 on the H200), yet runs the plain backward's
+    row CTAs (launch.backward_plan), so the APE gradient's sum of their partials is the
+    pooling op's bit for bit."""
+    d, ratio, coff, T = 128, 4, 2, 7037
+    cu = torch.tensor([0, 4096, 4096, 4099, 5000, T - 37], dtype=torch.int32, device=DEV)
+    cuc = C.compressed_cu_seqlens(cu, ratio)
+    n = int(cuc[-1]) + 7
+    assert 16 <= n < current().BWD_LARGE_GUESS_PACK_ROWS
+    ep = Epilogue(rope_dim=64, rotate=True)
+    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 2)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+
+    def composed(kv, score, ape, w):
+        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
+
+    want = run(composed, (kv, score, ape, w), g)
+    seen = record(monkeypatch)
+    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
+                                                             epilogue=ep, norm_weight=w),
+              (kv, score, ape, w), g)
+    assert seen == ["fwd", "bwd"]
+    assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
 
 
 @pytest.mark.parametrize("d,rope_dim", [(128, 128), (512, 0), (256, 64)])
