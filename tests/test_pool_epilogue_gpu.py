@@ -74,6 +74,29 @@ def assert_same(a, b, names):
         assert torch.equal(x, y), name
 
 
+def thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio, coff, ep, seed, inside=("fwd", "bwd")):
+    """(got, want, seen, fused, tensors): forward and backward of ``compress_thd_fused(...,
+    epilogue=ep)`` (got, the directions ``inside`` asked to run in the kernels with the
+    epilogue, seen) and of the pooling op then the epilogue node (want) on the same THD
+    inputs (``tensors``: kv, score, ape, norm weight; ``fused``: the op on them)."""
+    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, seed)
+    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
+
+    def composed(kv, score, ape, w):
+        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
+
+    def fused(kv, score, ape, w):
+        return C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw, epilogue=ep, norm_weight=w)
+
+    tensors = (kv, score, ape, w)
+    want = run(composed, tensors, g)
+    seen = record(monkeypatch, inside)
+    got = run(fused, tensors, g)
+    return got, want, seen, fused, tensors
+
+
 EPILOGUES = [
     Epilogue(rope_dim=64, rope_interleaved=True, rotate=True),
     Epilogue(rope_dim=64, rope_interleaved=False, rotate=False),
@@ -88,23 +111,13 @@ def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, i
     """Either direction inside after either forward (each direction's choice is its
     own: fused_epilogue.INSIDE / INSIDE_LONG)."""
     T, cu, cuc, n = thd_pack(ratio)
-    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d)
-    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
-    kw = dict(ratio=ratio, coff=coff)
-    pos = C.epilogue.rope_positions(cuc, n, ratio)
-
-    def composed(kv, score, ape, w):
-        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
-
-    want = run(composed, (kv, score, ape, w), g)
-    seen = record(monkeypatch, inside)
-    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
-                                                             epilogue=ep, norm_weight=w),
-              (kv, score, ape, w), g)
+    got, want, seen, _, (kv, score, ape, w) = thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio,
+                                                            coff, ep, d, inside)
     assert seen == list(inside)
     assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
     # and the composition of torch ops, forward
-    pooled = C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw)
+    pooled = C.compress_thd_fused(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff)
+    pos = C.epilogue.rope_positions(cuc, n, ratio)
     assert torch.equal(got[0], eager_epilogue(pooled, w, pos, ep))
 
 
@@ -120,19 +133,7 @@ def test_packs_below_the_large_pack_variant(monkeypatch):
     n = int(cuc[-1]) + 7
     assert 16 <= n < current().BWD_LARGE_GUESS_PACK_ROWS
     ep = Epilogue(rope_dim=64, rotate=True)
-    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 2)
-    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
-    kw = dict(ratio=ratio, coff=coff)
-    pos = C.epilogue.rope_positions(cuc, n, ratio)
-
-    def composed(kv, score, ape, w):
-        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
-
-    want = run(composed, (kv, score, ape, w), g)
-    seen = record(monkeypatch)
-    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
-                                                             epilogue=ep, norm_weight=w),
-              (kv, score, ape, w), g)
+    got, want, seen, _, _ = thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio, coff, ep, 2)
     assert seen == ["fwd", "bwd"]
     assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
 
@@ -220,20 +221,8 @@ def test_long_windows_are_the_pooling_then_the_epilogue(monkeypatch, d, ratio, c
     bits as the pooling then the epilogue node, and a CUDA graph's replays give them again
     (the rows' counts start from zero each replay)."""
     T, cu, cuc, n = thd_pack(ratio)
-    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, d + 1)
-    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
-    kw = dict(ratio=ratio, coff=coff)
-    pos = C.epilogue.rope_positions(cuc, n, ratio)
-
-    def composed(kv, score, ape, w):
-        return apply_epilogue(C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep)
-
-    def fused(kv, score, ape, w):
-        return C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw, epilogue=ep, norm_weight=w)
-
-    want = run(composed, (kv, score, ape, w), g)
-    seen = record(monkeypatch, inside)
-    got = run(fused, (kv, score, ape, w), g)
+    got, want, seen, fused, tensors = thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio, coff,
+                                                    ep, d + 1, inside)
     assert seen == list(inside)
     assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
     if inside != ("fwd", "bwd"):
@@ -241,11 +230,11 @@ def test_long_windows_are_the_pooling_then_the_epilogue(monkeypatch, d, ratio, c
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
-        fused(kv, score, ape, w)
+        fused(*tensors)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
-        static_out = fused(kv, score, ape, w)
+        static_out = fused(*tensors)
     for _ in range(3):
         static_out.zero_()
         graph.replay()
@@ -260,17 +249,8 @@ def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, rati
     cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     cuc = C.compressed_cu_seqlens(cu, ratio)
     n = int(cuc[-1])
-    kv, score, ape, w = inputs(T, coff * d, d, ratio, coff, torch.bfloat16, torch.float32, 3)
-    g = torch.randn(n, d, device=DEV).to(torch.bfloat16)
-    ep = Epilogue(rope_dim=64, rotate=True)
-    pos = C.epilogue.rope_positions(cuc, n, ratio)
-    kw = dict(ratio=ratio, coff=coff)
-    want = run(lambda kv, score, ape, w: apply_epilogue(
-        C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw), w, pos, ep), (kv, score, ape, w), g)
-    seen = record(monkeypatch)
-    got = run(lambda kv, score, ape, w: C.compress_thd_fused(kv, score, ape, cu, cuc, n, **kw,
-                                                             epilogue=ep, norm_weight=w),
-              (kv, score, ape, w), g)
+    got, want, seen, _, _ = thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio, coff,
+                                          Epilogue(rope_dim=64, rotate=True), 3)
     assert seen == []
     assert_same(got, want, ("out", "dkv", "dscore", "dape", "dweight"))
 

@@ -87,9 +87,10 @@ class EpilogueWarps:
 
 
 class EpilogueBackward(EpilogueWarps):
-    """The launch and the epilogue's backward rows of both backwards (PoolEpilogueBackward,
-    LongPoolEpilogueBackward), whose kernels differ in the pooling they run after it and
-    in the columns a CTA owns (``owns``)."""
+    """The launch and the kernel of both backwards (PoolEpilogueBackward,
+    LongPoolEpilogueBackward): the epilogue's backward of the row CTA's rows, then the
+    pooling backward (``pool_after``); they differ in that pooling and in the columns a CTA
+    owns (``owns``)."""
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,
@@ -115,6 +116,25 @@ class EpilogueBackward(EpilogueWarps):
                  block=[self.lanes, self.row_lanes, 1], smem=self.smem_bytes, stream=stream,
                  use_pdl=True, preferred_smem_carveout=self.carveout,
                  min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
+               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
+               num_row_ctas: Int32, gY: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor,
+               gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor, gGX: cute.Tensor,
+               gAux: cute.Tensor):
+        sRow = self.scratch()
+        tid, ty, _ = cute.arch.thread_idx()
+        bx, by = self.cta_coords()
+        # The plain backwards' reasons (PoolBackward.kernel, LongPoolBackward.kernel).
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        if bx < num_row_ctas:  # uniform over the CTA
+            self.rows_backward(gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
+                               rows_per_cta, bx, by)
+        self.pool_after(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows,
+                        num_tokens, rows_per_cta, num_row_ctas, tid, ty, bx, by)
 
     @cute.jit
     def rows_backward(self, gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows, rows_per_cta,
@@ -207,21 +227,10 @@ class PoolEpilogueBackward(EpilogueBackward, PoolBackward):
         """Whether lane ``lane``'s channels are column group ``by``'s."""
         return lane // self.group_lanes == by
 
-    @cute.kernel
-    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
-               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
-               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
-               num_row_ctas: Int32, gY: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor,
-               gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor, gGX: cute.Tensor,
-               gAux: cute.Tensor):
-        sRow = self.scratch()
-        tid, ty, _ = cute.arch.thread_idx()
-        bx, by = self.cta_coords()
-        cute.arch.griddepcontrol_launch_dependents()  # PoolBackward.kernel's reasons
-        cute.arch.griddepcontrol_wait()
-        if bx < num_row_ctas:  # uniform over the CTA
-            self.rows_backward(gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
-                               rows_per_cta, bx, by)
+    @cute.jit
+    def pool_after(self, gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows,
+                   num_tokens, rows_per_cta, num_row_ctas, tid, ty, bx, by):
+        """PoolBackward's CTA work after the epilogue's rows."""
         self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
                        rows_per_cta, num_row_ctas, tid, ty, bx, by)
 
@@ -301,19 +310,9 @@ class LongPoolEpilogueBackward(EpilogueBackward, LongPoolBackward):
         """Whether lane ``lane``'s channels are column group ``by``'s."""
         return (lane * self.E) // self.cols == by
 
-    @cute.kernel
-    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
-               mCuc: cute.Tensor, gGrad: cute.Tensor, gDKV: cute.Tensor, gDSc: cute.Tensor,
-               gWork: cute.Tensor, num_rows: Int32, num_tokens: Int32, rows_per_cta: Int32,
-               num_row_ctas: Int32, gY: cute.Tensor, gX: cute.Tensor, mR: cute.Tensor,
-               gW: cute.Tensor, gCos: cute.Tensor, gSin: cute.Tensor, gGX: cute.Tensor,
-               gAux: cute.Tensor):
-        sRow = self.scratch()
-        bx, by, _ = cute.arch.block_idx()
-        cute.arch.griddepcontrol_launch_dependents()  # LongPoolBackward.kernel's reasons
-        cute.arch.griddepcontrol_wait()
-        if bx < num_row_ctas:  # uniform over the CTA
-            self.rows_backward(gY, gX, mR, gW, gCos, gSin, gGX, gAux, sRow, num_rows,
-                               rows_per_cta, bx, by)
+    @cute.jit
+    def pool_after(self, gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows,
+                   num_tokens, rows_per_cta, num_row_ctas, tid, ty, bx, by):
+        """LongPoolBackward's CTA work after the epilogue's rows (its own thread indices)."""
         self.pool_rows(gKV, gSc, gApe, mCu, mCuc, gGrad, gDKV, gDSc, gWork, num_rows, num_tokens,
                        rows_per_cta, num_row_ctas)
