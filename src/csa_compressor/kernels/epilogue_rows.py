@@ -166,17 +166,25 @@ class EpilogueRows:
                     v[e] = mine + other
 
     @cute.jit
-    def rope(self, v, gCos, gSin, row, lane, sign: int):
-        """The rotation of the lane's rope channels by the row's angles (``sign`` -1:
-        back, by the negated sines, as the epilogue's backward multiplies). Every lane
-        takes part in the halves' shuffles; the lanes before the rope channels then keep
-        their values."""
+    def angles(self, gCos, gSin, row, lane):
+        """The lane's cosines and sines of row ``row``. Every lane loads (a lane before the
+        rope channels the first rope lane's, unused), so the loads join the row's others in
+        one basic block instead of waiting behind the rope lanes' branch."""
+        j = cutlass.max(lane - self.rope_lane0, Int32(0))
+        if cutlass.const_expr(not self.interleaved):
+            j = j % (self.R // 2 // self.E)
+        return gCos[(None, (row, j))].load(), gSin[(None, (row, j))].load()
+
+    @cute.jit
+    def rope(self, v, c, s, lane, sign: int):
+        """The rotation of the lane's rope channels by the row's angles (``c``, ``s`` from
+        angles; ``sign`` -1: back, by the negated sines, as the epilogue's backward
+        multiplies). Every lane takes part in the halves' shuffles; the lanes before the
+        rope channels then keep their values."""
         E = self.E
         j = lane - self.rope_lane0
         if cutlass.const_expr(self.interleaved):
             if j >= 0:
-                c = gCos[(None, (row, j))].load()
-                s = gSin[(None, (row, j))].load()
                 for k in cutlass.range_constexpr(E // 2):
                     a, b = v[2 * k], v[2 * k + 1]
                     sk = s[k] if sign > 0 else -s[k]
@@ -188,8 +196,6 @@ class EpilogueRows:
             for k in cutlass.range_constexpr(E):
                 other[k] = cute.arch.shuffle_sync_bfly(v[k], offset=half)
             if j >= 0:
-                c = gCos[(None, (row, j % half))].load()
-                s = gSin[(None, (row, j % half))].load()
                 upper = (j // half) % 2 == 1
                 for k in cutlass.range_constexpr(E):
                     # operands taken before the branch: both sides use them
@@ -239,6 +245,11 @@ class EpilogueRows:
         the row sum's scratch), else read from it. Also the pooling kernels' epilogue
         (pool_epilogue), which is why it is a method of its own."""
         E = self.E
+        # The row's operands first, beside its values' load: one wait a row.
+        w = gW[(None, lane)].load()
+        c = s = None
+        if cutlass.const_expr(self.R > 0):
+            c, s = self.angles(gCos, gSin, row, lane)
         r = Float32(0.0)
         if cutlass.const_expr(self.norm):
             # torch: x.pow(2) -> mean(-1) (the sum times fl(N) / fl(N*d)) -> + eps -> rsqrt
@@ -253,12 +264,12 @@ class EpilogueRows:
                 mR[row, 0] = r
         else:
             r = mR[row, 0]
-        w = gW[(None, lane)].load().to(Float32)
+        w = w.to(Float32)
         for e in cutlass.range_constexpr(E):
             # pinned: the butterfly's adds must not absorb them into FMAs
             v[e] = mul_rn(mul_rn(v[e], r), w[e])
         if cutlass.const_expr(self.R > 0):
-            self.rope(v, gCos, gSin, row, lane, 1)
+            self.rope(v, c, s, lane, 1)
         if cutlass.const_expr(self.rotate):
             for st in cutlass.range_constexpr(self.stages):
                 self.stage(v, 1 << st, lane)
@@ -271,26 +282,34 @@ class EpilogueRows:
         rows' gradient out (with ``norm``; else the gradient before the norm). ``aux``:
         whether this lane stores its weight products."""
         E = self.E
+        # The row's operands first, beside the gradient's load: one wait a row.
+        x = r = w = c = s = None
+        if cutlass.const_expr(self.norm):
+            x = gX[(None, (row, lane))].load()
+            r = mR[row, 0]
+            w = gW[(None, lane)].load()
+        if cutlass.const_expr(self.R > 0):
+            c, s = self.angles(gCos, gSin, row, lane)
         if cutlass.const_expr(self.rotate):
             for e in cutlass.range_constexpr(E):
                 v[e] = mul_rn(v[e], Float32(self.scale))
             for st in cutlass.range_constexpr(self.stages):
                 self.stage(v, 1 << (self.stages - 1 - st), lane)
         if cutlass.const_expr(self.R > 0):
-            self.rope(v, gCos, gSin, row, lane, -1)
+            self.rope(v, c, s, lane, -1)
         if cutlass.const_expr(self.norm):
-            self.norm_backward(v, gX, mR, gW, gAux, sRow, row, warp, lane, aux)
+            self.norm_backward(v, x, r, w, gAux, sRow, row, warp, lane, aux)
 
     @cute.jit
-    def norm_backward(self, v, gX, mR, gW, gAux, sRow, row, warp, lane, aux=True):
+    def norm_backward(self, v, x, r, w, gAux, sRow, row, warp, lane, aux=True):
         """``v``: the gradient of ``y = (x*r) * w`` in, the rows' gradient out, each op as
-        autograd runs the composition's: ``g_xr = gy*w``, the weight's ``gy * (x*r)``
+        autograd runs the composition's (``x``, ``w`` the lane's pooled values and weights
+        as loaded, ``r`` the row's statistic): ``g_xr = gy*w``, the weight's ``gy * (x*r)``
         (to gAux), ``g_r = sum(g_xr * x)``, ``g_mean = (-0.5 * g_r) * ((r*r)*r)``, then
         ``g_xr*r + (g_mean * fl(1/d)) * (2x)``."""
         E = self.E
-        r = mR[row, 0]
-        xv = gX[(None, (row, lane))].load().to(Float32)
-        w = gW[(None, lane)].load().to(Float32)
+        xv = x.to(Float32)
+        w = w.to(Float32)
         p = cute.make_rmem_tensor((E,), Float32)
         for e in cutlass.range_constexpr(E):
             gy = v[e]
