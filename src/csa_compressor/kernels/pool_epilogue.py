@@ -44,16 +44,24 @@ class EpilogueWarps:
             bound -= 2  # narrow forwards: held to 8 at d=128 spilled 64 B, to 7 32 B, to 6 none
         self.hold_to(bound)
 
-    def epilogue_rows(self, dtype, epilogue, backward: bool, scratch_warps: int = 0):
-        """The row math and its shared scratch (one row a warp that takes rows)."""
+    def epilogue_rows(self, dtype, epilogue, backward: bool, scratch_warps: int = 0,
+                      alias: bool = True):
+        """The row math and its shared scratch (one row a warp that takes rows). ``alias``:
+        the rows run while the pooling's shared memory is idle (before its first copy, or
+        after its last read and a CTA barrier), so the scratch lies over it where it fits."""
         assert self.threads % 32 == 0, "the epilogue takes whole warps"
         self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
                                     epilogue.rotate, backward, norm=True, eps=epilogue.eps)
         self.E, self.cs_vec = self.rows_ep.E, self.rows_ep.cs_vec  # a lane's channels, cos/sin
         self.warps = self.threads // 32
         self.scratch_warps = scratch_warps or self.warps
-        # The scratch is an allocation of its own: the DSL adds it to the pooling's.
-        self.smem_bytes = self.smem_bytes + smem_footprint(self.scratch_warps * self.d * 4)
+        need = smem_footprint(self.scratch_warps * self.d * 4)
+        # Over the pooling's buffers the kernel asks for the pooling's shared memory alone,
+        # so its carveout leaves the L1 the plain kernel has (d=512's backward: 70% instead
+        # of 91%); otherwise the scratch is an allocation of its own, which the DSL adds.
+        self.scratch_aliased = alias and need <= self.smem_bytes
+        if not self.scratch_aliased:
+            self.smem_bytes = self.smem_bytes + need
     def epilogue_tiles(self, mX, mW, mCos, mSin, mOut, mAux=None):
         E, cs = self.E, self.cs_vec
         tiles = (cute.zipped_divide(mX, (1, E)), cute.zipped_divide(mW, (E,)),
@@ -65,9 +73,10 @@ class EpilogueWarps:
 
     @cute.jit
     def scratch(self):
-        smem = cutlass.memory.SmemAllocator()
-        return smem.allocate_tensor(Float32, cute.make_layout((self.scratch_warps, self.d),
-                                                              stride=(self.d, 1)), 16)
+        layout = cute.make_layout((self.scratch_warps, self.d), stride=(self.d, 1))
+        if cutlass.const_expr(self.scratch_aliased):
+            return cute.make_tensor(cute.arch.get_dyn_smem(Float32, 16), layout)
+        return cutlass.memory.SmemAllocator().allocate_tensor(Float32, layout, 16)
 
     @cute.jit
     def warp_lane(self):
@@ -244,7 +253,8 @@ class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning=None,
                  row_stride: int = 0, batch: int = 0, numerics: str = "fp32", epilogue=None):
         super().__init__(dtype, ratio, coff, head_dim, tuning, row_stride, batch, numerics)
-        self.epilogue_rows(dtype, epilogue, backward=False, scratch_warps=1)
+        # The flag and the scratch live together after the pooling: both are allocations.
+        self.epilogue_rows(dtype, epilogue, backward=False, scratch_warps=1, alias=False)
         self.smem_bytes += 16  # the CTA's "last of its row" flag
         self.hold_to(self.held)  # the pooling's bound, the carveout for the scratch
 
