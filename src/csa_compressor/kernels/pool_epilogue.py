@@ -62,6 +62,7 @@ class EpilogueWarps:
         self.scratch_aliased = alias and need <= self.smem_bytes
         if not self.scratch_aliased:
             self.smem_bytes = self.smem_bytes + need
+
     def epilogue_tiles(self, mX, mW, mCos, mSin, mOut, mAux=None):
         E, cs = self.E, self.cs_vec
         tiles = (cute.zipped_divide(mX, (1, E)), cute.zipped_divide(mW, (E,)),
@@ -253,7 +254,8 @@ class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, tuning=None,
                  row_stride: int = 0, batch: int = 0, numerics: str = "fp32", epilogue=None):
         super().__init__(dtype, ratio, coff, head_dim, tuning, row_stride, batch, numerics)
-        # The flag and the scratch live together after the pooling: both are allocations.
+        # Its scratch stays an allocation beside the flag: this forward is off by default
+        # (INSIDE_LONG), and laying the scratch over its pooling's buffers is untried.
         self.epilogue_rows(dtype, epilogue, backward=False, scratch_warps=1, alias=False)
         self.smem_bytes += 16  # the CTA's "last of its row" flag
         self.hold_to(self.held)  # the pooling's bound, the carveout for the scratch
