@@ -22,14 +22,9 @@ from csa_compressor import fused_epilogue as FE  # noqa: E402
 from csa_compressor.cli.bench import capture_graph, input_sets, time_graphs_interleaved  # noqa: E402
 from csa_compressor.layout import compressed_cu_seqlens  # noqa: E402
 from csa_compressor.ops import _forward as pool_forward, _launch_backward  # noqa: E402
-from csa_compressor.kernels.tuning import current, use  # noqa: E402
 from csa_compressor.validation import halves, validate_packed  # noqa: E402
 
 FE.INSIDE = FE.INSIDE_LONG = ("fwd", "bwd")  # the "inside" steps: whatever the package's default
-
-# The backward inside with a warp's rows loaded one at a time (before the prologue loaded
-# EPILOGUE_BWD_LANE_ELEMS' worth together): "bwd_inside_one", where that is more than one.
-ONE_ROW = dict(EPILOGUE_BWD_LANE_ELEMS=1)
 
 CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True),
            ("d512 r128", 512, 128, 1, False))
@@ -81,14 +76,8 @@ def main():
             _, pooled, r, cos, sin = saved[i]
             return FE._backward(probs[i], fins[i], grads[i], pooled, r, cos, sin)
 
-        def bwd_inside_one(i):
-            with use(**ONE_ROW):
-                return bwd_inside(i)
-
         steps = {"fwd_parts": fwd_parts, "fwd_inside": fwd_inside, "bwd_parts": bwd_parts,
                  "bwd_inside": bwd_inside}
-        if current().EPILOGUE_BWD_LANE_ELEMS // (d // 32) > 1:
-            steps["bwd_inside_one"] = bwd_inside_one
         for step in steps.values():
             step(0)
         torch.cuda.synchronize()
@@ -97,15 +86,11 @@ def main():
         assert torch.equal(a, b.view(a.shape)), name
         a, b = bwd_parts(0), bwd_inside(0)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), name  # dkvs, dape, dweight
-        if "bwd_inside_one" in steps:
-            c = bwd_inside_one(0)
-            assert all(torch.equal(x, y) for x, y in zip(b, c)), name
         graphs = {k: capture_graph(s, sets) for k, s in steps.items()}
         us = time_graphs_interleaved(graphs)
         print(name, {k: round(v, 1) for k, v in us.items()}, flush=True)
-        one = f" (a row at a time: {us['bwd_inside_one']:.1f})" if "bwd_inside_one" in us else ""
         lines.append(f"| {name} | {us['fwd_parts']:.1f} | {us['fwd_inside']:.1f} | "
-                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f}{one} |")
+                     f"{us['bwd_parts']:.1f} | {us['bwd_inside']:.1f} |")
     print(f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}; µs a call")
     print("\n".join(lines))
 

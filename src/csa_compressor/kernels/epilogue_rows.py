@@ -232,13 +232,8 @@ class EpilogueRows:
     def load_row(self, g: cute.Tensor, row, lane):
         """The lane's ``E`` values of row ``row`` of ``g`` (``(1, E)`` tiles), in fp32
         registers."""
-        return self.to_regs(g[(None, (row, lane))].load())
-
-    @cute.jit
-    def to_regs(self, x):
-        """A lane's ``E`` loaded values ``x`` as fp32 registers (exactly)."""
         v = cute.make_rmem_tensor((self.E,), Float32)
-        x = x.to(Float32)
+        x = g[(None, (row, lane))].load().to(Float32)
         for e in cutlass.range_constexpr(self.E):
             v[e] = x[e]
         return v
@@ -286,30 +281,15 @@ class EpilogueRows:
         """The backward of the warp's row ``row``: ``v`` the output's gradient in, the
         rows' gradient out (with ``norm``; else the gradient before the norm). ``aux``:
         whether this lane stores its weight products."""
+        E = self.E
         # The row's operands first, beside the gradient's load: one wait a row.
-        x, r, w, c, s = self.backward_operands(gX, mR, gW, gCos, gSin, row, lane)
-        self.backward_math(v, x, r, w, c, s, gAux, sRow, row, warp, lane, aux)
-
-    @cute.jit
-    def backward_operands(self, gX, mR, gW, gCos, gSin, row, lane):
-        """Row ``row``'s operands of backward_math: its pooled values, statistic and the
-        lane's weights (with ``norm``; ``gW`` None: not the weights, which every row
-        shares), its cosines and sines (with rotary channels); None where not read."""
         x = r = w = c = s = None
         if cutlass.const_expr(self.norm):
             x = gX[(None, (row, lane))].load()
             r = mR[row, 0]
-            if cutlass.const_expr(gW is not None):
-                w = gW[(None, lane)].load()
+            w = gW[(None, lane)].load()
         if cutlass.const_expr(self.R > 0):
             c, s = self.angles(gCos, gSin, row, lane)
-        return x, r, w, c, s
-
-    @cute.jit
-    def backward_math(self, v, x, r, w, c, s, gAux, sRow, row, warp, lane, aux=True):
-        """backward_row on operands already loaded (backward_operands, ``w`` the lane's
-        weights)."""
-        E = self.E
         if cutlass.const_expr(self.rotate):
             for e in cutlass.range_constexpr(E):
                 v[e] = mul_rn(v[e], Float32(self.scale))

@@ -53,8 +53,6 @@ class EpilogueWarps:
         self.rows_ep = EpilogueRows(dtype, self.d, epilogue.rope_dim, epilogue.interleaved,
                                     epilogue.rotate, backward, norm=True, eps=epilogue.eps)
         self.E, self.cs_vec = self.rows_ep.E, self.rows_ep.cs_vec  # a lane's channels, cos/sin
-        # rows whose operands a warp of the backward loads together (rows_backward)
-        self.together = max(1, self.t.EPILOGUE_BWD_LANE_ELEMS // self.E) if backward else 1
         self.warps = self.threads // 32
         self.scratch_warps = scratch_warps or self.warps
         need = smem_footprint(self.scratch_warps * self.d * 4)
@@ -153,47 +151,19 @@ class EpilogueBackward(EpilogueWarps):
                       bx, by):
         """The epilogue's backward of row CTA ``bx``'s rows, a warp a row, into the rows'
         gradient; the CTA stores the columns it owns (of the weight's products too), then
-        meets its threads at a barrier: the gradient is in global memory, visible to them.
-        A warp loads ``together`` rows' operands before it computes the first: the prologue
-        runs before any window copy, so its loads' latencies are the kernel's."""
+        meets its threads at a barrier: the gradient is in global memory, visible to them."""
         warp, lane = self.warp_lane()
         mine = self.owns(lane, by)
-        K = self.together
-        wr = None
-        if cutlass.const_expr(K > 1):
-            # every row's weights, widened once (exactly); each row reads its own value of them
-            wr = self.rows_ep.to_regs(gW[(None, lane)].load())
-        for j0 in cutlass.range(warp, rows_per_cta, self.warps * K):
-            if cutlass.const_expr(K == 1):
-                row = bx * rows_per_cta + j0
-                if row < num_rows:  # uniform over the warp
-                    flat = self.flat_row(row)
-                    v = self.rows_ep.load_row(gY, flat, lane)
-                    self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
-                                              lane, mine)
-                    if mine:
-                        gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
-                    cute.arch.sync_warp()
-            else:
-                # A row past the pack's loads its last row's operands, one past the CTA's
-                # the next CTA's row's: loaded, never used.
-                ops = []
-                for k in cutlass.range_constexpr(K):
-                    flat = self.flat_row(cutlass.min(bx * rows_per_cta + j0 + k * self.warps,
-                                                     num_rows - 1))
-                    ops.append((flat, gY[(None, (flat, lane))].load(),
-                                self.rows_ep.backward_operands(gX, mR, None, gCos, gSin, flat,
-                                                               lane)))
-                for k in cutlass.range_constexpr(K):
-                    j = j0 + k * self.warps
-                    flat, y, (x, r, _, c, s) = ops[k]
-                    if (j < rows_per_cta) & (bx * rows_per_cta + j < num_rows):  # warp-uniform
-                        v = self.rows_ep.to_regs(y)
-                        self.rows_ep.backward_math(v, x, r, wr.load(), c, s, gAux, sRow, flat,
-                                                   warp, lane, mine)
-                        if mine:
-                            gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
-                        cute.arch.sync_warp()
+        for j in cutlass.range(warp, rows_per_cta, self.warps):
+            row = bx * rows_per_cta + j
+            if row < num_rows:  # uniform over the warp
+                flat = self.flat_row(row)
+                v = self.rows_ep.load_row(gY, flat, lane)
+                self.rows_ep.backward_row(v, gX, mR, gW, gCos, gSin, gAux, sRow, flat, warp,
+                                          lane, mine)
+                if mine:
+                    gGX[(None, (flat, lane))].store(v.load().to(self.dtype))
+                cute.arch.sync_warp()
         cute.arch.barrier()
 
 

@@ -51,9 +51,6 @@ class Tuning:
     # Cooperative backwards: windows of more than `elems` elements a thread held to `most`
     # CTAs an SM, per coff ((elems, most), ...): more spilled at d=512.
     BWD_COOP_MAX_CTAS: tuple = ((1, ((20, 4), (16, 5))), (2, ((20, 4),)))
-    # The backward with the epilogue inside (pool_epilogue): a warp loads the operands of
-    # max(1, this // channels a lane) of its rows together (d=128: 3; d=512 has no registers).
-    EPILOGUE_BWD_LANE_ELEMS: int = 12
     ZERO_TOKENS_PER_THREAD: int = 32  # tokens a zero-fill thread walks after one search (2 made 25k CTAs)
     # --- long windows (pool_long) ---
     LONG_CTA_THREADS: int = 256  # forward CTA; 128 and 512 were slower
