@@ -46,6 +46,24 @@ def test_epilogue_arguments_are_named_when_wrong():
             ops._finish(None, **kw)
 
 
+def test_set_epilogue_inside_sets_what_the_op_reads_and_names_a_bad_value():
+    from csa_compressor import fused_epilogue as FE
+
+    before = C.set_epilogue_inside(short=["bwd", "fwd"], long=("bwd",))
+    try:
+        assert before == {"short": ("fwd",), "long": ()}  # the package's default
+        assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd", "bwd"), ("bwd",))
+        assert C.set_epilogue_inside(long=()) == {"short": ("fwd", "bwd"), "long": ("bwd",)}
+        assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd", "bwd"), ())
+        for bad in ("bwd", ("back",), None.__class__, 1):
+            with pytest.raises(ValueError, match="short: expected a tuple of directions"):
+                C.set_epilogue_inside(short=bad)
+        assert FE.INSIDE == ("fwd", "bwd")  # a refused value changes nothing
+    finally:
+        C.set_epilogue_inside(**before)
+    assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd",), ())
+
+
 def test_checked_positions_default_to_the_layouts():
     p = problem()
     f = Finish(C.Epilogue(), torch.ones(128)).check(p)

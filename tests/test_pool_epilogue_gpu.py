@@ -24,8 +24,9 @@ def record(monkeypatch, inside=("fwd", "bwd")):
     from csa_compressor import fused_epilogue
     from csa_compressor.kernels import launch
 
-    monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
-    monkeypatch.setattr(fused_epilogue, "INSIDE_LONG", inside)
+    if inside is not None:  # None: as set (set_epilogue_inside)
+        monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
+        monkeypatch.setattr(fused_epilogue, "INSIDE_LONG", inside)
     seen = []
     fwd, bwd = launch.launch_forward, launch.launch_backward
 
@@ -289,6 +290,33 @@ def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(m
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, out.detach())
+
+
+def test_set_epilogue_inside_runs_the_modules_backward_in_one_kernel(monkeypatch):
+    """The public switch: the module's step with the backward inside as well (the default
+    runs it by parts), the same bits, and the kernels that ran the ones it names."""
+    torch.manual_seed(1)
+    m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    T = 8192 + 37
+    cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
+    x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16)
+    results = []
+    for short in (("fwd",), ("fwd", "bwd"), ()):
+        before = C.set_epilogue_inside(short=short)
+        try:
+            seen = record(monkeypatch, inside=None)
+            xi = x.clone().requires_grad_(True)
+            m.zero_grad()
+            out, _ = m(xi, cu, max_seqlen=4096)
+            out.float().square().sum().backward()
+            torch.cuda.synchronize()
+        finally:
+            C.set_epilogue_inside(**before)
+        assert seen == list(short), (short, seen)
+        results.append((out.detach(), xi.grad, [p.grad.clone() for p in m.parameters()]))
+    for got in results[1:]:
+        assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], results[0][2]))
 
 
 @pytest.mark.parametrize("packed", [False, True])

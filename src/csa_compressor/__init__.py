@@ -12,7 +12,8 @@ Public surface:
 - ``maybe_compress_thd_fused`` / ``fused_unavailable_reason``: dispatch with fallback.
 - ``Compressor``: the whole Compressor block as an ``nn.Module``.
 - ``Epilogue`` / ``apply_epilogue``: RMSNorm, RoPE and Hadamard rotation after the pooling,
-  one autograd node; ``YaRN``: DeepSeek-V4's rotary frequency scaling.
+  one autograd node; ``YaRN``: DeepSeek-V4's rotary frequency scaling;
+  ``set_epilogue_inside``: which directions of the pooling + epilogue op run as one kernel.
 - ``megatron`` (import it): route Megatron-LM's Compressor through the fused kernels.
 - ``reference``: the plain-PyTorch references (``compress_thd``, ``compress_sbhd``).
 - ``compressed_cu_seqlens`` / ``compressed_capacity``: THD layout helpers.
@@ -33,6 +34,7 @@ _WHERE = {
     "compress_sbhd_fused": "ops", "compress_sbhd_fused_packed": "ops",
     "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
     "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
+    "set_epilogue_inside": "fused_epilogue",
 }
 __all__ = sorted([*_WHERE, "reference"])
 

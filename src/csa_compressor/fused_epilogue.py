@@ -31,6 +31,32 @@ from .validation import Problem, halves, kernel_aligned
 # docs/lab/perf-notes.md v46, v47).
 INSIDE = ("fwd",)
 INSIDE_LONG = ()
+DIRECTIONS = ("fwd", "bwd")
+
+
+def _directions(name: str, value) -> tuple:
+    if isinstance(value, str) or not isinstance(value, (tuple, list, set, frozenset)) \
+            or any(v not in DIRECTIONS for v in value):
+        raise ValueError(f"{name}: expected a tuple of directions from {DIRECTIONS}, got "
+                         f"{value!r}")
+    return tuple(v for v in DIRECTIONS if v in value)
+
+
+def set_epilogue_inside(short=None, long=None) -> dict:
+    """Which directions (``"fwd"``, ``"bwd"``) of the pooling + epilogue op run as one
+    kernel, the pooling kernel with the epilogue inside, where that kernel takes the
+    problem: ``short`` for windows of at most 16 slots, ``long`` for longer ones (None
+    leaves one as it is). The others run the pooling kernel and the epilogue kernel in
+    turn: the same bits either way. Process-wide, read at each call (a backward when it
+    runs, a CUDA graph when it captures). The default, ``short=("fwd",), long=()``, is
+    what measured faster on the H200. Returns the setting before, as keywords
+    (``set_epilogue_inside(**before)`` restores it)."""
+    global INSIDE, INSIDE_LONG
+    before = {"short": INSIDE, "long": INSIDE_LONG}
+    short = INSIDE if short is None else _directions("short", short)
+    long = INSIDE_LONG if long is None else _directions("long", long)
+    INSIDE, INSIDE_LONG = short, long
+    return before
 
 
 class Finish:
