@@ -182,3 +182,38 @@ def test_the_gate_checks_the_eager_numerics_against_the_upstream_region(monkeypa
     lines.clear()
     assert check.run_eager(grid, ("bf16",), lines.append, torch.device("cpu")) > 0
     assert any("| dkv |" in line and "upstream region (bitwise owed)" in line for line in lines)
+
+
+def test_the_gate_checks_the_pooling_with_the_epilogue_against_its_composition(monkeypatch):
+    """check.run_pool_epilogue: with a CPU stand-in for the op (the reference pooling, then
+    the epilogue node, which on the CPU runs the composition's torch ops) every output of
+    every kernel choice holds; an op whose output is off in one row fails the output of each
+    choice, and only it."""
+    import torch
+
+    from csa_compressor import epilogue as E, ops, reference
+    from csa_compressor.cli import check
+
+    def standin(shift):
+        def op(kv, score, ape, cu, cuc, n, *, ratio, coff, epilogue=None, norm_weight=None,
+               positions=None):
+            pooled = reference.compress_thd(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                            mode="fp32")
+            if epilogue is None:
+                return pooled
+            y = E.apply_epilogue(pooled, norm_weight, positions, epilogue)
+            return y + torch.zeros_like(y).index_fill_(0, torch.tensor([1]), shift)
+        return op
+
+    grid = [("37+0+3+64:64:4:2", 32, True, True), ("37+0+90:64:32:1", 0, True, False)]
+    lines = []
+    monkeypatch.setattr(ops, "compress_thd_fused", standin(0.0))
+    assert check.run_pool_epilogue(torch.device("cpu"), ("bf16", "fp32"), lines.append, grid) == 0
+    table = [line for line in lines if line.startswith("| 37")]
+    assert len(table) == 2 * 2 * len(check.KERNEL_CHOICES) * 5
+    assert all(line.endswith("| ok |") for line in table)
+    monkeypatch.setattr(ops, "compress_thd_fused", standin(0.5))
+    lines.clear()
+    failed = check.run_pool_epilogue(torch.device("cpu"), ("fp32",), lines.append, grid[:1])
+    assert failed == len(check.KERNEL_CHOICES)  # the output only: y + c has y's gradients
+    assert all("| out |" in line for line in lines if "FAIL" in line)

@@ -6,7 +6,10 @@ at most 0.1% of elements (fp32 outputs: within 4 units), dape within 1e-3, and n
 further from the fp64 oracle than the upstream (Megatron) region's. Then the same clauses
 for numerics="eager" against the upstream region it rounds as. Then the epilogue
 node (apply_epilogue) against the composition of torch ops it stands for
-(eager_epilogue): its output and both gradients bitwise."""
+(eager_epilogue): its output and both gradients bitwise. Then the pooling with the
+epilogue as one op (``epilogue=``) against the pooling op followed by that composition,
+with each direction in one kernel, by parts, and as set: the output and every gradient
+bitwise."""
 
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
     failures += run_eager(grid, dtypes, out)
     out("")
     failures += run_epilogue(torch.device("cuda"), dtypes, out)
+    out("")
+    failures += run_pool_epilogue(torch.device("cuda"), dtypes, out)
     out(f"\n{'PASS' if failures == 0 else 'FAIL'}: {failures} contract clause(s) failed")
     return 1 if failures else 0
 
@@ -149,3 +154,70 @@ def _epilogue_step(fn, x, w, pos, ep, g):
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
     y = fn(*leaves, pos, ep)
     return (y.detach(), *torch.autograd.grad(y, leaves, g))
+
+
+# (pack:d:ratio:coff, rope_dim, interleaved pairs, rotate): the Compressor's geometries on
+# ragged packs with capacity padding, one below and one above the d=128 backward's
+# large-pack variant, and a long window.
+POOL_EPILOGUE_GRID = [("37+0+3+64+129+1+250:128:4:2", 64, True, True),
+                      ("37+0+3+64+129+1+250:512:4:2", 64, True, False),
+                      ("300+0+127+520:512:128:1", 64, False, False),
+                      ("5000+0+3+2003:128:4:2", 64, False, True),
+                      ("8192+8192+37:128:4:2", 128, True, True)]
+# Which directions run in one kernel (set_epilogue_inside): as set, all, none.
+KERNEL_CHOICES = (("as set", None), ("one kernel", ("fwd", "bwd")), ("by parts", ()))
+
+
+def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
+                      grid=POOL_EPILOGUE_GRID) -> int:
+    """compress_thd_fused(..., epilogue=) against compress_thd_fused followed by
+    eager_epilogue on ``device``, each of KERNEL_CHOICES: the output and the gradients of
+    kv, score, the APE and the norm weight bitwise. Returns the number of failing outputs."""
+    from .. import epilogue, ops
+    from ..fused_epilogue import set_epilogue_inside
+
+    failures = 0
+    out("| pooling + epilogue pack:d:ratio:coff | rope:interleaved:rotate | dtype | kernels | "
+        "output | bitwise | differ | verdict |")
+    out("|" + "---|" * 8)
+    names = ("out", "dkv", "dscore", "dape", "dweight")
+    for spec, rope, inter, rot in grid:
+        shape = parse_shape(spec)
+        ep = epilogue.Epilogue(rope_dim=rope, rope_interleaved=inter, rotate=rot)
+        for dname in dtypes:
+            dt = DTYPES[dname]
+            kv, score, ape, cu, cuc, N, g = make_inputs(shape, dt, device, seed=3)
+            gen = torch.Generator(device=device).manual_seed(4)
+            w = 1 + 0.1 * torch.randn(shape.d, device=device, generator=gen)
+            pos = epilogue.rope_positions(cuc, N, shape.ratio)
+            kw = dict(ratio=shape.ratio, coff=shape.coff)
+
+            def composed(kv, score, ape, w):
+                pooled = ops.compress_thd_fused(kv, score, ape, cu, cuc, N, **kw)
+                return epilogue.eager_epilogue(pooled, w, pos, ep)
+
+            def one_op(kv, score, ape, w):
+                return ops.compress_thd_fused(kv, score, ape, cu, cuc, N, **kw, epilogue=ep,
+                                              norm_weight=w, positions=pos)
+
+            want = _step(composed, (kv, score, ape, w), g)
+            for label, inside in KERNEL_CHOICES:
+                before = set_epilogue_inside(short=inside, long=inside)
+                try:
+                    got = _step(one_op, (kv, score, ape, w), g)
+                finally:
+                    set_epilogue_inside(**before)
+                for name, a, b in zip(names, got, want):
+                    same = a.shape == b.shape and torch.equal(a, b)
+                    failures += not same
+                    n_diff = int((a != b).sum()) if a.shape == b.shape else a.numel()
+                    out(f"| {spec} | {rope}:{int(inter)}:{int(rot)} | {dname} | {label} | {name} | "
+                        f"{'yes' if same else 'no'} | {n_diff}/{a.numel()} | "
+                        f"{'ok' if same else 'FAIL: not bitwise the pooling then the composition'} |")
+    return failures
+
+
+def _step(fn, tensors, g):
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    y = fn(*leaves)
+    return (y.detach(), *torch.autograd.grad(y, leaves, g.to(y.dtype)))
