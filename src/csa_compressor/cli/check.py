@@ -140,13 +140,22 @@ def run_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print, grid=EPILOG
                 pos = torch.arange(n, device=device) * 4
                 got = _epilogue_step(epilogue.apply_epilogue, x, w, pos, ep, g)
                 want = _epilogue_step(epilogue.eager_epilogue, x, w, pos, ep, g)
-                for name, a, b in zip(("out", "d pooled", "d norm_weight"), got, want):
-                    same = torch.equal(a, b)
-                    failures += not same
-                    n_diff = int((a != b).sum()) if a.shape == b.shape else a.numel()
-                    out(f"| {d}:{rope}:{int(inter)}:{int(rot)} | {n} | {dname} | {name} | "
-                        f"{'yes' if same else 'no'} | {n_diff}/{a.numel()} | "
-                        f"{'ok' if same else 'FAIL: not bitwise the composition'} |")
+                failures += _bitwise_rows(out, f"{d}:{rope}:{int(inter)}:{int(rot)} | {n} | {dname}",
+                                          ("out", "d pooled", "d norm_weight"), got, want,
+                                          "the composition")
+    return failures
+
+
+def _bitwise_rows(out, prefix, names, got, want, what) -> int:
+    """A table row an output (``prefix`` its leading cells): bitwise or not, how many
+    elements differ. Returns the failures."""
+    failures = 0
+    for name, a, b in zip(names, got, want):
+        same = a.shape == b.shape and torch.equal(a, b)
+        failures += not same
+        n_diff = int((a != b).sum()) if a.shape == b.shape else a.numel()
+        out(f"| {prefix} | {name} | {'yes' if same else 'no'} | {n_diff}/{a.numel()} | "
+            f"{'ok' if same else 'FAIL: not bitwise ' + what} |")
     return failures
 
 
@@ -207,13 +216,9 @@ def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
                     got = _step(one_op, (kv, score, ape, w), g)
                 finally:
                     set_epilogue_inside(**before)
-                for name, a, b in zip(names, got, want):
-                    same = a.shape == b.shape and torch.equal(a, b)
-                    failures += not same
-                    n_diff = int((a != b).sum()) if a.shape == b.shape else a.numel()
-                    out(f"| {spec} | {rope}:{int(inter)}:{int(rot)} | {dname} | {label} | {name} | "
-                        f"{'yes' if same else 'no'} | {n_diff}/{a.numel()} | "
-                        f"{'ok' if same else 'FAIL: not bitwise the pooling then the composition'} |")
+                failures += _bitwise_rows(
+                    out, f"{spec} | {rope}:{int(inter)}:{int(rot)} | {dname} | {label}", names,
+                    got, want, "the pooling then the composition")
     return failures
 
 
