@@ -32,10 +32,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _run(fn, kv, score, ape, cu, cuc, N, g, ratio, coff):
-    leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
-    out = fn(*leaves, cu, cuc, N, ratio=ratio, coff=coff)
-    grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
-    return (out.detach(), *grads)
+    return _step(lambda kv, score, ape: fn(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff),
+                 (kv, score, ape), g)
 
 
 def run(grid=GRID, dtypes=("bf16", "fp16", "fp32"), out=print) -> int:
@@ -160,9 +158,7 @@ def _bitwise_rows(out, prefix, names, got, want, what) -> int:
 
 
 def _epilogue_step(fn, x, w, pos, ep, g):
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
-    y = fn(*leaves, pos, ep)
-    return (y.detach(), *torch.autograd.grad(y, leaves, g))
+    return _step(lambda x, w: fn(x, w, pos, ep), (x, w), g)
 
 
 # (pack:d:ratio:coff, rope_dim, interleaved pairs, rotate): the Compressor's geometries on
@@ -223,6 +219,8 @@ def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
 
 
 def _step(fn, tensors, g):
+    """``fn``'s output and its gradients in ``tensors`` (fresh leaves) for the output's
+    gradient ``g`` (in the output's dtype)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
     y = fn(*leaves)
     return (y.detach(), *torch.autograd.grad(y, leaves, g.to(y.dtype)))
