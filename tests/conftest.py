@@ -40,7 +40,7 @@ def fused_on_cpu(monkeypatch):
     """The fused path on the CPU: the device checks passed over and the launch replaced by
     the reference of its numerics on the validated problem (the kernels' contract), so the dispatch
     and its callers can be driven without a GPU. Yields the row counts launched."""
-    from csa_compressor import dispatch, ops, reference, validation
+    from csa_compressor import dispatch, ops, reference, runtime, validation
 
     def validate_any_device(*a, for_kernel=False, **k):
         return validation.validate(*a, **k)
@@ -68,7 +68,7 @@ def fused_on_cpu(monkeypatch):
         return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
                                       p.total_comp, ratio=p.ratio, coff=p.coff, mode=mode)
 
-    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.setattr(runtime, "device_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "validate", validate_any_device)
     monkeypatch.setattr(dispatch, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(dispatch, "validate_sbhd", validate_sbhd_any_device)

@@ -9,7 +9,7 @@ every element must be written.
 import pytest
 import torch
 
-from csa_compressor import pool_backward, pool_forward
+from csa_compressor.kernel_api import pool_backward, pool_forward
 from packs import CORRUPT_OFFSETS, make_pack
 from test_fused_gpu import _grads, _kernel_level, _ref, assert_forward_contract
 

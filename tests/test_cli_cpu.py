@@ -135,7 +135,7 @@ def test_the_gate_checks_the_epilogue_node_against_its_composition(monkeypatch):
     row holds; a node whose output is off in one row is reported and counted."""
     import torch
 
-    from csa_compressor import epilogue
+    from csa_compressor import epilogue, epilogue_op
     from csa_compressor.cli import check
 
     lines = []
@@ -144,13 +144,13 @@ def test_the_gate_checks_the_epilogue_node_against_its_composition(monkeypatch):
     table = [line for line in lines if line.startswith("| 1") or line.startswith("| 6")]
     assert len(table) == 2 * 2 * 3 and all(line.endswith("| ok |") for line in table)
 
-    real = epilogue.apply_epilogue
+    real = epilogue_op.apply_epilogue
 
     def perturbed(*a, **k):
         y = real(*a, **k)
         return y + torch.zeros_like(y).index_fill_(0, torch.tensor([3]), 1e-2 * y.abs().max().item())
 
-    monkeypatch.setattr(epilogue, "apply_epilogue", perturbed)
+    monkeypatch.setattr(epilogue_op, "apply_epilogue", perturbed)
     lines.clear()
     failed = check.run_epilogue(torch.device("cpu"), ("fp32",), lines.append, grid[:1], rows)
     assert failed == 1  # the output only: the gradients of y + c are the node's
@@ -191,17 +191,17 @@ def test_the_gate_checks_the_pooling_with_the_epilogue_against_its_composition(m
     choice, and only it."""
     import torch
 
-    from csa_compressor import epilogue as E, ops, reference
+    from csa_compressor import epilogue as E, epilogue_op as EO, ops, reference
     from csa_compressor.cli import check
 
     def standin(shift):
         def op(kv, score, ape, cu, cuc, n, *, ratio, coff, epilogue=None, norm_weight=None,
-               positions=None):
+               positions=None, epilogue_inside=None):
             pooled = reference.compress_thd(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
                                             mode="fp32")
             if epilogue is None:
                 return pooled
-            y = E.apply_epilogue(pooled, norm_weight, positions, epilogue)
+            y = EO.apply_epilogue(pooled, norm_weight, positions, epilogue)
             return y + torch.zeros_like(y).index_fill_(0, torch.tensor([1]), shift)
         return op
 

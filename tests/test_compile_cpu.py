@@ -279,11 +279,10 @@ assert b.dape is not None and b.registers and b.ctas_per_sm <= b.kernel.target_c
 assert b.kernel.has_large_variant and len(cc._CACHE) == 3, sorted(k[0] for k in cc._CACHE)
 f = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
 assert cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128) is f
-with tuning.use(BWD_LARGE_PACK_ROWS=0, FWD_MAX_ROWS_PER_THREAD=2):
-    assert cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128) is f
-with tuning.use(FWD_STAGES=3):
-    g = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128)
-    assert g is not f and g.kernel.t.FWD_STAGES == 3
+t = tuning.replace(tuning.current(), BWD_LARGE_PACK_ROWS=0, FWD_MAX_ROWS_PER_THREAD=2)
+assert cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128, t) is f
+g = cc.get_kernel("fwd", dev, torch.bfloat16, 4, 2, 128, tuning.replace(tuning.current(), FWD_STAGES=3))
+assert g is not f and g.kernel.t.FWD_STAGES == 3
 print("ok")
 """
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",

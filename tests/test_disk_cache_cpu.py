@@ -147,7 +147,7 @@ def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
     import torch
 
     from csa_compressor.kernels import disk_cache
-    from csa_compressor.kernels.compile import small_spec
+    from csa_compressor.kernels.jit import small_spec
 
     keys = [("offsets", 4), ("offsets", 128), ("rope", "angles", 32), ("rope", "angles", 16),
             ("rope", "positions", 0), ("column_sum", 128, 4, True), ("column_sum", 128, 4, False)]
@@ -167,7 +167,7 @@ def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch)
     caller runs the torch ops, the same bits) and nothing is compiled."""
     import torch
 
-    from csa_compressor.kernels import compile as cc
+    from csa_compressor.kernels import jit as cc
 
     built = []
     monkeypatch.setattr(cc, "_SMALL", {})

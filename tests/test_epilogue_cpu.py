@@ -1,4 +1,4 @@
-"""The epilogue as one autograd node (epilogue.apply_epilogue) against the composition of
+"""The epilogue as one autograd node (epilogue_op.apply_epilogue) against the composition of
 torch ops it replaces (epilogue.eager_epilogue): RMSNorm, RoPE (interleaved pairs or
 halves, rope_dim 0, part of head_dim or all of it) and the Hadamard rotation, on rows of a
 ragged THD pack with capacity padding rows, grouped and SBHD positions; forward and both
@@ -6,10 +6,12 @@ gradients bitwise, fp32 and bf16."""
 
 import pytest
 import torch
+from csa_compressor import epilogue_op
 
 from csa_compressor import Compressor, compressed_cu_seqlens
-from csa_compressor.epilogue import (Epilogue, YaRN, apply_epilogue, eager_epilogue, rope_inv_freq,
-                                     grouped_positions, rope_positions, sbhd_positions)
+from csa_compressor.epilogue import Epilogue, YaRN, eager_epilogue, rope_inv_freq
+from csa_compressor.epilogue import grouped_positions, rope_positions, sbhd_positions
+from csa_compressor.epilogue_op import apply_epilogue
 
 
 def _positions(layout, n, ratio=4):
@@ -143,8 +145,8 @@ def test_a_row_kernel_that_cannot_run_now_gives_way_to_the_torch_ops(monkeypatch
     from csa_compressor.kernels import epilogue_rows
 
     calls = []
-    monkeypatch.setattr(epilogue, "_rows_kernel", lambda *a: True)
-    monkeypatch.setattr(epilogue, "_norm_in_kernel", lambda *a: norm_in_kernel)
+    monkeypatch.setattr(epilogue_op, "_rows_kernel", lambda *a: True)
+    monkeypatch.setattr(epilogue_op, "norm_in_kernel", lambda *a: norm_in_kernel)
     monkeypatch.setattr(epilogue_rows, "run", lambda backward, *a, **k: calls.append(backward))
     gen = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(40, 128, generator=gen)).bfloat16()
@@ -241,7 +243,7 @@ def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monk
 
     monkeypatch.setattr(hardware, "sm_count", lambda i: 132)
     monkeypatch.setattr(hardware, "threads_per_sm", lambda i: 2048)
-    monkeypatch.setattr(epilogue, "_COLSUM_AGREES", {})
+    monkeypatch.setattr(epilogue_op, "_COLSUM_AGREES", {})
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     seen = []
@@ -252,10 +254,10 @@ def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monk
 
     prod = torch.randn(6144, 128)
     monkeypatch.setattr(column_sum, "column_sum", kernel_off_by_one)
-    assert torch.equal(epilogue._column_sum(prod), prod.sum(0))
+    assert torch.equal(epilogue_op.column_sum(prod), prod.sum(0))
     assert seen == [((6144, 128), 4, 96)]  # the probe only
-    assert epilogue._COLSUM_AGREES == {(prod.device, 128, 4, 96): False}
-    assert torch.equal(epilogue._column_sum(prod), prod.sum(0)) and len(seen) == 1
+    assert epilogue_op._COLSUM_AGREES == {(prod.device, 128, 4, 96): False}
+    assert torch.equal(epilogue_op.column_sum(prod), prod.sum(0)) and len(seen) == 1
 
     def kernel_marked(x, lanes, ctas):  # torch's bits, and marks the rows it summed
         seen.append(x.data_ptr())
@@ -263,11 +265,11 @@ def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monk
 
     monkeypatch.setattr(column_sum, "column_sum", kernel_marked)
     prod2 = torch.randn(6144, 512)
-    assert torch.equal(epilogue._column_sum(prod2), prod2.sum(0))
-    assert epilogue._COLSUM_AGREES[(prod2.device, 512, 4, 96)] is True
+    assert torch.equal(epilogue_op.column_sum(prod2), prod2.sum(0))
+    assert epilogue_op._COLSUM_AGREES[(prod2.device, 512, 4, 96)] is True
     assert seen[-1] == prod2.data_ptr() and len(seen) == 3  # the probe, then the rows
 
     capturing[0] = True
     prod3 = torch.randn(192, 512)  # another geometry (one CTA along the rows)
-    assert torch.equal(epilogue._column_sum(prod3), prod3.sum(0))
-    assert len(seen) == 3 and (prod3.device, 512, 4, 1) not in epilogue._COLSUM_AGREES
+    assert torch.equal(epilogue_op.column_sum(prod3), prod3.sum(0))
+    assert len(seen) == 3 and (prod3.device, 512, 4, 1) not in epilogue_op._COLSUM_AGREES

@@ -5,10 +5,12 @@ CUDA graph."""
 
 import pytest
 import torch
+from csa_compressor import epilogue_op
 
 import csa_compressor as C
-from csa_compressor.epilogue import (Epilogue, apply_epilogue, eager_epilogue, grouped_positions,
-                                     rope_positions, sbhd_positions)
+from csa_compressor.epilogue import Epilogue, eager_epilogue, grouped_positions
+from csa_compressor.epilogue import rope_positions, sbhd_positions
+from csa_compressor.epilogue_op import apply_epilogue
 
 pytestmark = pytest.mark.gpu
 
@@ -36,8 +38,8 @@ def record_launches(monkeypatch, x, w, ep):
     from csa_compressor import epilogue
     from csa_compressor.kernels import epilogue_rows
 
-    if epilogue._rows_kernel(x, w, ep) and x.shape[0] >= epilogue.ROWSUM_MIN_ROWS:
-        assert epilogue._norm_in_kernel(x, w, ep), "the kernel's row sums are not torch's"
+    if epilogue_op._rows_kernel(x, w, ep) and x.shape[0] >= epilogue.ROWSUM_MIN_ROWS:
+        assert epilogue_op.norm_in_kernel(x, w, ep), "the kernel's row sums are not torch's"
 
     launched, run = [], epilogue_rows.run
     monkeypatch.setattr(epilogue_rows, "run", lambda bwd, *a, **k: launched.append(
@@ -211,7 +213,7 @@ def test_the_module_step_with_the_epilogue_node_captures(monkeypatch, small_comp
     graph.replay()
     torch.cuda.synchronize()
     if not small_compiled:
-        assert kcompile._SMALL == {}
+        assert kjit._SMALL == {}
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

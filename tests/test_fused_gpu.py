@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from csa_compressor import compress_thd_fused, pool_backward, pool_forward, reference
+from csa_compressor import compress_thd_fused, reference
+from csa_compressor.kernel_api import pool_backward, pool_forward
 from packs import make_pack
 
 pytestmark = pytest.mark.gpu
@@ -31,8 +32,7 @@ def large_variant_always():
     tuning: nothing recompiles)."""
     from csa_compressor.kernels import tuning
 
-    with tuning.use(BWD_LARGE_PACK_ROWS=0, BWD_LARGE_GUESS_PACK_ROWS=0):
-        yield
+    return tuning.replace(tuning.current(), BWD_LARGE_PACK_ROWS=0, BWD_LARGE_GUESS_PACK_ROWS=0)
 
 
 def _ref(mode):
@@ -139,12 +139,12 @@ def test_large_pack_variant_on_ragged_packs(large_variant_always, d, ratio, coff
     kv, score, ape, cu, cuc, N = make_pack(RAGGED, d, ratio, coff, dtype=dtype, device="cuda",
                                            pad_tokens=5, extra_rows=2, seed=ratio * 10 + coff)
     g = torch.randn(N, d, device="cuda").to(dtype)
-    fused = _grads(compress_thd_fused, kv, score, ape, cu, cuc, N, ratio, coff, g)
     ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
-    assert torch.equal(fused[1], ref[1]) and torch.equal(fused[2], ref[2])
-    torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=1e-3)
-    a = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, float("nan"))
-    b = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, 0.0)
+    t = large_variant_always  # handed to the kernel-level API: the variant on every pack
+    a = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, float("nan"), t)
+    b = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, 0.0, t)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[2], ref[2])
+    torch.testing.assert_close(a[3], ref[3], rtol=0, atol=1e-3)
     for x, y in zip(a, b):
         assert not torch.isnan(x).any() and torch.equal(x, y)
 
@@ -182,14 +182,14 @@ def test_capacity_padding_rows_ignore_their_gradient(coff):
     torch.testing.assert_close(fused[3], ref[3], rtol=0, atol=1e-3)
 
 
-def _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, fill):
+def _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, fill, tuning=None):
     d = kv.shape[1] // coff
     out = torch.full((N, d), fill, dtype=kv.dtype, device="cuda")
-    pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+    pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff, tuning=tuning)
     dkv = torch.full_like(kv, fill)
     dsc = torch.full_like(score, fill)
     dape = torch.full_like(ape, fill)
-    pool_backward(kv, score, ape, cu, cuc, g, dkv, dsc, dape, ratio=ratio, coff=coff)
+    pool_backward(kv, score, ape, cu, cuc, g, dkv, dsc, dape, ratio=ratio, coff=coff, tuning=tuning)
     return out, dkv, dsc, dape
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import csa_compressor as C
+from csa_compressor import kernel_api
 from csa_compressor import reference
 from packs import make_pack
 
@@ -85,11 +86,11 @@ def test_compile_during_capture_raises_and_context_survives():
 
 def test_precompile_then_capture():
     kv, score, ape, cu, cuc, N = make_pack([64, 9], 80, 2, 2, dtype=torch.bfloat16, device="cuda")
-    C.precompile(torch.bfloat16, 2, 2, 80)
+    kernel_api.precompile(torch.bfloat16, 2, 2, 80)
     out = torch.empty(N, 80, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        C.pool_forward(kv, score, ape, cu, cuc, out, ratio=2, coff=2)
+        kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=2, coff=2)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, C.compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=2, coff=2))
@@ -248,7 +249,7 @@ def test_module_training_step_under_cuda_graph():
     lens, new_lens = [100, 0, 3, 61, 256], [41, 23, 7, 0, 349]
     T = sum(lens)
     assert sum(new_lens) == T
-    N = C.compressed_capacity(T, len(lens), max(max(lens), max(new_lens)), 4)
+    N = C.layout.compressed_capacity(T, len(lens), max(max(lens), max(new_lens)), 4)
     static_x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     static_cu = offsets(lens)
 

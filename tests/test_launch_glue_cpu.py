@@ -5,6 +5,7 @@ checked without a GPU."""
 
 import pytest
 import torch
+from csa_compressor import kernel_api
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -87,7 +88,7 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
 def test_a_kernels_check_runs_once_a_key_and_never_while_a_graph_captures(monkeypatch):
     """compile.checked_once, behind every small kernel that stands in for a torch op whose
     bits depend on torch's order or math library (row sums, cosines, column sums)."""
-    from csa_compressor.kernels.compile import checked_once
+    from csa_compressor.kernels.jit import checked_once
 
     capturing, runs, table = [True], [], {}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -133,16 +134,16 @@ def test_the_kernel_level_api_launches_the_numerics_it_is_asked_for(fake_compile
     specs = []
     record = launch.compiled_for
     monkeypatch.setattr(launch, "compiled_for", lambda spec, dev: specs.append(spec) or record(spec, dev))
-    monkeypatch.setattr(launch, "validate",
+    monkeypatch.setattr(kernel_api, "validate",
                         lambda *a, for_kernel=False, **k: validation.validate(*a, **k))
     kv, score, ape, cu, cuc, N = make_pack([37, 0, 64], 128, 4, 2, dtype=torch.bfloat16)
     out, g = torch.empty(N, 128, dtype=torch.bfloat16), torch.randn(N, 128).to(torch.bfloat16)
     grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
     for numerics in ("eager", "fp32"):
         specs.clear()
-        launch.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics=numerics)
-        launch.pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=4, coff=2, numerics=numerics)
+        kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics=numerics)
+        kernel_api.pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=4, coff=2, numerics=numerics)
         assert [s.direction for s in specs] == ["fwd", "bwd"]
         assert all(s.numerics == numerics for s in specs)
     with pytest.raises(ValueError, match="numerics"):
-        launch.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics="bf16")
+        kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics="bf16")

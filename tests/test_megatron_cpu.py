@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from csa_compressor import runtime
 
 from csa_compressor import megatron
 from megatron_env import (bf16_ulps, build_compressor, count_concatenations, epilogue_by_hand,
@@ -23,7 +24,7 @@ def _fresh_fallback_reasons():
 @pytest.fixture
 def stub_csa(monkeypatch):
     """A stand-in for Megatron's csa module: just the names the adapter needs."""
-    mod = types.ModuleType(megatron.CSA_MODULE)
+    mod = types.ModuleType(megatron.hooks.CSA_MODULE)
     original = lambda *a, **k: None  # noqa: E731
 
     class Compressor:
@@ -31,7 +32,7 @@ def stub_csa(monkeypatch):
             return "eager"
 
     mod.maybe_compress_thd_fused, mod.Compressor = original, Compressor
-    monkeypatch.setitem(sys.modules, megatron.CSA_MODULE, mod)
+    monkeypatch.setitem(sys.modules, megatron.hooks.CSA_MODULE, mod)
     yield mod, original
     megatron.uninstall()
 
@@ -43,7 +44,7 @@ def test_install_and_uninstall_swap_the_hook(stub_csa):
     megatron.install()
     megatron.install()  # idempotent
     assert mod.maybe_compress_thd_fused is megatron.maybe_compress_thd_fused
-    assert mod.Compressor._forward_sbhd is megatron._forward_sbhd
+    assert mod.Compressor._forward_sbhd is megatron.hooks.forward_sbhd
     megatron.uninstall()
     assert mod.maybe_compress_thd_fused is original and not megatron.is_installed()
     assert mod.Compressor.__dict__["_forward_sbhd"] is eager
@@ -55,8 +56,8 @@ def test_install_and_uninstall_swap_the_hook(stub_csa):
 
 
 def test_a_megatron_without_the_hook_is_named(monkeypatch):
-    mod = types.ModuleType(megatron.CSA_MODULE)
-    monkeypatch.setitem(sys.modules, megatron.CSA_MODULE, mod)
+    mod = types.ModuleType(megatron.hooks.CSA_MODULE)
+    monkeypatch.setitem(sys.modules, megatron.hooks.CSA_MODULE, mod)
     with pytest.raises(ImportError, match="maybe_compress_thd_fused, Compressor"):
         megatron.install()
 
@@ -98,7 +99,7 @@ def _thd(T=104, d=32, coff=2, ratio=4, dtype=torch.float32):
 def test_the_hook_falls_back_with_a_reason_and_never_raises(monkeypatch, mutate, words):
     """What Megatron could hand the hook that the kernels cannot take: None and the reason
     (the device check passed over, so the input checks answer on the CPU)."""
-    monkeypatch.setattr("csa_compressor.dispatch._device_reason", lambda device: None)
+    monkeypatch.setattr("csa_compressor.runtime.device_reason", lambda device: None)
     kv, score, ape, cu, cuc = _thd()
     args = dict(kv=kv, score=score, ape=ape, cu_seqlens=cu, cu_seqlens_comp=cuc, total_comp=26,
                 ratio=4, head_dim=32, coff=2, enabled=True)
@@ -759,12 +760,12 @@ def test_install_epilogue_is_checked_and_restored(stub_csa):
         megatron.install(epilogue="yes")
     megatron.install()
     with megatron.installed(epilogue=True):
-        assert megatron._state["epilogue"]
-    assert megatron.is_installed() and not megatron._state["epilogue"]
+        assert megatron.state.options().epilogue
+    assert megatron.is_installed() and not megatron.state.options().epilogue
     megatron.uninstall()
     with megatron.installed(epilogue=True):
         pass
-    assert not megatron.is_installed() and not megatron._state["epilogue"]
+    assert not megatron.is_installed() and not megatron.state.options().epilogue
 
 
 @pytest.mark.parametrize("path,ratio,head_dim,rope_dim,yarn,rotate", [

@@ -5,6 +5,7 @@ pooling does not)."""
 
 import pytest
 import torch
+from csa_compressor import pooling
 
 import csa_compressor as C
 from csa_compressor import megatron
@@ -188,7 +189,7 @@ def test_megatrons_rotating_compressor_on_the_fused_kernels(megatron_csa, monkey
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                           device="cuda")
         x = torch.randn(int(cu[-1]) + 5, 1, 256, device="cuda").to(torch.bfloat16)
-        rows = C.compressed_capacity(x.shape[0], len(lens), max(lens), 4)  # Megatron's capacity
+        rows = C.layout.compressed_capacity(x.shape[0], len(lens), max(lens), 4)  # Megatron's capacity
         step = lambda: thd_step(comp, x, cu, max(lens))  # noqa: E731
     else:
         if path == "sbhd":
@@ -463,7 +464,8 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
     handed = path == "sbhd" or (path == "thd" and projection)
     coff = mg.ape.shape[1] // head_dim  # Megatron's ape: (ratio, coff * head_dim)
     long = current().long_window(ratio * coff)
-    inside = handed and "fwd" in (fused_epilogue.INSIDE_LONG if long else fused_epilogue.INSIDE)
+    default = fused_epilogue.DEFAULT_INSIDE
+    inside = handed and "fwd" in (default.long if long else default.short)
     assert (True in pooled_with) is inside, (path, projection, pooled_with)
     assert ((False, rows) in launched) is not inside, (rows, launched)
 

@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
+from csa_compressor import runtime
 
 import csa_compressor as C
 from csa_compressor import dispatch
-from csa_compressor.module import apply_rope, hadamard
+from csa_compressor.epilogue import apply_rope, hadamard
 from packs import make_pack
 
 
@@ -28,24 +29,24 @@ def test_reason_kill_switch(monkeypatch):
 
 
 def test_the_small_kernels_follow_the_pooling_rules(monkeypatch):
-    """dispatch.small_kernels_usable: a CUDA tensor on a device the pooling runs on, the
+    """runtime.small_kernels_usable: a CUDA tensor on a device the pooling runs on, the
     kill switch unset, outside torch.compile; CPU tensors never (even where a test has
     passed over the device checks)."""
     from types import SimpleNamespace
 
     cuda_like = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.setattr(runtime, "device_reason", lambda device: None)
     monkeypatch.delenv("CSA_COMPRESSOR_FUSED", raising=False)
-    assert dispatch.small_kernels_usable(cuda_like)
-    assert not dispatch.small_kernels_usable(torch.zeros(2))
+    assert runtime.small_kernels_usable(cuda_like)
+    assert not runtime.small_kernels_usable(torch.zeros(2))
     monkeypatch.setenv("CSA_COMPRESSOR_FUSED", "0")
-    assert not dispatch.small_kernels_usable(cuda_like)
+    assert not runtime.small_kernels_usable(cuda_like)
     monkeypatch.delenv("CSA_COMPRESSOR_FUSED")
-    monkeypatch.setattr(dispatch, "_device_reason", lambda device: "compute capability 8.0")
-    assert not dispatch.small_kernels_usable(cuda_like)
-    monkeypatch.setattr(dispatch, "_device_reason", lambda device: None)
+    monkeypatch.setattr(runtime, "device_reason", lambda device: "compute capability 8.0")
+    assert not runtime.small_kernels_usable(cuda_like)
+    monkeypatch.setattr(runtime, "device_reason", lambda device: None)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not dispatch.small_kernels_usable(cuda_like)
+    assert not runtime.small_kernels_usable(cuda_like)
 
 
 def test_reason_disabled_by_caller():
@@ -53,17 +54,17 @@ def test_reason_disabled_by_caller():
 
 
 def test_reason_no_gpu_and_capability_and_dsl(monkeypatch):
-    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(runtime, "DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert dispatch._device_reason(torch.device("cuda", 0)) == "no CUDA GPU available"
+    assert runtime.device_reason(torch.device("cuda", 0)) == "no CUDA GPU available"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(runtime, "DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert "below 9.0" in dispatch._device_reason(torch.device("cuda", 0))
-    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
+    assert "below 9.0" in runtime.device_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(dispatch, "dsl_import_error", lambda: "CuTe DSL unavailable (test)")
-    assert dispatch._device_reason(torch.device("cuda", 0)) == "CuTe DSL unavailable (test)"
+    monkeypatch.setattr(runtime, "dsl_import_error", lambda: "CuTe DSL unavailable (test)")
+    assert runtime.device_reason(torch.device("cuda", 0)) == "CuTe DSL unavailable (test)"
 
 
 def test_a_devices_reason_is_found_once_and_kept(monkeypatch):
@@ -73,20 +74,20 @@ def test_a_devices_reason_is_found_once_and_kept(monkeypatch):
         calls.append(d)
         return (8, 0)
 
-    monkeypatch.setattr(dispatch, "_DEVICE_REASONS", {})
+    monkeypatch.setattr(runtime, "DEVICE_REASONS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    first = [dispatch._device_reason(torch.device("cuda", i)) for i in (0, 1, 0, 1)]
+    first = [runtime.device_reason(torch.device("cuda", i)) for i in (0, 1, 0, 1)]
     assert all("below 9.0" in r for r in first)
     assert len(calls) == 2  # one query a device
     # "cuda" without an index means the current device, which may change: not kept
-    dispatch._device_reason(torch.device("cuda"))
-    dispatch._device_reason(torch.device("cuda"))
+    runtime.device_reason(torch.device("cuda"))
+    runtime.device_reason(torch.device("cuda"))
     assert len(calls) == 4
 
 
 def test_reason_unsupported_input(monkeypatch):
-    monkeypatch.setattr(dispatch, "_device_reason", lambda d: None)
+    monkeypatch.setattr(runtime, "device_reason", lambda d: None)
     kv, score, ape, cu, cuc, N = args()
     r = C.fused_unavailable_reason(kv.double(), score.double(), ape, cu, cuc, N, ratio=4, coff=2)
     assert r.startswith("unsupported input: kv: expected dtype")

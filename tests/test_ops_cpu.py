@@ -2,6 +2,7 @@
 reference): autograd only when something needs a gradient."""
 
 import torch
+from csa_compressor import kernel_api, pooling
 
 from csa_compressor import ops, reference, validation
 from packs import make_pack, reference_of
@@ -18,7 +19,7 @@ def _cpu_forward(monkeypatch):
         return reference_of(p)
 
     monkeypatch.setattr(ops, "validate", fake_validate)
-    monkeypatch.setattr(ops, "_forward", fake_forward)
+    monkeypatch.setattr(pooling, "forward", fake_forward)
     return calls
 
 
@@ -42,7 +43,7 @@ def test_grad_inputs_go_through_autograd(monkeypatch):
 def test_direct_launch_unwraps_only_what_converts():
     """compile._direct calls the compiled function's tvm_ffi.Function where the TVM-FFI
     protocol gives one, and the DSL object itself otherwise (never None)."""
-    from csa_compressor.kernels.compile import _direct
+    from csa_compressor.kernels.jit import direct as _direct
 
     class Converts:
         def __init__(self, inner):
@@ -91,9 +92,10 @@ def _cpu_launches(monkeypatch, grads):
         assert torch.equal(grad, grads["g"]) and p.kv.shape == grads["dkv"].shape
         return grads["dkv"].clone(), grads["dscore"].clone(), grads["dape"].clone()
 
-    monkeypatch.setattr(ops, "validate", fake_validate)
-    monkeypatch.setattr(ops, "_forward", fake_forward)
-    monkeypatch.setattr(ops, "_backward", fake_backward)
+    for mod in (ops, pooling):
+        monkeypatch.setattr(mod, "validate", fake_validate)
+    monkeypatch.setattr(pooling, "forward", fake_forward)
+    monkeypatch.setattr(pooling, "_backward", fake_backward)
     return calls
 
 

@@ -5,6 +5,7 @@ against two. The kernels on it: tests/test_packed_gpu.py."""
 
 import pytest
 import torch
+from csa_compressor import kernel_api, pooling
 
 from csa_compressor import Compressor, ops, reference, validation
 from packs import make_pack, reference_of
@@ -51,10 +52,11 @@ def _fake_launches(monkeypatch, grads):
         out[1].copy_(grads["dscore"])
         return grads["dape"].clone()
 
-    monkeypatch.setattr(ops, "validate_packed",
-                        lambda *a, for_kernel=False, **k: validation.validate_packed(*a, **k))
-    monkeypatch.setattr(ops, "_forward", fake_forward)
-    monkeypatch.setattr(ops, "_launch_backward", fake_launch_backward)
+    for mod in (ops, pooling):
+        monkeypatch.setattr(mod, "validate_packed",
+                            lambda *a, for_kernel=False, **k: validation.validate_packed(*a, **k))
+    monkeypatch.setattr(pooling, "forward", fake_forward)
+    monkeypatch.setattr(pooling, "launch_backward_into", fake_launch_backward)
     return calls
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import csa_compressor as C
+from csa_compressor import kernel_api
 from packs import make_pack
 
 pytestmark = pytest.mark.gpu
@@ -127,7 +128,7 @@ def test_precompile_packed_then_capture_forward_and_backward():
     capture compiles nothing, and the replay gives the eager step's results."""
     kv, score, ape, cu, cuc, N = make_pack([64, 9, 130], 80, 2, 2, dtype=torch.bfloat16,
                                            device="cuda", extra_rows=2)
-    C.precompile(torch.bfloat16, 2, 2, 80, packed=True)
+    kernel_api.precompile(torch.bfloat16, 2, 2, 80, packed=True)
     kvs = torch.cat((kv, score), 1).requires_grad_(True)
     a = ape.clone().requires_grad_(True)
     g = torch.randn(N, 80, device="cuda").to(torch.bfloat16)

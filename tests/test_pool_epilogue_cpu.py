@@ -2,10 +2,14 @@
 before anything launches, and the kernels' design says which geometries take the epilogue
 inside (the rest run the pooling and the epilogue node in turn)."""
 
+import dataclasses
 import pytest
 import torch
+from csa_compressor import pooling
+from csa_compressor.kernels import catalog
 
 import csa_compressor as C
+from csa_compressor import kernel_api
 from csa_compressor import ops
 from csa_compressor.fused_epilogue import Finish
 from csa_compressor.kernels import plan
@@ -40,28 +44,33 @@ def test_epilogue_arguments_are_named_when_wrong():
     with pytest.raises(ValueError, match=r"rope_table\[0\] \(cos\): expected shape"):
         Finish(C.Epilogue(rope_dim=64), w, rope_table=(torch.zeros(8, 16), torch.zeros(8, 16))).check(p)
     for name in ("norm_weight", "positions", "rope_table"):
-        kw = dict(norm_weight=None, positions=None, rope_table=None)
+        kw = dict(norm_weight=None, positions=None, rope_table=None, epilogue_inside=None)
         kw[name] = w
         with pytest.raises(ValueError, match=f"{name}: given without epilogue="):
             ops._finish(None, **kw)
 
 
-def test_set_epilogue_inside_sets_what_the_op_reads_and_names_a_bad_value():
+def test_epilogue_inside_is_a_frozen_value_that_names_a_bad_direction():
+    """Which directions run as one kernel is an argument (EpilogueInside), carried by the
+    op's Finish and through the custom ops' scalar; no process-wide switch."""
     from csa_compressor import fused_epilogue as FE
 
-    before = C.set_epilogue_inside(short=["bwd", "fwd"], long=("bwd",))
-    try:
-        assert before == {"short": ("fwd",), "long": ()}  # the package's default
-        assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd", "bwd"), ("bwd",))
-        assert C.set_epilogue_inside(long=()) == {"short": ("fwd", "bwd"), "long": ("bwd",)}
-        assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd", "bwd"), ())
-        for bad in ("bwd", ("back",), None.__class__, 1):
-            with pytest.raises(ValueError, match="short: expected a tuple of directions"):
-                C.set_epilogue_inside(short=bad)
-        assert FE.INSIDE == ("fwd", "bwd")  # a refused value changes nothing
-    finally:
-        C.set_epilogue_inside(**before)
-    assert (FE.INSIDE, FE.INSIDE_LONG) == (("fwd",), ())
+    v = C.EpilogueInside(short=["bwd", "fwd"], long=("bwd",))
+    assert (v.short, v.long) == (("fwd", "bwd"), ("bwd",))
+    assert C.EpilogueInside.of(None) == C.EpilogueInside() == FE.DEFAULT_INSIDE
+    assert (FE.DEFAULT_INSIDE.short, FE.DEFAULT_INSIDE.long) == (("fwd",), ())
+    assert C.EpilogueInside.of(("bwd",)) == C.EpilogueInside(("bwd",), ("bwd",))
+    for bits in range(16):
+        assert C.EpilogueInside.of_bits(bits).bits() == bits
+    for bad in ("bwd", ("back",), 1):
+        with pytest.raises(ValueError, match="short: expected a tuple of directions"):
+            C.EpilogueInside(short=bad)
+    with pytest.raises(TypeError, match="epilogue_inside: expected None"):
+        C.EpilogueInside.of(1)
+    with pytest.raises(AttributeError, match="set_epilogue_inside was removed"):
+        C.set_epilogue_inside
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.short = ()
 
 
 def test_checked_positions_default_to_the_layouts():
@@ -78,12 +87,12 @@ def test_checked_positions_default_to_the_layouts():
 ])
 def test_which_geometries_take_the_epilogue_inside(ratio, coff, d, taken):
     key = plan.EpilogueKey(64 if d >= 64 else 0, True, d & (d - 1) == 0, 1e-6, torch.float32)
-    got = plan.epilogue_designable(torch.bfloat16, ratio, coff, d, 9, current().codegen(),
+    got = catalog.epilogue_designable(torch.bfloat16, ratio, coff, d, 9, current().codegen(),
                                    epilogue=key)
     assert got is taken
     spec = plan.spec("fwd", torch.bfloat16, ratio, coff, d, epilogue=key)
     assert "epilogue(rope_dim=" in str(spec) and spec != plan.spec("fwd", torch.bfloat16, ratio, coff, d)
-    kernel = plan.kernel_for("fwd", torch.bfloat16, ratio, coff, d, 9, current().codegen(),
+    kernel = catalog.kernel_for("fwd", torch.bfloat16, ratio, coff, d, 9, current().codegen(),
                              epilogue=key)
     assert (kernel is not None) is taken
     if taken:
@@ -93,11 +102,11 @@ def test_which_geometries_take_the_epilogue_inside(ratio, coff, d, taken):
 
 def test_precompile_names_a_wrong_epilogue_before_the_device():
     with pytest.raises(TypeError, match="epilogue: expected a csa_compressor.Epilogue"):
-        C.precompile(torch.bfloat16, 4, 2, 128, epilogue="norm")
+        kernel_api.precompile(torch.bfloat16, 4, 2, 128, epilogue="norm")
     with pytest.raises(ValueError, match="head_dim: rotate=True needs a power of two"):
-        C.precompile(torch.bfloat16, 4, 2, 96, epilogue=C.Epilogue(rope_dim=0, rotate=True))
+        kernel_api.precompile(torch.bfloat16, 4, 2, 96, epilogue=C.Epilogue(rope_dim=0, rotate=True))
     with pytest.raises(TypeError, match="weight_dtype: expected bf16, fp16 or fp32"):
-        C.precompile(torch.bfloat16, 4, 2, 128, epilogue=C.Epilogue(), weight_dtype=torch.int8)
+        kernel_api.precompile(torch.bfloat16, 4, 2, 128, epilogue=C.Epilogue(), weight_dtype=torch.int8)
 
 
 def by_parts_on_cpu(monkeypatch):
@@ -143,7 +152,7 @@ def by_parts_on_cpu(monkeypatch):
 
     monkeypatch.setattr(fused_epilogue, "_in_kernels", lambda *a: False)
     monkeypatch.setattr(launch, "launch_forward", launch_forward)
-    monkeypatch.setattr(ops, "_launch_backward", launch_backward)
+    monkeypatch.setattr(pooling, "launch_backward_into", launch_backward)
 
 
 @pytest.mark.parametrize("layout", ["thd", "packed", "packed_score_first", "sbhd"])
@@ -215,7 +224,8 @@ def test_under_torch_compile_the_custom_ops_give_the_eager_bits(monkeypatch, pac
     by_parts_on_cpu(monkeypatch)
     for name in ("validate", "validate_packed", "validate_sbhd"):
         fn = getattr(validation, name)
-        monkeypatch.setattr(ops, name, lambda *a, _f=fn, for_kernel=False, **k: _f(*a, **k))
+        for mod in (ops, pooling):
+            monkeypatch.setattr(mod, name, lambda *a, _f=fn, for_kernel=False, **k: _f(*a, **k))
     torch.manual_seed(1)
     ratio, coff, d, T = 4, 2, 64, 70
     cu = torch.tensor([0, 30, 33, T], dtype=torch.int32)

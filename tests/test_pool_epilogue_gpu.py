@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import csa_compressor as C
-from csa_compressor.epilogue import Epilogue, apply_epilogue, eager_epilogue, grouped_positions
+from csa_compressor.epilogue import Epilogue, eager_epilogue, grouped_positions
+from csa_compressor.epilogue_op import apply_epilogue
 from csa_compressor.grouped import grouped_offsets
 from csa_compressor.kernels.tuning import current
 
@@ -24,9 +25,9 @@ def record(monkeypatch, inside=("fwd", "bwd")):
     from csa_compressor import fused_epilogue
     from csa_compressor.kernels import launch
 
-    if inside is not None:  # None: as set (set_epilogue_inside)
-        monkeypatch.setattr(fused_epilogue, "INSIDE", inside)
-        monkeypatch.setattr(fused_epilogue, "INSIDE_LONG", inside)
+    if inside is not None:  # None: as the caller's epilogue_inside says
+        monkeypatch.setattr(fused_epilogue, "DEFAULT_INSIDE",
+                            fused_epilogue.EpilogueInside(inside, inside))
     seen = []
     fwd, bwd = launch.launch_forward, launch.launch_backward
 
@@ -259,6 +260,7 @@ def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, rati
 def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(monkeypatch):
     torch.manual_seed(0)
     m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    state = m.state_dict()
     T = 8192 + 37
     cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -292,26 +294,25 @@ def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(m
     assert torch.equal(static_out, out.detach())
 
 
-def test_set_epilogue_inside_runs_the_modules_backward_in_one_kernel(monkeypatch):
-    """The public switch: the module's step with the backward inside as well (the default
+def test_epilogue_inside_runs_the_modules_backward_in_one_kernel(monkeypatch):
+    """The module's epilogue_inside: its step with the backward inside as well (the default
     runs it by parts), the same bits, and the kernels that ran the ones it names."""
     torch.manual_seed(1)
     m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    state = m.state_dict()
     T = 8192 + 37
     cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16)
     results = []
     for short in (("fwd",), ("fwd", "bwd"), ()):
-        before = C.set_epilogue_inside(short=short)
-        try:
-            seen = record(monkeypatch, inside=None)
-            xi = x.clone().requires_grad_(True)
-            m.zero_grad()
-            out, _ = m(xi, cu, max_seqlen=4096)
-            out.float().square().sum().backward()
-            torch.cuda.synchronize()
-        finally:
-            C.set_epilogue_inside(**before)
+        m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused",
+                         epilogue_inside=C.EpilogueInside(short=short)).cuda()
+        m.load_state_dict(state)
+        seen = record(monkeypatch, inside=None)
+        xi = x.clone().requires_grad_(True)
+        out, _ = m(xi, cu, max_seqlen=4096)
+        out.float().square().sum().backward()
+        torch.cuda.synchronize()
         assert seen == list(short), (short, seen)
         results.append((out.detach(), xi.grad, [p.grad.clone() for p in m.parameters()]))
     for got in results[1:]:

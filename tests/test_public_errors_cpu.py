@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from csa_compressor import Compressor, backward_workspace_shape, precompile
+from csa_compressor import Compressor
+from csa_compressor.kernel_api import backward_workspace_shape, precompile
 
 NO_GPU = not torch.cuda.is_available()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import csa_compressor as C
+from csa_compressor import kernel_api
 
 pytestmark = pytest.mark.gpu
 
@@ -110,7 +111,7 @@ def test_sbhd_under_torch_compile_fullgraph_and_graph_capture_bitwise():
     for name, a, b in zip(("out", "dkv", "dscore", "dape"), got, want):
         assert torch.equal(a, b), name
 
-    C.precompile(torch.bfloat16, ratio, coff, d, sbhd_batch=B)
+    kernel_api.precompile(torch.bfloat16, ratio, coff, d, sbhd_batch=B)
     leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -153,7 +154,7 @@ def test_the_module_sbhd_path_reads_the_projection_in_place(monkeypatch):
     m = C.Compressor(256, 128, 4, dtype=torch.bfloat16, device="cuda")
     r = C.Compressor(256, 128, 4, dtype=torch.bfloat16, device="cuda", pooling="reference")
     r.load_state_dict(m.state_dict())
-    launched, unavailable = [], dispatch._unavailable
+    launched, unavailable = [], dispatch.unavailable
 
     def spy(*a, **k):
         reason, p = unavailable(*a, **k)

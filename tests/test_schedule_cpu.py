@@ -114,9 +114,8 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
     candidate's 2,048), the others from BWD_LARGE_PACK_ROWS. The default d=512 backward
     guesses too; the stacked default and sm_100 do not. The long backward (ratio 128) has
     neither and still picks (its missing attribute failed the bench at f9c11e4)."""
-    if guess_rows is not None:
-        monkeypatch.setattr(tuning, "_current", dataclasses.replace(T, BWD_LARGE_GUESS_PACK_ROWS=guess_rows))
-    small = PoolBackward(cutlass.BFloat16, ratio, coff, 128)
+    t = T if guess_rows is None else dataclasses.replace(T, BWD_LARGE_GUESS_PACK_ROWS=guess_rows)
+    small = PoolBackward(cutlass.BFloat16, ratio, coff, 128, tuning=t)
     guesses = (ratio, coff) in ((4, 2), (3, 2), (6, 1))
     assert small.large_guesses == guesses and not small.guess_first
     if small.has_large_variant:
@@ -135,13 +134,12 @@ def test_large_pack_threshold_follows_the_first_row_guess(monkeypatch, ratio, co
 
     monkeypatch.setattr(launch, "compiled_for", compiled_for)
     dev = torch.device("cuda", 0)
-    t = tuning.current()
     threshold = t.BWD_LARGE_PACK_ROWS
     if guesses:
         threshold = min(threshold, t.BWD_LARGE_GUESS_PACK_ROWS)
     for rows in (threshold - 1, threshold, t.BWD_LARGE_PACK_ROWS):
         picked.clear()
-        got = launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows)
+        got = launch.backward_kernel(dev, torch.bfloat16, ratio, coff, 128, rows, tuning=t)
         want = small.has_large_variant and rows >= threshold
         assert picked == ["bwd"] and (got.kernel is not kernel) == want, rows
     kernel = LongPoolBackward(cutlass.BFloat16, 128, 1, 128)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from csa_compressor import compressed_capacity, compressed_cu_seqlens, reference
+from csa_compressor import compressed_cu_seqlens, reference
+from csa_compressor.layout import compressed_capacity
 from csa_compressor.validation import validate
 from packs import make_pack
 
@@ -71,7 +72,7 @@ def test_kernel_rules_need_cuda():
 
 
 def test_kernel_buffer_rules():
-    from csa_compressor.validation import check_out
+    from csa_compressor.checks import check_out
 
     t = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="out: expected contiguous"):

@@ -29,7 +29,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from csa_compressor.cli import bench
-from csa_compressor import testing, pool_forward
+from csa_compressor import testing
+from csa_compressor.kernel_api import pool_forward
 from csa_compressor.kernels.ptx import mul_rn
 from csa_compressor.kernels.segments import start_walk, walk_rows, walk_window
 from csa_compressor.kernels.softmax import softmax_row

@@ -26,7 +26,8 @@ import torch
 from cutlass import Int32
 
 from csa_compressor.cli import bench
-from csa_compressor import testing, pool_backward, pool_forward
+from csa_compressor import testing
+from csa_compressor.kernel_api import pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import plan
 from csa_compressor.kernels.ptx import mul_rn

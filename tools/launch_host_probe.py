@@ -11,6 +11,7 @@ import threading
 import time
 
 import torch
+from csa_compressor import runtime
 
 from module_profile import HIDDEN, LENS, inputs, module_step
 
@@ -114,8 +115,8 @@ def main(calls=100):
         ("pool_backward (kernel API, main thread)", pool_backward_direct),
         ("torch.empty_like (no launch)", lambda: torch.empty_like(cu)),
         ("torch add (one launch)", lambda: cu.add(1)),
-        ("dispatch.small_kernels_usable", lambda: dispatch.small_kernels_usable(cu)),
-        ("dispatch._device_reason", lambda: dispatch._device_reason(dev)),
+        ("runtime.small_kernels_usable", lambda: runtime.small_kernels_usable(cu)),
+        ("dispatch._device_reason", lambda: runtime.device_reason(dev)),
         ("kernels.offsets.compressed_offsets (alloc + launch)", lambda: compressed_offsets(cu, ratio)),
         ("layout.compressed_cu_seqlens", lambda: compressed_cu_seqlens(cu, ratio)),
         ("epilogue.rope_positions", lambda: rope_positions(cuc, n, ratio, max(LENS))),

@@ -19,7 +19,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from csa_compressor.cli import bench
-from csa_compressor import testing, compress_thd_fused, pool_backward, pool_forward
+from csa_compressor import testing, compress_thd_fused
+from csa_compressor.kernel_api import pool_backward, pool_forward
 from csa_compressor.kernels import compile as cc
 from csa_compressor.kernels import tuning
 from csa_compressor.validation import validate

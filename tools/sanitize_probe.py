@@ -14,6 +14,7 @@ import sys
 import torch
 
 import csa_compressor as C
+from csa_compressor import kernel_api
 from csa_compressor.testing import make_inputs, parse_shape
 from csa_compressor.kernels import launch, tuning
 
@@ -60,9 +61,9 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
             cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
             cuc = torch.tensor(cuc_l, dtype=torch.int32, device="cuda")
             out = torch.empty(40, d, dtype=torch.bfloat16, device="cuda")
-            C.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+            kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
             dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
-            C.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
+            kernel_api.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
                             ratio=ratio, coff=coff)
         torch.cuda.synchronize()
         print("corrupt offsets", ratio, coff, d, "done")

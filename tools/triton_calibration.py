@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from csa_compressor.cli import bench
-from csa_compressor import testing, pool_forward
+from csa_compressor import testing
+from csa_compressor.kernel_api import pool_forward
 
 
 @triton.jit

@@ -1,51 +1,59 @@
 """Fused gated softmax pooling of the DeepSeek-V4-style Compressor over packed sequences.
 
-Public surface:
-- ``compress_thd_fused``: the fused op (autograd, torch.compile, CUDA graphs);
-  ``compress_thd_fused_packed`` the same on ``[kv | score]`` as one tensor (one projection).
-- ``compress_sbhd_fused`` / ``compress_sbhd_fused_packed``: the same on ``(S, B, ...)``
-  inputs, read in place.
+Public surface (``__all__``):
+- ``compress_thd_fused`` / ``compress_thd_fused_packed``: the fused op on THD packs (kv and
+  score apart, or as the halves of one tensor), with the epilogue where asked.
+- ``compress_sbhd_fused`` / ``compress_sbhd_fused_packed``: the same on ``(S, B, ...)``.
 - ``compress_grouped``: the same on rows already packed in groups (context parallel).
-- ``pool_forward`` / ``pool_backward`` / ``backward_workspace_shape``: kernel-level API
-  with caller-provided buffers.
-- ``precompile``: compile ahead of time (before CUDA-graph capture).
 - ``maybe_compress_thd_fused`` / ``fused_unavailable_reason``: dispatch with fallback.
 - ``Compressor``: the whole Compressor block as an ``nn.Module``.
-- ``Epilogue`` / ``apply_epilogue``: RMSNorm, RoPE and Hadamard rotation after the pooling,
-  one autograd node; ``YaRN``: DeepSeek-V4's rotary frequency scaling;
-  ``set_epilogue_inside``: which directions of the pooling + epilogue op run as one kernel.
-- ``megatron`` (import it): route Megatron-LM's Compressor through the fused kernels.
-- ``reference``: the plain-PyTorch references (``compress_thd``, ``compress_sbhd``).
-- ``compressed_cu_seqlens`` / ``compressed_capacity``: THD layout helpers.
+- ``Epilogue`` / ``EpilogueInside`` / ``apply_epilogue``: RMSNorm, RoPE and rotation after
+  the pooling, which directions of it run inside the pooling kernels, the node alone.
+- ``compressed_cu_seqlens``: the THD offsets of the compressed rows.
 
-Names load on first use, so ``python -m csa_compressor --help`` needs no torch import.
+Submodules: ``kernel_api`` (caller buffers: ``pool_forward``, ``pool_backward``,
+``backward_workspace_shape``, ``precompile``), ``reference`` (plain PyTorch), ``layout``,
+``epilogue`` (``YaRN``), ``megatron`` (Megatron-LM's Compressor on the fused kernels).
+
+Names load on first use, so ``csa-compressor --help`` needs no torch import.
 """
 
 import importlib
+import warnings
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _WHERE = {
-    "Compressor": "module", "Epilogue": "epilogue", "YaRN": "epilogue",
-    "apply_epilogue": "epilogue",
-    "backward_workspace_shape": "kernels", "pool_backward": "kernels",
-    "pool_forward": "kernels", "precompile": "kernels",
+    "Compressor": "module", "Epilogue": "epilogue", "EpilogueInside": "fused_epilogue",
+    "apply_epilogue": "epilogue_op",
     "compress_thd_fused": "ops", "compress_thd_fused_packed": "ops", "compress_grouped": "grouped",
     "compress_sbhd_fused": "ops", "compress_sbhd_fused_packed": "ops",
-    "compressed_capacity": "layout", "compressed_cu_seqlens": "layout",
+    "compressed_cu_seqlens": "layout",
     "fused_unavailable_reason": "dispatch", "maybe_compress_thd_fused": "dispatch",
-    "set_epilogue_inside": "fused_epilogue",
 }
-__all__ = sorted([*_WHERE, "reference"])
+# Names of the 0.1 surface that moved: they work for this release with a warning.
+_MOVED = {
+    "YaRN": "epilogue", "backward_workspace_shape": "kernel_api", "pool_backward": "kernel_api",
+    "pool_forward": "kernel_api", "precompile": "kernel_api", "compressed_capacity": "layout",
+}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name):
-    if name == "reference":
-        return importlib.import_module(".reference", __name__)
     if name in _WHERE:
         value = getattr(importlib.import_module("." + _WHERE[name], __name__), name)
         globals()[name] = value
         return value
+    if name in _MOVED:
+        warnings.warn(f"csa_compressor.{name} is deprecated: use csa_compressor.{_MOVED[name]}."
+                      f"{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("." + _MOVED[name], __name__), name)
+    if name == "set_epilogue_inside":
+        raise AttributeError("csa_compressor.set_epilogue_inside was removed: pass "
+                             "epilogue_inside=csa_compressor.EpilogueInside(short=..., long=...) "
+                             "to the op or the Compressor instead")
+    if name in ("reference", "kernel_api", "layout", "epilogue", "megatron"):
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

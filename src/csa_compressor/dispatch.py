@@ -3,91 +3,33 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from .kernels.compile import dsl_import_error
-from .validation import (check_flag, check_offset_contents, check_pool_numerics, env_flag, halves,
-                         offsets_check_requested, sbhd_rows_aligned, validate, validate_packed,
-                         validate_sbhd)
+from .checks import check_flag, check_pool_numerics, halves
+from . import ops, runtime
+from .validation import (check_offset_contents, offsets_check_requested, sbhd_rows_aligned, validate,
+                         validate_packed, validate_sbhd)
 
-KILL_SWITCH = "CSA_COMPRESSOR_FUSED"
-MIN_CAPABILITY = (9, 0)
 _log = logging.getLogger("csa_compressor")
 _logged: set = set()
 
 
-def _device_reason(device: torch.device):
-    """A reason this device cannot run the kernels at all, or None."""
-    return _device_reason_const(device.type, device.index)
-
-
-# (device type, index) -> _probe_device's answer: it cannot change in a process, and the
-# CUDA queries behind it cost host time several times a step outside CUDA graphs.
-_DEVICE_REASONS: dict = {}
-
-
-# Depends only on the device and the installed packages: torch.compile may treat it as a
-# constant instead of tracing CUDA queries (no graph break under fullgraph=True).
-@torch._dynamo.assume_constant_result
-def _device_reason_const(device_type: str, index):
-    key = (device_type, index)
-    try:
-        return _DEVICE_REASONS[key]
-    except KeyError:
-        pass
-    reason = _probe_device(device_type, index)
-    if device_type != "cuda" or index is not None:  # "cuda" alone: whichever device is current
-        _DEVICE_REASONS[key] = reason
-    return reason
-
-
-def _probe_device(device_type: str, index):
-    device = torch.device(device_type, index)
-    if device.type != "cuda":
-        return f"tensors are on {device}, the fused kernels need a CUDA device"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU available"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
-        return (f"compute capability {cap[0]}.{cap[1]} of {device} is below "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Hopper)")
-    return dsl_import_error()
-
-
-@torch._dynamo.assume_constant_result
-def _kill_switch_reason():
-    if not env_flag(KILL_SWITCH, True):  # an unknown value raises: a typo is not "on"
-        return f"disabled by the environment ({KILL_SWITCH}={os.environ[KILL_SWITCH]})"
-    return None
-
-
-def small_kernels_usable(t: torch.Tensor) -> bool:
-    """Whether the small kernels beside the pooling (the epilogue's rows, the compressed
-    offsets, the rotary positions and angles: each the same integers and bits as the torch
-    ops it stands in for) run on ``t``'s device: a device the pooling kernels run on, the
-    kill switch not set, outside torch.compile (which fuses those ops itself)."""
-    if not t.is_cuda or torch.compiler.is_compiling():
-        return False
-    return _device_reason(t.device) is None and _kill_switch_reason() is None
-
-
-def _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
+def unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
                  packed=False, sbhd=False, score_first=False):
     """(reason or None, the validated problem where there is no reason). ``packed``: ``kv``
     is the packed ``kvs`` of validate_packed (``[score | kv]`` where ``score_first``) and
     ``score`` is None; ``sbhd``: the inputs are validate_sbhd's (the offsets and total_comp
     unused)."""
     check_flag("enabled", enabled)
-    reason = _kill_switch_reason()
+    reason = runtime.kill_switch_reason()
     if reason:
         return reason, None
     if not enabled:
         return "disabled by the caller (enabled=False)", None
     device = getattr(kv, "device", None)
     if device is not None:
-        reason = _device_reason(device)
+        reason = runtime.device_reason(device)
         if reason:
             return reason, None
     try:
@@ -110,7 +52,7 @@ def fused_unavailable_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
                              enabled: bool = True):
     """None when the fused kernels would run on these arguments, else a one-line reason.
     Offsets' contents are not read here (maybe_compress_thd_fused's check_offsets)."""
-    return _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
+    return unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
                         enabled)[0]
 
 
@@ -118,12 +60,10 @@ def fused_from_validated(p, check_offsets: bool = False, numerics: str = "fp32",
     """The fused pooling of a problem _unavailable validated (contents unread): the offsets
     checked first where asked (argument or CSA_COMPRESSOR_CHECK_OFFSETS); with a
     ``finish`` (fused_epilogue.Finish) the epilogue's output."""
-    from .ops import fused_from_problem
-
     if offsets_check_requested(check_offsets):
         check_offset_contents(p)
     p.numerics = numerics  # checked by the callers' entry points
-    return fused_from_problem(p, finish)
+    return ops.fused_from_problem(p, finish)
 
 
 def fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
@@ -157,7 +97,7 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
     of 16 bytes) take one transposed copy into the THD layout and the THD op instead.
     ``finish``: as fused_or_reason's."""
     check_pool_numerics(numerics)
-    reason, p = _unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
+    reason, p = unavailable(kv, score, ape, None, None, 0, ratio, coff, enabled, packed,
                              sbhd=True, score_first=score_first)
     if reason is None:
         return fused_from_validated(p, numerics=numerics, finish=finish), None
@@ -186,7 +126,7 @@ def fused_sbhd_or_reason(kv, score, ape, *, ratio, coff, packed: bool = False,
 def _fused_or_reason(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, enabled,
                      check_offsets, packed=False, score_first=False, numerics="fp32", finish=None):
     check_pool_numerics(numerics)
-    reason, p = _unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+    reason, p = unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                              coff, enabled, packed, score_first=score_first)
     if reason is None:
         return fused_from_validated(p, check_offsets, numerics, finish), None
@@ -214,7 +154,7 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
     if reason is None:
         return out
     device = getattr(kv, "device", None)
-    capable = device is not None and _device_reason(device) is None
+    capable = device is not None and runtime.device_reason(device) is None
     if capable and reason not in _logged:
         _logged.add(reason)
         _log.warning("csa_compressor: falling back to eager pooling: %s", reason)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from . import reference
+from .checks import check_ratio_coff
+from .kernel_api import pool_backward, pool_forward
 from .layout import compressed_cu_seqlens
-from .validation import check_ratio_coff
+from .ops import compress_thd_fused
 
 
 def grouped_offsets(group_ids: torch.Tensor, ratio: int):
@@ -74,8 +77,6 @@ def _grouped(pool, kv, score, ape, group_ids, ratio, coff, **kwargs):
 def compress_grouped(kv, score, ape, group_ids, *, ratio: int, coff: int):
     """Fused gated pooling of grouped rows: ``(G, d)``; forward and backward under the THD
     contract (dkv / dscore bitwise to torch's eager fp32 region)."""
-    from .ops import compress_thd_fused
-
     return _grouped(compress_thd_fused, kv, score, ape, group_ids, ratio, coff)
 
 
@@ -83,16 +84,12 @@ def compress_grouped_reference(kv, score, ape, group_ids, *, ratio: int, coff: i
                                mode: str = "fp32"):
     """``compress_grouped`` with the plain-PyTorch reference (``reference.compress_thd``'s
     modes), on any device."""
-    from . import reference
-
     return _grouped(reference.compress_thd, kv, score, ape, group_ids, ratio, coff, mode=mode)
 
 
 def pool_forward_grouped(kv, score, ape, group_ids, out, *, ratio: int, coff: int):
     """Kernel-level grouped forward into ``out`` ``(G, d)``: the THD kernels on the groups'
     device-built offsets (two small int32 tensors are allocated for them)."""
-    from .kernels import pool_forward
-
     cu, cuc, _ = _pack(kv, score, group_ids, ratio, coff)
     return pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
 
@@ -102,8 +99,6 @@ def pool_backward_grouped(kv, score, ape, group_ids, grad_out, grad_kv, grad_sco
     """Kernel-level grouped backward into caller buffers: gradients arriving on padding
     groups (``group_ids < 0``) are ignored, as in compress_grouped (a masked copy of
     ``grad_out`` is allocated)."""
-    from .kernels import pool_backward
-
     cu, cuc, keep = _pack(kv, score, group_ids, ratio, coff)
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .runtime import small_kernels_usable
+
 
 def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
     """Offsets of the compressed rows: segment ``s`` owns ``len_s // ratio`` rows.
@@ -21,8 +23,6 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"ratio: expected an int >= 1, got {ratio!r}")
     if cu_seqlens.dtype == torch.int32 and cu_seqlens.is_cuda and cu_seqlens.is_contiguous():
-        from .dispatch import small_kernels_usable
-
         if small_kernels_usable(cu_seqlens):
             from .kernels.offsets import compressed_offsets
 

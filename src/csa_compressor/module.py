@@ -9,15 +9,19 @@ import torch
 from torch import nn
 
 from . import reference
-from .epilogue import (Epilogue, YaRN, apply_epilogue, apply_rope, eager_epilogue,  # noqa: F401
-                       hadamard, megatron_epilogue, rope_inv_freq, rope_positions,
-                       sbhd_positions)
+from .checks import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, halves
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
+from .epilogue import (Epilogue, YaRN, eager_epilogue, megatron_epilogue, rope_inv_freq,
+                       rope_positions, sbhd_positions)
+from .epilogue_op import apply_epilogue
+from .fused_epilogue import EpilogueInside, Finish
 from .layout import compressed_capacity, compressed_cu_seqlens
-from .validation import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, halves
 
 POOLING = ("auto", "fused", "reference")
 NUMERICS = ("fp32", "megatron", "megatron_eager")
+# "inside": the fused epilogue, inside the pooling kernels where epilogue_inside says;
+# "after": its own kernels after the pooling's; "torch": the torch ops (the same bits)
+EPILOGUE_FUSION = ("inside", "after", "torch")
 
 
 def _adjacent(a, b) -> bool:
@@ -104,7 +108,10 @@ class Compressor(nn.Module):
     epilogue of megatron_epilogue (torch ops, Megatron's fp32 rotary angles), or
     "megatron_eager": "megatron" with the pooling rounded as Megatron's eager region
     rounds it (softmax weights and products in the dtype; the kernels' numerics="eager"),
-    which is what Megatron's Compressor computes without fused kernels."""
+    which is what Megatron's Compressor computes without fused kernels.
+    ``epilogue_fusion`` (fp32 numerics): "inside" (the epilogue inside the pooling kernels
+    where ``epilogue_inside``, an EpilogueInside, says, else after them), "after" (its own
+    kernels after the pooling's), "torch" (the torch ops): the same bits each way."""
 
     MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
                      "ape": "ape", "norm.weight": "norm_weight"}
@@ -129,7 +136,7 @@ class Compressor(nn.Module):
                  rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
                  dtype=torch.bfloat16, device=None, pooling: str = "auto",
                  megatron_layout: bool = False, rope_yarn: YaRN | None = None,
-                 numerics: str = "fp32"):
+                 numerics: str = "fp32", epilogue_fusion: str = "inside", epilogue_inside=None):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("head_dim", head_dim, 1)
@@ -158,6 +165,10 @@ class Compressor(nn.Module):
             raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
         if numerics not in NUMERICS:
             raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
+        if epilogue_fusion not in EPILOGUE_FUSION:
+            raise ValueError(f"epilogue_fusion: expected one of {EPILOGUE_FUSION}, got "
+                             f"{epilogue_fusion!r}")
+        self.epilogue_inside = EpilogueInside.of(epilogue_inside)
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
@@ -165,11 +176,7 @@ class Compressor(nn.Module):
         self.numerics = numerics
         self.epilogue = Epilogue(norm_eps, rope_dim, rope_theta, rope_interleaved, rope_yarn, rotate)
         self._inv_freq = {}  # device -> rotary frequencies (_rope_inv_freq)
-        # False: the epilogue as the composition of torch ops it is bitwise equal to
-        self.fused_epilogue = True
-        # False: the fused epilogue after the pooling kernels (its own kernels), not inside
-        # them (the same bits)
-        self.epilogue_in_kernels = True
+        self.epilogue_fusion = epilogue_fusion
         width = coff * head_dim
         self.wkv = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(hidden_size, width, bias=False, dtype=dtype, device=device)
@@ -265,13 +272,10 @@ class Compressor(nn.Module):
     def _in_kernel_finish(self, pos):
         """The epilogue the fused pooling takes inside its kernels (fp32 numerics with the
         fused epilogue; fused_epilogue.Finish), or None."""
-        if pos is None or self.numerics != "fp32" or not self.fused_epilogue \
-                or not self.epilogue_in_kernels:
+        if pos is None or self.numerics != "fp32" or self.epilogue_fusion != "inside":
             return None
-        from .fused_epilogue import Finish
-
         return Finish(self.epilogue, self.norm_weight, pos,
-                      inv_freq=self._rope_inv_freq(pos.device))
+                      inv_freq=self._rope_inv_freq(pos.device), inside=self.epilogue_inside)
 
     def _pooled(self, fused, fallback, finished=False, pos=None):
         """``fused()``'s rows where the fused path runs (``pooling`` not "reference"), else
@@ -293,7 +297,7 @@ class Compressor(nn.Module):
     def _finish(self, pooled, pos):
         if self.numerics != "fp32":
             return megatron_epilogue(pooled, self.norm_weight, pos, self.epilogue)
-        if not self.fused_epilogue:
+        if self.epilogue_fusion == "torch":
             return eager_epilogue(pooled, self.norm_weight, pos, self.epilogue)
         return apply_epilogue(pooled, self.norm_weight, pos, self.epilogue,
                               inv_freq=self._rope_inv_freq(pooled.device))

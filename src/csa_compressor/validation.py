@@ -10,19 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import logging
-import os
-
 import torch
 
+from .checks import (INT32_MAX, KERNEL_ALIGN_BYTES, OFFSET_DTYPES, SUPPORTED_DTYPES, check_flag,
+                     check_int, check_ratio_coff, check_tensor, env_flag, halves, log as _log)
 from .layout import compressed_cu_seqlens
 
 CHECK_OFFSETS_ENV = "CSA_COMPRESSOR_CHECK_OFFSETS"
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OFFSET_DTYPES = (torch.int32, torch.int64)
-INT32_MAX = 2**31 - 1
-# The kernels load 16-byte vectors; pointers must allow it (the allocator gives 256 B).
-KERNEL_ALIGN_BYTES = 16
 
 
 @dataclass(slots=True)
@@ -54,6 +48,8 @@ class Problem:
     score_first: bool = False
     # "eager": the kernels round as Megatron-LM's eager region does (plan.NUMERICS)
     numerics: str = "fp32"
+    # the kernels' tuning (kernels.tuning.Tuning); None: the process's (tuning.current())
+    tuning: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,67 +58,6 @@ class Problem:
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
-
-
-POOL_NUMERICS = ("fp32", "eager")
-
-
-def check_pool_numerics(numerics) -> str:
-    """The pooling's ``numerics``: "fp32" (the fp32 region) or "eager" (rounded as
-    Megatron-LM's eager region rounds)."""
-    if numerics not in POOL_NUMERICS:
-        raise ValueError(f"numerics: expected one of {POOL_NUMERICS}, got {numerics!r}")
-    return numerics
-
-
-def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name}: expected an int {rng}, got {value}")
-    return value
-
-
-def _check_tensor(name: str, t) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def check_ratio_coff(ratio, coff) -> None:
-    check_int("ratio", ratio, 1)
-    if isinstance(coff, bool) or not isinstance(coff, int) or coff not in (1, 2):
-        raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
-
-
-def check_specialisation(dtype, ratio, coff, head_dim) -> None:
-    """The arguments that select a compiled kernel (precompile, backward_workspace_shape)."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
-    check_ratio_coff(ratio, coff)
-    check_int("head_dim", head_dim, 1)
-
-
-def check_cuda_device(device) -> torch.device:
-    """``device`` (None: the current one) as a CUDA torch.device that exists here."""
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("device: no CUDA GPU is available; the fused kernels need one "
-                               "(compute capability 9.0 or newer)")
-        return torch.device("cuda", torch.cuda.current_device())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: expected a CUDA device, got {device!r}") from exc
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device, got {dev}")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device: {dev} asked for, but no CUDA GPU is available")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} visible)")
-    return torch.device("cuda", index)
 
 
 def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -136,37 +71,12 @@ def _as_2d(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_offsets(name: str, t) -> torch.Tensor:
-    _check_tensor(name, t)
+    check_tensor(name, t)
     if t.dtype not in OFFSET_DTYPES:
         raise TypeError(f"{name}: expected int32 (or int64) offsets, got {t.dtype}")
     if t.dim() != 1 or t.numel() < 2:
         raise ValueError(f"{name}: expected a 1-D tensor of B+1 >= 2 offsets, got shape {tuple(t.shape)}")
     return t
-
-
-_log = logging.getLogger("csa_compressor")
-_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment switch; values other than the usual spellings are an error,
-    so a typo never leaves a switch in an unintended state."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{name}: expected one of {', '.join(repr(v) for v in _ON + _OFF[1:])} "
-                     f"(or unset), got {raw!r}")
-
-
-def check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-    return value
 
 
 def offsets_check_requested(check_offsets) -> bool:
@@ -231,9 +141,9 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     check_contents = contents and offsets_check_requested(check_offsets)  # one env read a call
     if cu_seqlens_comp is None:
         cu_seqlens_comp = compressed_cu_seqlens(_check_offsets("cu_seqlens", cu_seqlens), ratio)
-    kv = _as_2d("kv", _check_tensor("kv", kv))
-    score = _as_2d("score", _check_tensor("score", score))
-    ape = _check_tensor("ape", ape)
+    kv = _as_2d("kv", check_tensor("kv", kv))
+    score = _as_2d("score", check_tensor("score", score))
+    ape = check_tensor("ape", ape)
     if kv.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"kv: expected dtype bfloat16, float16 or float32, got {kv.dtype}")
     if score.dtype != kv.dtype:
@@ -297,21 +207,6 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     return p
 
 
-def kernel_aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernels' vector loads read it: contiguous at a KERNEL_ALIGN_BYTES-aligned
-    address (a copy where it is not: a view into a flat buffer, a row slice)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % KERNEL_ALIGN_BYTES == 0 else t.clone()
-
-
-def halves(kvs: torch.Tensor, score_first: bool = False) -> tuple:
-    """``(kv, score)``: the column halves of ``kvs``, ``[kv | score]`` or, where
-    ``score_first``, ``[score | kv]``."""
-    w = kvs.shape[-1] // 2
-    a, b = kvs[..., :w], kvs[..., w:]
-    return (b, a) if score_first else (a, b)
-
-
 def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                     for_kernel: bool = False, check_offsets: bool = False,
                     contents: bool = True, score_first: bool = False) -> Problem:
@@ -319,7 +214,7 @@ def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio,
     ``(T, 2*coff*d)`` (or ``(T, 1, 2*coff*d)``): ``[kv | score]``, as one projection GEMM
     writes them (``[score | kv]`` where ``score_first``). For the kernels, ``kvs``
     contiguous and each half's rows 16-byte aligned."""
-    kvs = _as_2d("kvs", _check_tensor("kvs", kvs))
+    kvs = _as_2d("kvs", check_tensor("kvs", kvs))
     check_ratio_coff(ratio, coff)
     check_flag("score_first", score_first)
     width2 = kvs.shape[1]
@@ -359,7 +254,7 @@ def sbhd_offsets(S: int, n: int, device: torch.device):
 
 
 def _as_sbhd(name: str, t) -> torch.Tensor:
-    _check_tensor(name, t)
+    check_tensor(name, t)
     if t.dim() != 3:
         raise ValueError(f"{name}: expected shape (S, B, width), got {tuple(t.shape)}")
     return t
@@ -421,17 +316,3 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
     return p
 
 
-def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A caller-provided output buffer of the kernel-level API."""
-    _check_tensor(name, t)
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous storage, got strides {t.stride()}")
-    if t.data_ptr() % KERNEL_ALIGN_BYTES:
-        raise ValueError(f"{name}: expected a {KERNEL_ALIGN_BYTES}-byte aligned data pointer, got {t.data_ptr():#x}")
-    return t

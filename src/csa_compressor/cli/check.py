@@ -120,7 +120,7 @@ def run_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print, grid=EPILOG
                  rows=EPILOGUE_ROWS) -> int:
     """The epilogue node against eager_epilogue on ``device``: output, d pooled and d
     norm_weight bitwise. Returns the number of failing outputs."""
-    from .. import epilogue
+    from .. import epilogue, epilogue_op
 
     failures = 0
     out("| epilogue d:rope:interleaved:rotate | rows | dtype | output | bitwise | differ | verdict |")
@@ -136,7 +136,7 @@ def run_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print, grid=EPILOG
                 w = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).to(dt)
                 g = torch.randn(n, d, device=device, generator=gen).to(dt)
                 pos = torch.arange(n, device=device) * 4
-                got = _epilogue_step(epilogue.apply_epilogue, x, w, pos, ep, g)
+                got = _epilogue_step(epilogue_op.apply_epilogue, x, w, pos, ep, g)
                 want = _epilogue_step(epilogue.eager_epilogue, x, w, pos, ep, g)
                 failures += _bitwise_rows(out, f"{d}:{rope}:{int(inter)}:{int(rot)} | {n} | {dname}",
                                           ("out", "d pooled", "d norm_weight"), got, want,
@@ -169,8 +169,8 @@ POOL_EPILOGUE_GRID = [("37+0+3+64+129+1+250:128:4:2", 64, True, True),
                       ("300+0+127+520:512:128:1", 64, False, False),
                       ("5000+0+3+2003:128:4:2", 64, False, True),
                       ("8192+8192+37:128:4:2", 128, True, True)]
-# Which directions run in one kernel (set_epilogue_inside): as set, all, none.
-KERNEL_CHOICES = (("as set", None), ("one kernel", ("fwd", "bwd")), ("by parts", ()))
+# Which directions run in one kernel (the ops' epilogue_inside): the default, all, none.
+KERNEL_CHOICES = (("default", None), ("one kernel", ("fwd", "bwd")), ("by parts", ()))
 
 
 def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
@@ -179,7 +179,6 @@ def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
     eager_epilogue on ``device``, each of KERNEL_CHOICES: the output and the gradients of
     kv, score, the APE and the norm weight bitwise. Returns the number of failing outputs."""
     from .. import epilogue, ops
-    from ..fused_epilogue import set_epilogue_inside
 
     failures = 0
     out("| pooling + epilogue pack:d:ratio:coff | rope:interleaved:rotate | dtype | kernels | "
@@ -201,17 +200,15 @@ def run_pool_epilogue(device, dtypes=("bf16", "fp16", "fp32"), out=print,
                 pooled = ops.compress_thd_fused(kv, score, ape, cu, cuc, N, **kw)
                 return epilogue.eager_epilogue(pooled, w, pos, ep)
 
-            def one_op(kv, score, ape, w):
+            def one_op(kv, score, ape, w, inside=None):
                 return ops.compress_thd_fused(kv, score, ape, cu, cuc, N, **kw, epilogue=ep,
-                                              norm_weight=w, positions=pos)
+                                              norm_weight=w, positions=pos,
+                                              epilogue_inside=inside)
 
             want = _step(composed, (kv, score, ape, w), g)
             for label, inside in KERNEL_CHOICES:
-                before = set_epilogue_inside(short=inside, long=inside)
-                try:
-                    got = _step(one_op, (kv, score, ape, w), g)
-                finally:
-                    set_epilogue_inside(**before)
+                got = _step(lambda *t, inside=inside: one_op(*t, inside=inside),
+                            (kv, score, ape, w), g)
                 failures += _bitwise_rows(
                     out, f"{spec} | {rope}:{int(inter)}:{int(rot)} | {dname} | {label}", names,
                     got, want, "the pooling then the composition")

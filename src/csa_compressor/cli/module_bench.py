@@ -5,7 +5,7 @@ The ``Compressor`` module forward + backward (THD, static capacity, hidden 4096,
 calls over inputs rotated past the L2; the variants' graphs replayed in turn, round after
 round, so the ratios pair their times): the module with one projection GEMM into
 ``[kv | score]`` (the packed op, its forward the pooling kernel with the epilogue inside),
-the same with the epilogue after the pooling kernels (``epilogue_in_kernels = False``),
+the same with the epilogue after the pooling kernels (``epilogue_fusion="after"``),
 with two projections (the plain op, the layout before) and, as the module was before its
 epilogue node, two projections with the epilogue as eager torch ops; with ``numerics="megatron"`` (two projections, Megatron's
 roundings in torch ops); the projection GEMMs alone (forward and input + weight
@@ -121,7 +121,8 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
             if one is not None:
                 m.one_projection = one
             # read while the graph captures
-            m.fused_epilogue, m.numerics, m.epilogue_in_kernels = node, numerics, inside
+            m.numerics = numerics
+            m.epilogue_fusion = "inside" if inside else "after" if node else "torch"
             try:
                 step(0)  # warm-up
                 torch.cuda.synchronize()
@@ -130,8 +131,7 @@ def run(lens=(8192, 8192, 8192), configs=CONFIGS, progress=print, timer=time_gra
                 graphs[key] = capture_graph(step, n_sets)
             except Exception as exc:  # report, never hide
                 row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        m.one_projection, m.fused_epilogue, m.numerics = True, True, "fp32"
-        m.epilogue_in_kernels = True
+        m.one_projection, m.numerics, m.epilogue_fusion = True, "fp32", "inside"
         # every variant timed in the same rounds: the step / GEMMs ratio is a paired one
         for key, us in timer(graphs).items():
             row[f"{key}_us"] = us

@@ -1,6 +1,3 @@
-"""CuTe-DSL kernels of the gated pooling: forward and backward, with their compile cache."""
-
-from .compile import precompile
-from .launch import backward_workspace_shape, pool_backward, pool_forward
-
-__all__ = ["backward_workspace_shape", "pool_backward", "pool_forward", "precompile"]
+"""CuTe-DSL kernels of the gated pooling and the small kernels beside it, with their
+launch plans and compile cache. Imports nothing above it but the leaf modules (checks,
+runtime, softmax_order). The kernel-level API is csa_compressor.kernel_api."""

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..softmax_order import COLSUM_VEC, SUM_ACCUMULATORS
-from .compile import small_kernel
+from .jit import small_kernel
 
 COLUMN_VECTORS = 32  # column vectors a CTA: one warp across, lanes of the order down
 
@@ -134,7 +134,7 @@ def _get(head_dim: int, lanes: int, finish: bool, device):
 def column_sum(x, lanes: int, ctas: int):
     """``(d,)`` fp32: the column sum of ``x`` (contiguous fp32 ``(N, d)`` on a GPU, d a
     multiple of COLSUM_VEC, N >= 1) in the order ``(lanes, ctas)``; None where a kernel
-    cannot be had now (compile.small_kernel: not compiled while a graph captures)."""
+    cannot be had now (jit.small_kernel: not compiled while a graph captures)."""
     import torch
 
     d = x.shape[1]

@@ -31,7 +31,7 @@ import numpy as np
 from cutlass import Float32, Int32
 
 from ..softmax_order import ROWSUM_VEC, ROWSUM_WARP_OFFSETS, torch_rowsum_vec
-from .compile import placeholder, small_kernel
+from .jit import placeholder, small_kernel
 from .plan import cutlass_dtype
 from .ptx import div_exact, i64_to_f32, mul_rn, rsqrt_approx
 

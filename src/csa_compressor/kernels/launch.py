@@ -1,5 +1,5 @@
-"""Kernel-level API: caller-provided buffers, no hidden allocation except the optional
-dape workspace, safe to capture in CUDA graphs once compiled."""
+"""Launches on a validated problem (validation.Problem) into checked buffers: the kernels
+are found in the compile cache and each launch sized from the kernel and the pack."""
 
 from __future__ import annotations
 
@@ -8,21 +8,10 @@ import math
 
 import torch
 
-from ..validation import (check_cuda_device, check_int, check_out, check_pool_numerics,
-                          check_specialisation, validate)
 from . import plan
 from .compile import compiled_for
 from .hardware import sm_count
 from .tuning import current
-
-
-def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-             check_offsets=False, numerics="fp32"):
-    check_pool_numerics(numerics)
-    p = validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio=ratio,
-                 coff=coff, for_kernel=True, check_offsets=check_offsets)
-    p.numerics = numerics
-    return p
 
 
 @functools.cache  # asked at the first launch; the visible devices do not change after
@@ -60,24 +49,13 @@ def launch_forward(p, out, epilogue=None, extra=()):
         return out
     dev = p.kv.device
     with _on_device(dev):
-        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim,
+        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim, p.tuning,
                                    row_stride=p.row_stride, batch=p.batch,
                                    numerics=p.numerics, epilogue=epilogue), dev)
-        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm)
+        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm,
+                                         p.tuning)
         c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
     return out
-
-
-def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int, coff: int,
-                 check_offsets: bool = False, numerics: str = "fp32"):
-    """Write the pooled rows into ``out`` ``(N, d)`` (N = out.shape[0] = total_comp).
-    ``check_offsets`` and ``numerics``: as compress_thd_fused's."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff,
-                 check_offsets, numerics)
-    check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
-    return launch_forward(p, out)
 
 
 def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.device,
@@ -93,14 +71,14 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
-                    batch: int = 0, numerics: str = "fp32", epilogue=None):
+                    batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None):
     """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
     sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
     BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
     copies its first row at a guess."""
-    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, row_stride=row_stride,
+    t = tuning or current()
+    c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, t, row_stride=row_stride,
                                batch=batch, numerics=numerics, epilogue=epilogue), device)
-    t = current()  # launch-only values
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
         rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
@@ -110,59 +88,26 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
-                  batch: int = 0, numerics: str = "fp32", epilogue=None):
+                  batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch. A kernel with the epilogue inside takes the plain backward's schedule:
     the APE gradient sums the row CTAs' partials, so the same row CTAs keep that sum in the
     pooling op's order (its own registers may leave fewer CTAs an SM)."""
     c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
-                        numerics, epilogue)
+                        numerics, epilogue, tuning)
     sized = c if epilogue is None else backward_kernel(device, dtype, ratio, coff, head_dim,
-                                                       total_comp, row_stride, batch, numerics)
+                                                       total_comp, row_stride, batch, numerics,
+                                                       tuning=tuning)
     schedule = backward_schedule(total_comp, num_tokens, sized.kernel, device, sized.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
 
-def dape_sum(c, rows: int):
+def dape_sum(c, rows: int, tuning=None):
     """The backward's compiled dape sum for ``rows`` partial rows: the wide layout for few
     rows where the partials have the columns for it (REDUCE_WIDE_*)."""
-    if c.dape_wide is not None and rows <= current().REDUCE_WIDE_MAX_ROWS:
+    if c.dape_wide is not None and rows <= (tuning or current()).REDUCE_WIDE_MAX_ROWS:
         return c.dape_wide
     return c.dape
-
-
-def backward_workspace_shape(total_comp, num_tokens, ratio, coff, head_dim, dtype, device,
-                             numerics: str = "fp32"):
-    """Shape of the fp32 dape partials the backward needs (pass one as ``workspace``); the
-    backward's ``numerics`` compile their own kernel, whose grid may differ."""
-    check_specialisation(dtype, ratio, coff, head_dim)
-    check_int("total_comp", total_comp, 0)
-    check_int("num_tokens", num_tokens, 0)
-    check_pool_numerics(numerics)
-    return backward_plan(check_cuda_device(device), dtype, ratio, coff, head_dim, total_comp,
-                         num_tokens, numerics=numerics)[2]
-
-
-def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                  grad_ape, *, ratio: int, coff: int, workspace=None, check_offsets: bool = False,
-                  numerics: str = "fp32"):
-    """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
-    ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
-    reproducible: dape partials are reduced in a fixed order, never with atomics.
-    ``check_offsets`` and ``numerics``: as compress_thd_fused's (a ``workspace`` then of
-    backward_workspace_shape(..., numerics=numerics))."""
-    if not isinstance(grad_out, torch.Tensor):
-        raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
-    p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff,
-                 check_offsets, numerics)
-    dev, dt, N, d = p.kv.device, p.kv.dtype, p.total_comp, p.head_dim
-    check_out("grad_out", grad_out, (N, d), dt, dev)
-    check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
-    check_out("grad_score", grad_score, tuple(p.kv.shape), dt, dev)
-    check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
-    if workspace is not None:
-        check_out("workspace", workspace, workspace.shape, torch.float32, dev)
-    return launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace)
 
 
 def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, epilogue=None,
@@ -183,7 +128,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     with _on_device(dev):
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
                                                                       p.row_stride, p.batch,
-                                                                      p.numerics, epilogue)
+                                                                      p.numerics, epilogue,
+                                                                      p.tuning)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:
@@ -194,6 +140,6 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
         # the layout for this many partial rows.
         C = ratio * coff * d
         rows = row_ctas * c.kernel.grid_z()
-        dape_sum(c, rows)(workspace.view(rows, C), grad_ape.view(1, C))
+        dape_sum(c, rows, p.tuning)(workspace.view(rows, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape
 

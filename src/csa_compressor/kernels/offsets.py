@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from .compile import small_kernel
+from .jit import small_kernel
 
 THREADS = 1024
 SCAN_STEPS = 10  # log2(THREADS)
@@ -74,7 +74,7 @@ def compile_args() -> tuple:
 
 def compressed_offsets(cu, ratio: int):
     """``(B+1,)`` int32 compressed offsets of the int32 token offsets ``cu``, or None
-    where the kernel cannot be had now (compile.small_kernel)."""
+    where the kernel cannot be had now (jit.small_kernel)."""
     import torch
 
     fn = small_kernel(("offsets", ratio), cu.device,

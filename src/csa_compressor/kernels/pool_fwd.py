@@ -77,7 +77,8 @@ class PoolForward(WindowSlots):
         # (staging.stage_window_warp; measured in tuning log, "Adopted at v17").
         self.coop = self.coop_stageable()
 
-    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None) -> int:
+    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None,
+                        tuning: Tuning | None = None) -> int:
         """Rows each thread walks (``num_rows`` a sequence of the grid.z ones): enough that
         the grid fits in one wave of ``ctas_per_sm`` CTAs an SM (the compiled kernel's
         grid_ctas_per_sm; the design's without one): a partial second wave ran at a
@@ -85,7 +86,7 @@ class PoolForward(WindowSlots):
         ctas = max(1, sms * (ctas_per_sm or self.target_ctas_per_sm)
                    // (self.col_groups * self.grid_z()))
         per = -(-num_rows // (ctas * self.row_lanes))
-        return max(1, min(current().FWD_MAX_ROWS_PER_THREAD, per))  # launch-only
+        return max(1, min((tuning or current()).FWD_MAX_ROWS_PER_THREAD, per))  # launch-only
 
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor,

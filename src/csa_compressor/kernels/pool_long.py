@@ -168,7 +168,8 @@ class LongPoolForward(LongWindow, WindowSlots):
         # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
 
-    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None) -> int:
+    def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None,
+                        tuning: Tuning | None = None) -> int:
         return 1
 
     @cute.jit

@@ -17,7 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, Int64
 
-from .compile import checked_once, placeholder, small_kernel
+from ..rotary import torch_cos_sin
+from .jit import checked_once, placeholder, small_kernel
 from .segments import find_segment
 
 THREADS = 256
@@ -104,7 +105,7 @@ def _get(kind: str, pairs: int, device):
 
 def positions(cuc, total: int, ratio: int, cap: int | None):
     """``(total,)`` int64 positions of the THD rows over the int32 row offsets ``cuc``, or
-    None where the kernel cannot be had now (compile.small_kernel)."""
+    None where the kernel cannot be had now (jit.small_kernel)."""
     import torch
 
     fn = _get("positions", 0, cuc.device)
@@ -150,15 +151,13 @@ def cos_sin(pos, inv_freq):
     import torch
 
     def check():
-        from ..epilogue import _torch_cos_sin
-
         probe = torch.cat((torch.arange(0, 1 << 20, 97, device=pos.device),
                            torch.arange(1 << 40, (1 << 40) + 4096, device=pos.device),
                            torch.tensor([0, 1, (1 << 53) - 1, -7], device=pos.device)))
         got = _launch("trig", probe, inv_freq)
         if got is None:
             return None
-        want = _torch_cos_sin(probe, inv_freq)
+        want = torch_cos_sin(probe, inv_freq)
         return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
     return _launch("trig", pos, inv_freq) if checked_once(_TRIG_AGREES, pos.device, check) else None

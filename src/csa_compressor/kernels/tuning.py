@@ -10,7 +10,6 @@ measurements behind it are in docs/lab/tuning-log.md under its name.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, replace  # noqa: F401  (tuning.replace(t, ...))
@@ -153,26 +152,12 @@ def parse_overrides(spec: str) -> dict:
 
 
 DEFAULT = Tuning()
-_current = dataclasses.replace(DEFAULT, **parse_overrides(os.environ.get("CSA_CONFIG", "")))
+# The process's tuning: the defaults with CSA_CONFIG's overrides, read once at import. A
+# caller that wants another hands a Tuning in (the kernel-level API's ``tuning=``, a
+# Problem's ``tuning``): it is part of the compile key, never process-wide state.
+ENV = dataclasses.replace(DEFAULT, **parse_overrides(os.environ.get("CSA_CONFIG", "")))
 
 
 def current() -> Tuning:
-    """The tuning new kernels are built with in this process (``replace`` derives variants)."""
-    return _current
-
-
-def set_current(tuning: Tuning) -> None:
-    global _current
-    _current = tuning
-
-
-@contextlib.contextmanager
-def use(**changes):
-    """Build and launch with ``changes`` applied inside the block (kernels compiled for it
-    are cached under it, apart from the default's)."""
-    before = _current
-    set_current(dataclasses.replace(before, **changes))
-    try:
-        yield _current
-    finally:
-        set_current(before)
+    """The tuning kernels are built and launched with where the caller hands none in."""
+    return ENV
