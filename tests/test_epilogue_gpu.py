@@ -38,7 +38,7 @@ def record_launches(monkeypatch, x, w, ep):
     from csa_compressor import epilogue
     from csa_compressor.kernels import epilogue_rows
 
-    if epilogue_op._rows_kernel(x, w, ep) and x.shape[0] >= epilogue.ROWSUM_MIN_ROWS:
+    if epilogue_op._rows_kernel(x, w, ep) and x.shape[0] >= epilogue_op.ROWSUM_MIN_ROWS:
         assert epilogue_op.norm_in_kernel(x, w, ep), "the kernel's row sums are not torch's"
 
     launched, run = [], epilogue_rows.run

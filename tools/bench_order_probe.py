@@ -13,6 +13,13 @@ Printed: µs a step and the median SM clock a variant and method, and step / GEM
 
 from __future__ import annotations
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
+
 import statistics
 import sys
 

@@ -19,6 +19,12 @@ never an out-of-bounds access. The measurements it made are in docs/lab/perf-not
     source .device/env.sh && python3 tools/block_probe.py 1x8192:128:4:2,3x8192:512:4:2 [R=16,THREADS=128 ...]
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import sys
 
 import torch

@@ -3,6 +3,12 @@ the first-call compile cost a training process pays.
 
     CUTE_DSL_ARCH=sm_90a python tools/compile_time_probe.py fwd 4 2 512
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=False)
 import sys, time
 t0 = time.perf_counter()
 import torch

@@ -20,6 +20,12 @@ The difference between ours and chain<3> (our forward's dependent rounds: segmen
 segment bounds, window) is what is neither launch nor memory latency.
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import cutlass
 import cutlass.cute as cute
 import torch

@@ -6,6 +6,12 @@ figure is what the host spends, not the GPU.
 
     python tools/launch_host_probe.py [calls]
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import sys
 import threading
 import time
@@ -116,7 +122,7 @@ def main(calls=100):
         ("torch.empty_like (no launch)", lambda: torch.empty_like(cu)),
         ("torch add (one launch)", lambda: cu.add(1)),
         ("runtime.small_kernels_usable", lambda: runtime.small_kernels_usable(cu)),
-        ("dispatch._device_reason", lambda: runtime.device_reason(dev)),
+        ("runtime.device_reason", lambda: runtime.device_reason(dev)),
         ("kernels.offsets.compressed_offsets (alloc + launch)", lambda: compressed_offsets(cu, ratio)),
         ("layout.compressed_cu_seqlens", lambda: compressed_cu_seqlens(cu, ratio)),
         ("epilogue.rope_positions", lambda: rope_positions(cuc, n, ratio, max(LENS))),

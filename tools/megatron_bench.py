@@ -25,6 +25,13 @@ one projection GEMM (a fallback is an error in the row).
 
 from __future__ import annotations
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True, own_help=True)
+
+
 import argparse
 import os
 import sys

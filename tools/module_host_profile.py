@@ -4,6 +4,12 @@ cProfile of the same steps (the package's functions and the torch calls they mak
 
     python tools/module_host_profile.py [d128r4rot | d512r4 | d512r128] [steps]
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import cProfile
 import pstats
 import sys

@@ -5,6 +5,12 @@ bench (`python -m csa_compressor bench --module`) times the step; this says what
 
     python tools/module_profile.py [d512r4 | d128r4rot | d512r128 ...]
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import sys
 from collections import defaultdict
 

@@ -13,6 +13,13 @@ ulps apart, and the largest difference relative to the tensor's largest magnitud
 
 from __future__ import annotations
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True, own_help=True)
+
+
 import argparse
 import contextlib
 import itertools

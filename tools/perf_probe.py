@@ -9,7 +9,14 @@ kernel-shaping constants. Not part of the package; results go to docs/lab/perf-n
     [SETS=1] python tools/perf_probe.py reads [shape,shape]
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import os
+import subprocess
 import sys
 
 import torch
@@ -190,7 +197,6 @@ def parts():
 def sweep():
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else (
         "1x8192:128:4:2", "3x8192:512:4:2", "[1023,2048,509,3,0,77]:128:4:2")
-    shapes = [testing.parse_shape(s) for s in names]
     variants = [dict(FWD_STAGES=3, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=2, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
                 dict(FWD_STAGES=4, FWD_SMEM_PER_CTA=65536, FWD_MAX_ROWS_PER_THREAD=8, FWD_TARGET_CTAS_PER_SM=4),
@@ -199,12 +205,17 @@ def sweep():
     if len(sys.argv) > 2:  # e.g. 'FWD_STAGES=2,FWD_MAX_ROWS_PER_THREAD=4;FWD_STAGES=3'
         variants = [tuning.parse_overrides(v) for v in sys.argv[2].split(";")]
     for v in variants:
-        # Each variant from the process's tuning, not the last variant; its kernels compile
-        # under their own cache key.
-        with tuning.use(**v):
-            r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
-        for row in r["rows"]:
-            print(v, row["shape"], f"fwd {row.get('fwd_us', float('nan')):.1f} µs "
+        # Each variant in its own process: the tuning is CSA_CONFIG's, read at import.
+        env = dict(os.environ, CSA_CONFIG=",".join(f"{k}={x}" for k, x in v.items()))
+        subprocess.run([sys.executable, __file__, "sweep_one", str(v), ",".join(names)],
+                       env=env, check=True)
+
+
+def sweep_one():
+    v, shapes = sys.argv[2], [testing.parse_shape(s) for s in sys.argv[3].split(",")]
+    r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
+    for row in r["rows"]:
+        print(v, row["shape"], f"fwd {row.get('fwd_us', float('nan')):.1f} µs "
                   f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.1f} µs", row.get("error", ""))
 
 
@@ -342,5 +353,5 @@ def reads():
 
 
 if __name__ == "__main__":
-    {"host": host, "sweep": sweep, "validate": validate_cost, "floor": floor,
+    {"host": host, "sweep": sweep, "sweep_one": sweep_one, "validate": validate_cost, "floor": floor,
      "parts": parts, "reads": reads}[sys.argv[1]]()

@@ -11,6 +11,12 @@ variants' graphs replayed in turn). The packed layout of the module's one projec
 config and a markdown table.
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import sys
 
 import torch
@@ -21,10 +27,11 @@ from csa_compressor import epilogue as E  # noqa: E402
 from csa_compressor import fused_epilogue as FE  # noqa: E402
 from csa_compressor.cli.bench import capture_graph, input_sets, time_graphs_interleaved  # noqa: E402
 from csa_compressor.layout import compressed_cu_seqlens  # noqa: E402
-from csa_compressor.ops import _forward as pool_forward, _launch_backward  # noqa: E402
-from csa_compressor.validation import halves, validate_packed  # noqa: E402
+from csa_compressor.checks import halves  # noqa: E402
+from csa_compressor.pooling import forward as pool_forward, launch_backward_into  # noqa: E402
+from csa_compressor.validation import validate_packed  # noqa: E402
 
-FE.INSIDE = FE.INSIDE_LONG = ("fwd", "bwd")  # the "inside" steps: whatever the package's default
+INSIDE = FE.EpilogueInside(("fwd", "bwd"), ("fwd", "bwd"))  # the "inside" steps, whatever the default
 
 CONFIGS = (("d512 r4", 512, 4, 2, False), ("d128 r4 rotate", 128, 4, 2, True),
            ("d512 r128", 512, 128, 1, False))
@@ -51,7 +58,7 @@ def main():
             kvs = torch.randn(T, 2 * coff * d, device=dev).to(torch.bfloat16)
             ape = 0.02 * torch.randn(ratio, coff * d, device=dev)
             p = validate_packed(kvs, ape, cu, cuc, n, ratio=ratio, coff=coff, for_kernel=True)
-            f = FE.Finish(ep, w, pos, inv).check(p)
+            f = FE.Finish(ep, w, pos, inv, inside=INSIDE).check(p)
             probs.append(p)
             fins.append(f)
             saved.append(FE._forward(p, f))  # inside: pooled, r, cos, sin for the backwards
@@ -70,7 +77,7 @@ def main():
             p, (_, pooled, r, cos, sin) = probs[i], saved[i]
             gx, gw = E._backward(grads[i], pooled, w, cos, sin, r, ep)
             dkvs = torch.empty_like(p.kvs)
-            return dkvs, _launch_backward(gx, p, halves(dkvs)), gw
+            return dkvs, launch_backward_into(gx, p, halves(dkvs)), gw
 
         def bwd_inside(i):
             _, pooled, r, cos, sin = saved[i]

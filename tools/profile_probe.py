@@ -8,15 +8,20 @@
 PROBE_CONFIG="K=V,..." profiles a sweep variant (kernels/tuning.py constants overridden).
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import os
 import sys
 
 import torch
 
-from csa_compressor import compress_thd_fused, testing
-from csa_compressor.kernels import tuning
+os.environ.setdefault("CSA_CONFIG", os.environ.get("PROBE_CONFIG", ""))  # read at import
 
-tuning.set_current(tuning.replace(tuning.current(), **tuning.parse_overrides(os.environ.get("PROBE_CONFIG", ""))))
+from csa_compressor import compress_thd_fused, testing  # noqa: E402
 
 shape = testing.parse_shape(sys.argv[1] if len(sys.argv) > 1 else "3x8192:512:4:2")
 kv, score, ape, cu, cuc, N, g = testing.make_inputs(shape, torch.bfloat16, torch.device("cuda"))

@@ -8,6 +8,12 @@ Kernel symbols are normalised before comparing (they spell the defining class's 
 path), so moving a kernel class between modules is not a difference; everything else is.
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=False, own_help=True)
+
 import argparse
 import os
 import re

@@ -8,6 +8,12 @@ the backward's large-pack variant forced (BWD_LARGE_PACK_ROWS = 0) and every gri
 sized for a 4-SM GPU (CTAs walk many rows, across segments). CSA_CONFIG="K=V,..." runs it
 with the tuning's constants overridden."""
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import os
 import sys
 
@@ -29,8 +35,9 @@ bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 sm_count = launch.sm_count
 base = tuning.current()
 for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
-    tuning.set_current(tuning.replace(base, BWD_LARGE_PACK_ROWS=large_from,
-                                      BWD_LARGE_GUESS_PACK_ROWS=min(large_from, base.BWD_LARGE_GUESS_PACK_ROWS)))
+    # handed to the kernel-level API (the op has no tuning argument: the process's is fixed)
+    t = tuning.replace(base, BWD_LARGE_PACK_ROWS=large_from,
+                       BWD_LARGE_GUESS_PACK_ROWS=min(large_from, base.BWD_LARGE_GUESS_PACK_ROWS))
     launch.sm_count = sm_count if sms is None else (lambda index, sms=sms: sms)
     print("backward large-pack variant from", large_from, "rows; schedules for", sms or "all", "SMs")
     for spec, extra, dtype in (("37+0+3+64+129+1:128:4:2", 3, bf16), ("37+0+3+64+129+1:128:3:2", 2, bf16),
@@ -46,11 +53,13 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
         s = parse_shape(spec)
         kv, score, ape, cu, cuc, N, _ = make_inputs(s, dtype, torch.device("cuda"))
         N = max(0, N + extra)
-        leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
-        out = C.compress_thd_fused(*leaves, cu, cuc, N, ratio=s.ratio, coff=s.coff)
-        out.backward(torch.randn_like(out))
+        out = torch.empty(N, s.d, dtype=dtype, device="cuda")
+        kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=s.ratio, coff=s.coff, tuning=t)
+        dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+        kernel_api.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
+                                 ratio=s.ratio, coff=s.coff, tuning=t)
         torch.cuda.synchronize()
-        print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(leaves[0].grad).all()))
+        print(spec, dtype, "N", N, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(dkv).all()))
 
     for ratio, coff, d in ((4, 2, 64), (1, 1, 64), (128, 1, 64), (4, 2, 512)):
         W = coff * d
@@ -101,7 +110,7 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
             score = torch.randn_like(kv).requires_grad_(True)
             ape = torch.randn(ratio, W, device="cuda").requires_grad_(True)
             cu, cuc = grouped_offsets(ids, ratio)
-            out = megatron._fused_or_fallback(kv, score, ape, cu, cuc, G, ratio, coff)
+            out = megatron.hooks._fused_or_fallback(kv, score, ape, cu, cuc, G, ratio, coff)
             assert out is not None, megatron.fallback_reasons()
             out.backward(torch.randn_like(out))
             out = C.compress_grouped(kv, score, ape, ids, ratio=ratio, coff=coff)

@@ -8,6 +8,12 @@ Needs nvdisasm on PATH (pip install nvidia-cuda-nvdisasm; it lands in
 site-packages/nvidia/cu13/bin).
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=False)
+
 import collections
 import os
 import re

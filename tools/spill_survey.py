@@ -13,6 +13,12 @@ is compiled only where the backward has a large-pack variant. One JSON line a re
 the offenders.
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=False, own_help=True)
+
 import argparse
 import json
 import os

@@ -12,6 +12,12 @@ times (graphs of 20 calls over rotating inputs), each after the full-size write 
 precedes it in the epilogue's backward: kernels.column_sum against torch's ``sum(0)``,
 less that write alone.
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import sys
 
 import torch

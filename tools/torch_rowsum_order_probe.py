@@ -11,6 +11,12 @@ match the sum and the mean.
 
     python tools/torch_rowsum_order_probe.py [N,...] [d,...]
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import sys
 
 import numpy as np

@@ -6,6 +6,12 @@ the lanes meet in a halving tree. Prints one line per shape: the lane counts tha
 
     python tools/torch_sum_order_probe.py [N,...] [W,...] [d,...]
 """
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
 import sys
 
 import torch

@@ -12,6 +12,12 @@ once a set with torch and not timed.
     source .device/env.sh && [SETS=1] python3 tools/triton_calibration.py [shape,shape]
 """
 
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
 import os
 import sys
 

@@ -1,0 +1,29 @@
+"""Every tool in tools/ answers --help with its description, and a tool that needs a GPU
+says so and exits 2 on a machine without one."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+NAMES = sorted(f for f in os.listdir(TOOLS) if f.endswith(".py") and not f.startswith("_"))
+CPU_TOOLS = {"ptx_snapshot.py", "sass_probe.py", "spill_survey.py", "compile_time_probe.py"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_tool_answers_help(name):
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, name), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(res.stdout.strip()) > 40
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+@pytest.mark.parametrize("name", sorted(set(NAMES) - CPU_TOOLS)[:3])
+def test_a_gpu_tool_says_it_needs_one_and_exits_2(name):
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, name)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, (res.returncode, res.stderr)
