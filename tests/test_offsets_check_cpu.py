@@ -1,5 +1,6 @@
-"""Offsets whose contents break the layout: caught on request (check_offsets=True or
-CSA_COMPRESSOR_CHECK_OFFSETS=1) with an error naming the argument; strict integer
+"""Offsets whose contents break the layout: caught with an error naming the argument on
+every CPU call (no device sync to read them), and on request elsewhere (check_offsets=True
+or CSA_COMPRESSOR_CHECK_OFFSETS=1); strict integer
 dtypes; cu_seqlens_comp derived when None; switches that reject unknown values."""
 
 import pytest
@@ -36,15 +37,35 @@ BAD = [  # (cu_seqlens, cu_seqlens_comp, total_comp, argument named, words of th
 
 
 @pytest.mark.parametrize("cu,cuc,N,name,words", BAD)
-def test_bad_offsets_are_caught_on_request(cu, cuc, N, name, words):
+def test_bad_offsets_are_caught_on_the_cpu_by_default_and_on_request(cu, cuc, N, name, words):
     kv, score, ape = _inputs()
     cu_t = _i32(cu)
     cuc_t = _i32(cuc) if cuc is not None else compressed_cu_seqlens(cu_t, RATIO)
-    # Unchecked, the reference runs (and computes something): contents are not read.
-    reference.compress_thd(kv, score, ape, cu_t, cuc_t, N, ratio=RATIO, coff=COFF)
+    for check in (False, True):
+        with pytest.raises(ValueError, match=name) as exc:
+            reference.compress_thd(kv, score, ape, cu_t, cuc_t, N, ratio=RATIO, coff=COFF,
+                                   check_offsets=check)
+        assert words in str(exc.value)
+
+
+MODULE_BAD = [  # (cu_seqlens, max_seqlen, total_comp, argument named, words of the message)
+    ([0, 60, 37, 100], None, None, "cu_seqlens", "non-decreasing"),
+    ([5, 37, 60, 100], None, None, "cu_seqlens", "cu_seqlens[0] == 0"),
+    ([0, 37, 60, 140], None, 40, "cu_seqlens", "past the 100 tokens"),
+    ([0, 37, 60, 100], 8, None, "total_comp", "understated max_seqlen"),
+    ([0, 37, 60, 100], None, 3, "total_comp", "has 24 rows"),
+]
+
+
+@pytest.mark.parametrize("cu,max_seqlen,total_comp,name,words", MODULE_BAD)
+def test_the_module_refuses_malformed_offsets_on_the_cpu(cu, max_seqlen, total_comp, name, words):
+    from csa_compressor import Compressor
+
+    torch.manual_seed(0)
+    m = Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32)
+    x = torch.randn(100, 32)
     with pytest.raises(ValueError, match=name) as exc:
-        reference.compress_thd(kv, score, ape, cu_t, cuc_t, N, ratio=RATIO, coff=COFF,
-                               check_offsets=True)
+        m(x, _i32(cu), max_seqlen=max_seqlen, total_comp=total_comp)
     assert words in str(exc.value)
 
 
@@ -140,7 +161,8 @@ def test_the_environment_check_is_not_swallowed_on_the_fused_path(monkeypatch, f
     kv, score, ape = _inputs()
     cu = _i32([0, 20, 10, 38])
     cuc = compressed_cu_seqlens(cu, RATIO)
-    assert maybe_compress_thd_fused(kv, score, ape, cu, cuc, 9, ratio=RATIO, coff=COFF) is not None
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing"):
+        maybe_compress_thd_fused(kv, score, ape, cu, cuc, 9, ratio=RATIO, coff=COFF)  # CPU offsets
     monkeypatch.setenv("CSA_COMPRESSOR_CHECK_OFFSETS", "1")
     with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing"):
         maybe_compress_thd_fused(kv, score, ape, cu, cuc, 9, ratio=RATIO, coff=COFF)

@@ -4,6 +4,7 @@ says so and exits 2 on a machine without one."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ NAMES = sorted(f for f in os.listdir(TOOLS) if f.endswith(".py") and not f.start
 CPU_TOOLS = {"ptx_snapshot.py", "sass_probe.py", "spill_survey.py", "compile_time_probe.py"}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_tool_answers_help(name):
-    res = subprocess.run([sys.executable, os.path.join(TOOLS, name), "--help"],
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert len(res.stdout.strip()) > 40
+def test_every_tool_answers_help():
+    def ask(name):
+        return name, subprocess.run([sys.executable, os.path.join(TOOLS, name), "--help"],
+                                    capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # a process each: startup-bound
+        for name, res in pool.map(ask, NAMES):
+            assert res.returncode == 0, (name, res.stderr[-2000:])
+            assert len(res.stdout.strip()) > 40, name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")

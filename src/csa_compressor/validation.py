@@ -2,7 +2,8 @@
 
 Each error names the argument, the value seen and what was expected. By default nothing
 here reads tensor contents, so validation never syncs the host with the device; the
-offsets' contents are checked only on request (``check_offsets=True``, or
+offsets' contents are read where that costs no device sync (offsets on the CPU, eager
+calls), and on the GPU only on request (``check_offsets=True``, or
 ``CSA_COMPRESSOR_CHECK_OFFSETS=1`` for every call), at the cost of one host sync.
 """
 
@@ -202,7 +203,9 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     if cuc.dtype != torch.int32 or not cuc.is_contiguous():
         cuc = cuc.to(torch.int32).contiguous()
     p = Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, row_stride, _packed)
-    if check_contents:
+    # offsets on the CPU cost no device sync to read: checked on every eager call
+    if check_contents or (contents and cu.device.type == "cpu" and cuc.device.type == "cpu"
+                          and not torch.compiler.is_compiling()):
         check_offset_contents(p)
     return p
 
