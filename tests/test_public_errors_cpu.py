@@ -99,3 +99,37 @@ def test_the_pooling_ops_name_a_bad_numerics():
     for call in calls:
         with pytest.raises(ValueError, match="numerics: expected one of"):
             call()
+
+
+def _module_call(**over):
+    import csa_compressor as C
+
+    m = C.Compressor(32, 16, 4, rope_dim=8, dtype=torch.float32)
+    kw = dict(x=torch.randn(100, 32), cu_seqlens=torch.tensor([0, 100], dtype=torch.int32))
+    kw.update(over)
+    return lambda: m(kw.pop("x"), **kw)
+
+
+@pytest.mark.parametrize("over,exc,words", [
+    (dict(x=torch.randn(100, 31)), ValueError, "x: expected hidden size 32"),
+    (dict(x=torch.randn(100, 32, dtype=torch.bfloat16)), TypeError, "x: expected the module's dtype"),
+    (dict(x=torch.empty(100, 32, device="meta")), ValueError, "x: expected a CPU or CUDA tensor"),
+    (dict(x=[[0.0] * 32]), TypeError, "x: expected a torch.Tensor"),
+    (dict(total_comp=-1), ValueError, "total_comp: expected an int >= 0"),
+    (dict(max_seqlen=-3), ValueError, "max_seqlen: expected an int >= 0"),
+    (dict(cu_seqlens=[0, 100]), TypeError, "cu_seqlens: expected a torch.Tensor, got list"),
+])
+def test_the_module_names_the_argument(over, exc, words):
+    with pytest.raises(exc, match=words):
+        _module_call(**over)()
+
+
+def test_a_list_as_cu_seqlens_is_one_error_on_every_path():
+    import csa_compressor as C
+
+    kv, ape = torch.randn(100, 16), torch.randn(4, 16)
+    for call in (lambda: C.compressed_cu_seqlens([0, 100], 4),
+                 lambda: C.reference.compress_thd(kv, kv, ape, [0, 100], None, 25, ratio=4, coff=1),
+                 _module_call(cu_seqlens=[0, 100])):
+        with pytest.raises(TypeError, match="cu_seqlens: expected a torch.Tensor, got list"):
+            call()

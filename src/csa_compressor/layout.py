@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_tensor
 from .runtime import small_kernels_usable
 
 
@@ -13,7 +14,8 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
     Computed on the tensor's device with no host sync, so it is safe inside CUDA graphs.
     Returns int32 ``(B+1,)``.
     """
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+    check_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(
             f"cu_seqlens: expected a 1-D tensor of B+1 >= 1 offsets, got "
             f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .checks import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, halves
+from .checks import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, check_tensor, halves
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
 from .epilogue import (Epilogue, YaRN, eager_epilogue, megatron_epilogue, rope_inv_freq,
                        rope_positions, sbhd_positions)
@@ -317,12 +317,35 @@ class Compressor(nn.Module):
                 self._inv_freq[device] = freq
         return freq
 
+    def _check_input(self, x, cu_seqlens, max_seqlen, total_comp):
+        """Errors naming the argument before torch's own (a GEMM's shapes, autocast's device)."""
+        check_tensor("x", x)
+        w = self.wkv.weight
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
+        if x.device != w.device:
+            raise ValueError(f"x: on {x.device}, the module's parameters on {w.device} "
+                             "(move one: module.to(x.device))")
+        if x.dtype != w.dtype:
+            raise TypeError(f"x: expected the module's dtype {w.dtype}, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected hidden size {self.hidden_size} in the last dim, got "
+                             f"shape {tuple(x.shape)}")
+        if cu_seqlens is not None:
+            check_tensor("cu_seqlens", cu_seqlens)
+        if max_seqlen is not None:
+            check_int("max_seqlen", int(max_seqlen) if isinstance(max_seqlen, torch.Tensor)
+                      else max_seqlen, 0)
+        if total_comp is not None:
+            check_int("total_comp", total_comp, 0)
+
     def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):
         """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->
         ``(compressed (N, head_dim), cu_seqlens_comp)``. ``total_comp`` defaults to the static
         capacity from ``max_seqlen`` (no sync) or else the true count (syncs).
         SBHD: ``x`` (S, B, hidden) -> (S // ratio, B, head_dim), or None where S < ratio
         (no block to compress, as Megatron-LM's Compressor returns)."""
+        self._check_input(x, cu_seqlens, max_seqlen, total_comp)
         if cu_seqlens is None:
             if x.dim() != 3:
                 raise ValueError(f"x: expected (S, B, hidden) without cu_seqlens, got {tuple(x.shape)}")
