@@ -217,3 +217,25 @@ def test_the_gate_checks_the_pooling_with_the_epilogue_against_its_composition(m
     failed = check.run_pool_epilogue(torch.device("cpu"), ("fp32",), lines.append, grid[:1])
     assert failed == len(check.KERNEL_CHOICES)  # the output only: y + c has y's gradients
     assert all("| out |" in line for line in lines if "FAIL" in line)
+
+
+@pytest.mark.parametrize("content", [None, "{bad", '{"a": 1}'])
+def test_report_refuses_a_file_it_cannot_read_in_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                            content):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "out"
+    assert cli.main(["report", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("csa-compressor report: cannot read") and "\n" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", ["info", "bench", "check", "report"])
+def test_every_subcommand_describes_itself(capsys, cmd):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([cmd, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: csa-compressor {cmd}") and len(text.split("\n\n")[1]) > 40

@@ -406,12 +406,13 @@ def write(result, out_dir, with_json: bool = True) -> list[str]:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(result, f, indent=1)
         files.append(os.path.join(out_dir, "results.json"))
+    text = header(result) + "\n\n" + table(result) + "\n"  # rendered before any file is opened
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(header(result) + "\n\n" + table(result) + "\n")
+        f.write(text)
     files.append(os.path.join(out_dir, "results.md"))
     try:
         files += plot(result, out_dir)
     except ImportError:
-        print("matplotlib missing: no plots (python -m csa_compressor report results.json makes them)",
-              file=sys.stderr)
+        print('matplotlib missing: no plots (pip install "csa_compressor[bench]", then '
+              "csa-compressor report results.json)", file=sys.stderr)
     return files

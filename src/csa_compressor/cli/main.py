@@ -1,4 +1,4 @@
-"""Command line: `python -m csa_compressor {info,bench,check,report}`.
+"""Command line: `csa-compressor {info,bench,check,report}` (or `python -m csa_compressor`).
 
 Exit codes: 0 done (``check``: every clause held), 1 ``check`` found a failing clause, 2
 bad arguments or nothing could be run here (``bench`` / ``check`` without a CUDA GPU).
@@ -17,7 +17,7 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32")
 def _no_gpu(what: str) -> int:
     print(f"{what}: no CUDA GPU visible, nothing was run. The fused kernels need an NVIDIA GPU "
           "with compute capability 9.0 or newer (H100/H200, B200/GB200); "
-          "`python -m csa_compressor info` says what this machine has.", file=sys.stderr)
+          "`csa-compressor info` says what this machine has.", file=sys.stderr)
     return NOTHING_RUN
 
 
@@ -104,19 +104,30 @@ def cmd_report(args) -> int:
 
     from . import bench
 
-    with open(args.results) as f:
-        result = json.load(f)
+    try:
+        with open(args.results) as f:
+            result = json.load(f)
+        bench.header(result), bench.table(result)  # a file bench did not write fails here
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"csa-compressor report: cannot read {args.results} as a bench results.json "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return NOTHING_RUN
     for path in bench.write(result, args.out, with_json=False):
         print(f"wrote {path}")
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m csa_compressor", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="csa-compressor", description=__doc__.split("\n")[0],
                                  epilog="exit codes: 0 done, 1 check failed, 2 bad arguments or nothing run")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="environment, and which path would run and why")
-    b = sub.add_parser("bench", help="eager vs torch.compile vs fused, side by side (CUDA GPU)")
+    sub.add_parser("info", help="environment, and which path would run and why",
+                   description="Versions of Python, torch and the CuTe DSL, the visible GPUs, and "
+                               "whether the fused kernels would run on a sample problem (and why not).")
+    b = sub.add_parser("bench", help="eager vs torch.compile vs fused, side by side (CUDA GPU)",
+                       description="Time the pooling forward and forward+backward per shape: eager "
+                                   "torch, torch.compile and the fused kernels, 20 calls per CUDA "
+                                   "graph with inputs rotated past the L2, against the copy floor.")
     b.add_argument("--shapes", default="default",
                    help='"default", "production", "all", or e.g. "3x8192:512:4:2,1023+2048+509:128:4:2" '
                         "(pack:head_dim:ratio:coff)")
@@ -133,9 +144,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--sbhd", action="store_true",
                    help="SBHD inputs instead: the kernels reading (S, B, ...) in place against a "
                         "transposed copy into THD, and the eager region")
-    c = sub.add_parser("check", help="the numerics gate (CUDA GPU): exit 1 on a failing clause")
+    c = sub.add_parser("check", help="the numerics gate (CUDA GPU): exit 1 on a failing clause",
+                       description="The numerics contract on this GPU: the fused op against the "
+                                   "references (bitwise where the contract says so), the epilogue "
+                                   "and the pooling with the epilogue against their compositions.")
     c.add_argument("--dtypes", default=",".join(DTYPE_NAMES), help="from bf16, fp16, fp32")
-    p = sub.add_parser("report", help="results.md and PNG plots from a results.json")
+    p = sub.add_parser("report", help="results.md and PNG plots from a results.json",
+                       description="Re-render results.md (and the plots, with the [bench] extra) "
+                                   "from a results.json that bench --out wrote; measures nothing.")
     p.add_argument("results")
     p.add_argument("--out", default=".")
     return ap
