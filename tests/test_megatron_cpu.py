@@ -778,20 +778,22 @@ def test_megatrons_whole_compressor_fused_is_the_packages_module(
     package's Compressor (default numerics, megatron_layout) computes with its parameters
     and its rotary frequencies: the output and every gradient bit for bit."""
     from csa_compressor import Compressor
-    from csa_compressor.epilogue import YaRN, megatron_inv_freq
+    from csa_compressor.epilogue import YaRN, megatron_inv_freq, rope_inv_freq
 
+    if rope_dim:  # the one difference the default makes: its frequencies are fp64 ones
+        assert not torch.equal(rope_inv_freq(rope_dim, 10000.0),
+                               megatron_inv_freq(rope_dim, 10000.0).double())
     mg, x, extra, forward = _epilogue_case(megatron_csa, path, ratio, head_dim, rope_dim, yarn,
                                            rotate)
     with megatron.installed(epilogue=True, projection=True):
         want = _step_of(mg, x, forward)
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
+    y = None if yarn is None else YaRN(factor=yarn[0], original_max_position_embeddings=yarn[1])
     ours = Compressor(128, head_dim, ratio, rope_dim=rope_dim, norm_eps=1e-5, rotate=rotate,
-                      dtype=torch.bfloat16, pooling="reference", megatron_layout=True)
+                      dtype=torch.bfloat16, pooling="reference", megatron_layout=True,
+                      rope_theta=10000.0, rope_yarn=y, rope_frequencies="megatron")
     ours.load_megatron_state_dict(mg.state_dict())
     assert ours.one_projection and ours.numerics == "fp32"
-    if rope_dim:  # Megatron's fp32 frequencies, where the module makes fp64 ones
-        y = None if yarn is None else YaRN(factor=yarn[0], original_max_position_embeddings=yarn[1])
-        ours._inv_freq[x.device] = megatron_inv_freq(rope_dim, 10000.0, y).double()
     if path == "thd":
         got = _step_of(ours, x, lambda comp, xi: comp(xi, extra["cu"],
                                                        max_seqlen=extra["max_seqlen"])[0])

@@ -486,31 +486,33 @@ def test_the_fused_epilogue_on_megatrons_compressor_on_the_fused_kernels(
         (worst, over1)
 
 
-@pytest.mark.parametrize("path,ratio,head_dim,yarn,rotate", [
-    ("thd", 4, 512, None, False), ("thd", 4, 128, (4.0, 4096), True), ("sbhd", 128, 512, None, False)])
+@pytest.mark.parametrize("path,ratio,head_dim,rope_dim,yarn,rotate", [
+    ("thd", 4, 32, 8, None, False), ("thd", 4, 128, 64, None, False),
+    ("thd", 4, 128, 64, (4.0, 4096), True), ("thd", 4, 512, 64, None, False),
+    ("thd", 128, 128, 64, None, True), ("thd", 128, 512, 0, None, False),
+    ("sbhd", 4, 256, 32, None, True), ("sbhd", 128, 512, 64, None, False)])
 def test_megatrons_whole_compressor_fused_is_the_packages_module_on_the_fused_kernels(
-        megatron_csa, path, ratio, head_dim, yarn, rotate):
+        megatron_csa, path, ratio, head_dim, rope_dim, yarn, rotate):
     """install(epilogue=True, projection=True) on the H200 (hidden 1024, bf16; THD 8192 +
     8191 + 5000 + 3 + 0 tokens, SBHD 2 x 4100): Megatron's Compressor computes what the
-    package's Compressor (default numerics, pooling="fused", Megatron's parameters and
-    rotary frequencies) computes, the output and every gradient bit for bit."""
+    package's Compressor (default numerics, pooling="fused", Megatron's parameters,
+    rope_frequencies="megatron") computes, the output and every gradient bit for bit."""
     from csa_compressor import Compressor
-    from csa_compressor.epilogue import YaRN, megatron_inv_freq
+    from csa_compressor.epilogue import YaRN
 
     hidden = 1024
     y = None if yarn is None else {"scaling_factor": yarn[0],
                                    "original_max_position_embeddings": yarn[1]}
-    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio, rope_dim=64,
-                          rotate=rotate, dtype=torch.bfloat16, yarn=y).cuda()
+    mg = build_compressor(megatron_csa, hidden=hidden, head_dim=head_dim, ratio=ratio,
+                          rope_dim=rope_dim, rotate=rotate, dtype=torch.bfloat16, yarn=y).cuda()
     with torch.no_grad():
         mg.norm.weight.data = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16)
-    ours = Compressor(hidden, head_dim, ratio, rope_dim=64, norm_eps=1e-5, rotate=rotate,
-                      dtype=torch.bfloat16, device="cuda", pooling="fused", megatron_layout=True)
+    ours = Compressor(hidden, head_dim, ratio, rope_dim=rope_dim, norm_eps=1e-5, rotate=rotate,
+                      dtype=torch.bfloat16, device="cuda", pooling="fused", megatron_layout=True,
+                      rope_theta=10000.0, rope_frequencies="megatron",
+                      rope_yarn=None if yarn is None else YaRN(
+                          factor=yarn[0], original_max_position_embeddings=yarn[1]))
     ours.load_megatron_state_dict(mg.state_dict())
-    ours._inv_freq[torch.device("cuda", torch.cuda.current_device())] = megatron_inv_freq(
-        64, 10000.0, None if yarn is None else YaRN(factor=yarn[0],
-                                                    original_max_position_embeddings=yarn[1]),
-        "cuda").double()
     if path == "thd":
         lens = [8192, 8191, 5000, 3, 0]
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,

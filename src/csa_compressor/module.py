@@ -11,8 +11,8 @@ from torch import nn
 from . import reference
 from .checks import SUPPORTED_DTYPES, check_flag, check_int, check_ratio_coff, check_tensor, halves
 from .dispatch import fused_or_reason, fused_packed_or_reason, fused_sbhd_or_reason
-from .epilogue import (Epilogue, YaRN, eager_epilogue, megatron_epilogue, rope_inv_freq,
-                       rope_positions, sbhd_positions)
+from .epilogue import (Epilogue, YaRN, eager_epilogue, megatron_epilogue, megatron_inv_freq,
+                       rope_inv_freq, rope_positions, sbhd_positions)
 from .epilogue_op import apply_epilogue
 from .fused_epilogue import EpilogueInside, Finish
 from .layout import compressed_capacity, compressed_cu_seqlens
@@ -22,6 +22,9 @@ NUMERICS = ("fp32", "megatron", "megatron_eager")
 # "inside": the fused epilogue, inside the pooling kernels where epilogue_inside says;
 # "after": its own kernels after the pooling's; "torch": the torch ops (the same bits)
 EPILOGUE_FUSION = ("inside", "after", "torch")
+# "fp64": theta ** (-2i / rope_dim) in fp64; "megatron": in fp32 as Megatron-LM's rotary
+# module makes them (then its angles, and so its rows, bit for bit)
+ROPE_FREQUENCIES = ("fp64", "megatron")
 
 
 def _adjacent(a, b) -> bool:
@@ -111,7 +114,10 @@ class Compressor(nn.Module):
     which is what Megatron's Compressor computes without fused kernels.
     ``epilogue_fusion`` (fp32 numerics): "inside" (the epilogue inside the pooling kernels
     where ``epilogue_inside``, an EpilogueInside, says, else after them), "after" (its own
-    kernels after the pooling's), "torch" (the torch ops): the same bits each way."""
+    kernels after the pooling's), "torch" (the torch ops): the same bits each way.
+    ``rope_frequencies``: "fp64" (``theta ** (-2i / rope_dim)`` in fp64) or "megatron" (in
+    fp32, as Megatron-LM's rotary module makes them: with Megatron's parameters the module
+    then computes what Megatron's installed Compressor computes, bit for bit)."""
 
     MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
                      "ape": "ape", "norm.weight": "norm_weight"}
@@ -136,7 +142,8 @@ class Compressor(nn.Module):
                  rope_interleaved: bool = True, norm_eps: float = 1e-6, rotate: bool = False,
                  dtype=torch.bfloat16, device=None, pooling: str = "auto",
                  megatron_layout: bool = False, rope_yarn: YaRN | None = None,
-                 numerics: str = "fp32", epilogue_fusion: str = "inside", epilogue_inside=None):
+                 numerics: str = "fp32", epilogue_fusion: str = "inside", epilogue_inside=None,
+                 rope_frequencies: str = "fp64"):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("head_dim", head_dim, 1)
@@ -169,6 +176,10 @@ class Compressor(nn.Module):
             raise ValueError(f"epilogue_fusion: expected one of {EPILOGUE_FUSION}, got "
                              f"{epilogue_fusion!r}")
         self.epilogue_inside = EpilogueInside.of(epilogue_inside)
+        if rope_frequencies not in ROPE_FREQUENCIES:
+            raise ValueError(f"rope_frequencies: expected one of {ROPE_FREQUENCIES}, got "
+                             f"{rope_frequencies!r}")
+        self.rope_frequencies = rope_frequencies
         self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
         self.rope_dim, self.rope_theta, self.rope_interleaved = rope_dim, rope_theta, rope_interleaved
         self.norm_eps, self.rotate, self.pooling = norm_eps, rotate, pooling
@@ -308,11 +319,12 @@ class Compressor(nn.Module):
         torch.compile traces (no tensor kept from inside either)."""
         if not self.rope_dim:
             return None
-        if torch.compiler.is_compiling():  # the epilogue's op makes them, as eager does
-            return None
+        megatron = self.rope_frequencies == "megatron"
+        if torch.compiler.is_compiling():  # the epilogue's op makes fp64 ones, as eager does
+            return self._make_inv_freq(device) if megatron else None
         freq = self._inv_freq.get(device)
         if freq is None:
-            freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
+            freq = self._make_inv_freq(device)
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._inv_freq[device] = freq
         return freq
@@ -338,6 +350,12 @@ class Compressor(nn.Module):
                       else max_seqlen, 0)
         if total_comp is not None:
             check_int("total_comp", total_comp, 0)
+
+    def _make_inv_freq(self, device):
+        if self.rope_frequencies == "megatron":
+            return megatron_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn,
+                                     device).double()
+        return rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_yarn, device=device)
 
     def forward(self, x, cu_seqlens=None, max_seqlen=None, total_comp=None):
         """THD (``cu_seqlens`` given): ``x`` (T, hidden) or (T, 1, hidden) ->
