@@ -81,7 +81,7 @@ def test_report_renders_results(tmp_path):
 
 
 def test_header_names_the_input_method():
-    """Which inputs the 20 calls of a graph read is part of the method (docs/lab/perf-notes.md
+    """Which inputs the 20 calls of a graph read is part of the method (docs/lab/ceilings.md
     v25: L2-warm and rotating figures differ by up to 2x at the small packs)."""
     result = {"environment": {"gpu": "X", "driver": "1", "torch": "t", "cutlass_dsl": "4.8.1",
                               "commit": "abc", "date": "d"},

@@ -14,7 +14,7 @@ the outputs are bitwise pool_forward's.
 Only packs whose segments are whole blocks of ``ratio`` tokens (then row r's first token
 is r*ratio, so a block's rows are contiguous in the tokens), coff 2, and no padding rows:
 the host checks that. Shared-memory indices are clamped, so other packs give wrong rows,
-never an out-of-bounds access. The measurements it made are in docs/lab/perf-notes.md (v25).
+never an out-of-bounds access. What it measured is summarised in docs/lab/ceilings.md.
 
     source .device/env.sh && python3 tools/block_probe.py 1x8192:128:4:2,3x8192:512:4:2 [R=16,THREADS=128 ...]
 """

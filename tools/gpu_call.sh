@@ -69,7 +69,7 @@
 #                        into $OUT/ncu_source_bwd.csv
 #   ncuinst_<shape>      the same kernels' executed-instruction counts by opcode and their
 #                        hottest SASS lines (InstructionStats, SourceCounters): where a
-#                        row's instructions go (docs/lab/perf-notes.md, the issue floor)
+#                        row's instructions go (docs/lab/ceilings.md, the issue floor)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_call}
 mkdir -p "$OUT"

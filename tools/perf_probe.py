@@ -1,5 +1,5 @@
 """Developer probe (H200): where the host time of a fused call goes, and an A/B sweep of the
-kernel-shaping constants. Not part of the package; results go to docs/lab/perf-notes.md.
+kernel-shaping constants. Not part of the package; docs/lab/ceilings.md summarises what it measured.
 
     python tools/perf_probe.py host
     python tools/perf_probe.py validate

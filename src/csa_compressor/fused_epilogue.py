@@ -51,7 +51,7 @@ class EpilogueInside:
     others run the pooling kernel and the epilogue kernel in turn: the same bits either
     way. The default is what measured faster on the H200: the forward inside at ratio 4
     (1.4-2.0 µs faster), every other direction by parts (the one-kernel versions 1.3-4 µs
-    slower: docs/lab/epilogue-inside.md)."""
+    slower: BENCHMARKS.md)."""
 
     short: tuple = ("fwd",)
     long: tuple = ()

@@ -40,7 +40,7 @@ class BackwardGrid:
         """``ctas`` row and zero CTAs for each column group. Where there are several groups
         (d=512 bf16: 2), they are the fastest-varying index of a 1-D grid, so every row CTA
         of every group is dispatched before any zero CTA. With the groups on grid.y, group
-        1's row CTAs queued behind group 0's zero CTAs (docs/lab/perf-notes.md has the
+        1's row CTAs queued behind group 0's zero CTAs (docs/lab/ceilings.md has the
         measurement)."""
         if self.interleave:
             return [ctas * self.col_groups, 1, self.grid_z()]

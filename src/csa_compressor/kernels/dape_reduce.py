@@ -2,7 +2,7 @@
 
 ``torch.sum`` over dim 0 of the partials ran one thread per column, each walking all P
 rows one dependent load after another, in a handful of CTAs: longer than the backward
-kernel itself at small shapes (docs/lab/perf-notes.md). Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
+kernel itself at small shapes (docs/lab/ceilings.md). Here a CTA owns ``col_lanes`` column vectors and ``row_lanes`` row lanes:
 lane y sums rows y, y + row_lanes, ... (independent loads, unrolled, so many are in
 flight), then row lane 0 adds the lanes' sums in lane order from shared memory. The order
 depends only on P, C and the tuning, so the result is bitwise
