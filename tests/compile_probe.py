@@ -64,7 +64,7 @@ with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
                                row_stride=row_stride, batch=batch, numerics=numerics,
                                epilogue=ep))
-if built is None:  # the specialisation has no such kernel (plan.kernel_for)
+if built is None:  # the specialisation has no such kernel (catalog.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)
 kernel = built.kernel

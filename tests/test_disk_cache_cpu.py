@@ -162,7 +162,7 @@ def test_small_kernel_entries_are_named_by_everything_that_specialises_them():
 
 
 def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch):
-    """compile.small_kernel: compiled once a (device, key) and kept, its entry named by the
+    """jit.small_kernel: compiled once a (device, key) and kept, its entry named by the
     key; while a CUDA graph captures, a kernel not compiled yet is None (its
     caller runs the torch ops, the same bits) and nothing is compiled."""
     import torch

@@ -234,7 +234,7 @@ def test_rotary_table_arguments_are_checked():
 
 
 def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monkeypatch):
-    """epilogue._column_sum: the kernel's order is checked once a geometry on a probe of
+    """epilogue_op.column_sum: the kernel's order is checked once a geometry on a probe of
     the same shape; a kernel that differs from torch's sum there is never used (torch's
     sum instead), one that agrees is used for the rows themselves, and an unchecked
     geometry while a CUDA graph captures takes torch's sum without checking or keeping."""

@@ -184,7 +184,7 @@ def test_the_module_step_with_the_epilogue_node_captures(monkeypatch, small_comp
     ``small_compiled`` False: the pooling kernels are compiled but the small ones beside
     them (offsets, rotary positions and angles, the epilogue's rows) are not; they are not
     compiled inside the capture, their torch ops run instead."""
-    from csa_compressor.kernels import compile as kcompile
+    from csa_compressor.kernels import jit as kjit
 
     torch.manual_seed(0)
     m = C.Compressor(512, 128, 4, rotate=True, device="cuda")
@@ -205,7 +205,7 @@ def test_the_module_step_with_the_epilogue_node_captures(monkeypatch, small_comp
     with torch.cuda.stream(side):
         step()
     if not small_compiled:
-        monkeypatch.setattr(kcompile, "_SMALL", {})  # as if never compiled
+        monkeypatch.setattr(kjit, "_SMALL", {})  # as if never compiled
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
         got = step()
@@ -246,10 +246,10 @@ def test_a_row_sum_order_unlike_torchs_is_caught(monkeypatch):
     from csa_compressor import epilogue
     from csa_compressor.kernels import epilogue_rows
 
-    from csa_compressor.kernels import compile as kcompile, disk_cache
+    from csa_compressor.kernels import disk_cache, jit as kjit
 
     monkeypatch.setattr(epilogue_rows, "ROWSUM_WARP_OFFSETS", (1, 2, 4, 8, 16))
-    monkeypatch.setattr(kcompile, "_SMALL", {})  # built afresh, not taken from a cache
+    monkeypatch.setattr(kjit, "_SMALL", {})  # built afresh, not taken from a cache
     monkeypatch.delenv(disk_cache.ENV, raising=False)
     monkeypatch.setattr(epilogue, "_ROWSUM_AGREES", {})
     dev = torch.device("cuda")

@@ -86,7 +86,7 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
 
 
 def test_a_kernels_check_runs_once_a_key_and_never_while_a_graph_captures(monkeypatch):
-    """compile.checked_once, behind every small kernel that stands in for a torch op whose
+    """jit.checked_once, behind every small kernel that stands in for a torch op whose
     bits depend on torch's order or math library (row sums, cosines, column sums)."""
     from csa_compressor.kernels.jit import checked_once
 

@@ -111,7 +111,7 @@ EPILOGUES = [
 @pytest.mark.parametrize("ep", EPILOGUES, ids=["rope64-rotate", "halves64", "rope0-rotate"])
 def test_thd_is_the_pooling_then_the_epilogue(monkeypatch, d, ratio, coff, ep, inside):
     """Either direction inside after either forward (each direction's choice is its
-    own: fused_epilogue.INSIDE / INSIDE_LONG)."""
+    own: fused_epilogue.DEFAULT_INSIDE)."""
     T, cu, cuc, n = thd_pack(ratio)
     got, want, seen, _, (kv, score, ape, w) = thd_both_ways(monkeypatch, T, cu, cuc, n, d, ratio,
                                                             coff, ep, d, inside)
@@ -260,7 +260,6 @@ def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, rati
 def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(monkeypatch):
     torch.manual_seed(0)
     m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
-    state = m.state_dict()
     T = 8192 + 37
     cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -40,7 +40,7 @@ from csa_compressor.kernel_api import pool_forward
 from csa_compressor.kernels.ptx import mul_rn
 from csa_compressor.kernels.segments import start_walk, walk_rows, walk_window
 from csa_compressor.kernels.softmax import softmax_row
-from csa_compressor.kernels.compile import _direct
+from csa_compressor.kernels.jit import direct as _direct
 from csa_compressor.kernels.plan import _fake
 from csa_compressor.kernels.plan import cutlass_dtype as _cutlass_dtype
 

@@ -37,7 +37,7 @@ def _host_cases(spec):
     """Each layer of a forward call on pack ``spec`` (bf16, d=128, ratio 4, coff 2), from a
     bare allocation up to compress_thd_fused with grad, as zero-argument calls."""
     from csa_compressor.kernels.launch import _on_device
-    from csa_compressor.validation import check_out
+    from csa_compressor.checks import check_out
 
     shape = testing.parse_shape(spec)
     kv, score, ape, cu, cuc, N, _ = testing.make_inputs(shape, torch.bfloat16, torch.device("cuda"))
@@ -49,6 +49,17 @@ def _host_cases(spec):
     from csa_compressor.kernels.launch import sm_count
     rows = c.kernel.rows_per_thread(N, sm_count(dev.index), c.ctas_per_sm)  # launch_forward's
     leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+    g = torch.randn(N, 128, device="cuda").to(torch.bfloat16)
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=4, coff=2)  # compiles
+    x = leaves[0]
+
+    def op_step():  # the issue's measure: a forward plus torch.autograd.grad
+        y = compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2)
+        torch.autograd.grad(y, leaves, g)
+
+    def trivial_step():  # a bare autograd step on the same host: (x*2).sum() and its grad
+        torch.autograd.grad((x * 2).sum(), (x,))
 
     def guard():
         with _on_device(dev):
@@ -64,6 +75,9 @@ def _host_cases(spec):
         "pool_forward": lambda: pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2),
         "compress_thd_fused (no grad)": lambda: compress_thd_fused(kv, score, ape, cu, cuc, N, ratio=4, coff=2),
         "compress_thd_fused (requires grad)": lambda: compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2),
+        "pool_backward": lambda: pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=4, coff=2),
+        "forward + autograd.grad (compress_thd_fused)": op_step,
+        "trivial autograd step ((x*2).sum(), grad)": trivial_step,
     }
 
 

@@ -96,7 +96,7 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
         print("sbhd", S, B, d, ratio, coff, dtype, "ok", bool(torch.isfinite(kvs.grad).all()))
 
     # Malformed context-parallel group ids through the Megatron adapter's pooling (its
-    # pre-grouped path: grouped_offsets, then megatron._fused_or_fallback) and
+    # pre-grouped path: grouped_offsets, then megatron.hooks._fused_or_fallback) and
     # compress_grouped: huge, negative, int32 extremes, unsorted.
     from csa_compressor import megatron
     from csa_compressor.grouped import grouped_offsets

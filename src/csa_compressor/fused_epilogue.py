@@ -149,8 +149,8 @@ def _rows(p: Problem, t):
 def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bool:
     """Whether ``direction`` runs in the pooling kernels with the epilogue inside: it is in
     INSIDE (INSIDE_LONG for long windows), the design takes the problem
-    (plan.epilogue_designable), and the norm's
-    statistics run in the kernel (epilogue._norm_in_kernel: enough rows, its order checked
+    (catalog.epilogue_designable), and the norm's
+    statistics run in the kernel (epilogue_op.norm_in_kernel: enough rows, its order checked
     torch's)."""
     inside = f.inside.long if (p.tuning or current()).long_window(p.ratio * p.coff) else f.inside.short
     if direction not in inside or flat.shape[0] < ROWSUM_MIN_ROWS or p.num_tokens == 0 \

@@ -26,7 +26,7 @@ def cmd_info(args) -> int:
 
     from ..testing import make_inputs
     from ..dispatch import fused_unavailable_reason
-    from ..kernels.compile import dsl_import_error
+    from ..runtime import dsl_import_error
     from ..shapes import parse_shape
 
     print(f"csa_compressor {__import__('csa_compressor').__version__}")

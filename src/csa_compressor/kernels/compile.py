@@ -100,7 +100,7 @@ def is_compiled(spec: plan.KernelSpec, device: torch.device) -> bool:
 
 def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
     """The compiled kernel of ``spec`` on ``device``: the cache keys on the pair. A miss
-    compiles the spec's whole family (plan.lower), so a warm-up or precompile before
+    compiles the spec's whole family (catalog.lower), so a warm-up or precompile before
     CUDA-graph capture covers every pack size and the dape sums.
 
     Compiling inside CUDA-graph capture would run host work that the graph cannot record

@@ -13,7 +13,7 @@ inside them: one launch a direction instead of a pooling and a row kernel.
   group computes the whole row and writes its own columns.
 
 The row math is EpilogueRows's, op for op, so the output and every gradient are bitwise
-those of the pooling followed by the epilogue node (epilogue.apply_epilogue). The norm's
+those of the pooling followed by the epilogue node (epilogue_op.apply_epilogue). The norm's
 mean counts the rows of the whole pack (torch's ``mean`` of the ``(N, d)`` rows).
 """
 
