@@ -189,3 +189,21 @@ def test_a_small_kernel_not_compiled_while_a_graph_captures_is_none(monkeypatch)
     assert cc.small_kernel(("offsets", 128), dev, build) is None
     assert cc.small_kernel(("offsets", 4), torch.device("cuda", 1), build) is None
     assert len(built) == 1
+
+
+def test_a_kernel_with_the_epilogue_inside_has_its_own_entry():
+    """The spec's epilogue is part of the entry's name: the pooling kernel with the
+    epilogue inside takes more arguments than the plain one, and loading one for the other
+    failed every call with a warm cache (seen on the H200)."""
+    import torch
+
+    from csa_compressor.epilogue import Epilogue
+    from csa_compressor.kernels import disk_cache, plan
+
+    key = plan.EpilogueKey.of(Epilogue(rope_dim=64), torch.float32)
+    plain = plan.spec("fwd", torch.bfloat16, 4, 2, 128)
+    inside = plan.spec("fwd", torch.bfloat16, 4, 2, 128, epilogue=key)
+    other = plan.spec("fwd", torch.bfloat16, 4, 2, 128,
+                      epilogue=plan.EpilogueKey.of(Epilogue(rope_dim=32), torch.float32))
+    names = {disk_cache.entry_name(s, "sm_90a") for s in (plain, inside, other)}
+    assert len(names) == 3
