@@ -161,7 +161,7 @@ def test_the_module_sbhd_path_reads_the_projection_in_place(monkeypatch):
         launched.append((p.batch, p.row_stride) if p is not None else reason)
         return reason, p
 
-    monkeypatch.setattr(dispatch, "_unavailable", spy)
+    monkeypatch.setattr(dispatch, "unavailable", spy)
     x = torch.randn(203, 3, 256, device="cuda").to(torch.bfloat16)
     res = []
     for mod in (m, r):

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from ..dispatch import fused_from_validated, fused_sbhd_or_reason, unavailable
+from .. import dispatch
 from ..epilogue import Epilogue, grouped_positions, rope_positions, sbhd_positions
 from ..fused_epilogue import Finish
 from ..grouped import grouped_offsets
@@ -60,13 +60,13 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     ``[score | kv]`` where ``score_first``) as one ``(T, 2 * coff * d)`` tensor and
     ``score`` is None. ``finish`` (_finish_for): the epilogue's output instead."""
     try:
-        reason, p = unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
+        reason, p = dispatch.unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                                  coff, True, packed, score_first=score_first)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
         reason = str(exc)
     if reason is not None:
         return fallback(reason)
-    return fused_from_validated(p, numerics=options().numerics, finish=finish)
+    return dispatch.fused_from_validated(p, numerics=options().numerics, finish=finish)
 
 
 def _method_reason(comp, x):
@@ -233,7 +233,7 @@ def forward_sbhd(self, x):
         if kv.dtype == x.dtype:  # the pooling kernel runs it inside (the same bits)
             fin = _finish_for(self, positions)
     try:
-        pooled, reason = fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
+        pooled, reason = dispatch.fused_sbhd_or_reason(kv, score, self.ape, ratio=ratio, coff=self.coff,
                                               packed=joint, score_first=score_first,
                                               numerics=options().numerics, finish=fin)
     except (TypeError, ValueError) as exc:  # e.g. a mistyped kill switch
