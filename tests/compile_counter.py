@@ -1,16 +1,16 @@
-"""For probe subprocesses: count the kernel compiles a process runs (kernels.compile._compile)."""
+"""For probe subprocesses: count the kernel compiles a process runs (kernels.jit.compile_kernel)."""
 
-from csa_compressor.kernels import compile as cc
+from csa_compressor.kernels import jit
 
 
 def count_compiles() -> list:
-    """Patch compile._compile to record each call; the returned list grows by one a compile."""
+    """Patch jit.compile_kernel to record each call; the returned list grows by one a compile."""
     compiled = []
-    real = cc._compile
+    real = jit.compile_kernel
 
     def counting(*a, **k):
         compiled.append(1)
         return real(*a, **k)
 
-    cc._compile = counting
+    jit.compile_kernel = counting
     return compiled

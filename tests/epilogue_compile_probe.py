@@ -22,7 +22,7 @@ from csa_compressor.kernels import column_sum as cs  # noqa: E402
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
 from csa_compressor.kernels import offsets as off  # noqa: E402
 from csa_compressor.kernels import rope_angles as ra  # noqa: E402
-from csa_compressor.kernels.compile import _compile  # noqa: E402
+from csa_compressor.kernels.jit import compile_kernel as _compile  # noqa: E402
 from csa_compressor.kernels.plan import cutlass_dtype  # noqa: E402
 
 _orig = cute.compile

@@ -259,7 +259,8 @@ def test_where_the_kernels_do_not_take_it_the_composition_runs(monkeypatch, rati
 
 def test_the_module_runs_the_kernels_with_the_epilogue_and_graphs_capture_them(monkeypatch):
     torch.manual_seed(0)
-    m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused").cuda()
+    m = C.Compressor(1024, 128, 4, rope_dim=64, rotate=True, pooling="fused",
+                     epilogue_inside=("fwd", "bwd")).cuda()
     T = 8192 + 37
     cu = torch.tensor([0, 4096, 4096, 4099, 5000, 8192], dtype=torch.int32, device=DEV)
     x = torch.randn(T, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -338,7 +338,7 @@ class Compressor(nn.Module):
         if x.device != w.device:
             raise ValueError(f"x: on {x.device}, the module's parameters on {w.device} "
                              "(move one: module.to(x.device))")
-        if x.dtype != w.dtype:
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x: expected the module's dtype {w.dtype}, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected hidden size {self.hidden_size} in the last dim, got "

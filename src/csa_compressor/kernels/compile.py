@@ -21,7 +21,8 @@ import torch
 
 from ..runtime import dsl_import_error
 from . import disk_cache, hardware, plan
-from .jit import LOCK, compile_kernel, cubin_registers, direct
+from . import jit
+from .jit import LOCK, cubin_registers, direct
 from .tuning import current
 
 _CACHE: dict = {}
@@ -46,7 +47,7 @@ class Compiled:
 
 def _compile_unit(unit: plan.Unit) -> tuple:
     """(function, owner, registers) of one Unit, compiled now."""
-    owner = compile_kernel(unit.kernel, *unit.args)
+    owner = jit.compile_kernel(unit.kernel, *unit.args)
     regs = cubin_registers(getattr(getattr(owner, "artifacts", None), "CUBIN", None))
     return direct(owner), owner, regs
 
