@@ -110,7 +110,7 @@ def test_a_failing_store_never_fails_the_call(tmp_path, monkeypatch, caplog):
 SMALL_PROBE = """
 import json
 from csa_compressor.kernels import offsets, rope_angles
-from csa_compressor.kernels.compile import SmallSpec, compile_small
+from csa_compressor.kernels.jit import SmallSpec, compile_small
 from compile_counter import count_compiles
 compiled = count_compiles()
 for ratio in (4, 128):
