@@ -12,9 +12,9 @@ norm_weight=w)`` and the packed and SBHD ops likewise.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from .checks import halves, kernel_aligned
 from .epilogue import Epilogue, check_rope_table, rope_cos_sin, rope_positions, sbhd_positions
@@ -23,7 +23,6 @@ from .epilogue_op import (apply_epilogue, backward_rows, column_sum, ep_args, ep
 from .kernels import hardware, launch, plan
 from .kernels.compile import epilogue_designable, is_compiled
 from .kernels.jit import placeholder
-from .kernels import launch
 from .kernels.tuning import current
 from . import pooling
 from .pooling import packed_problem, problem

@@ -330,7 +330,8 @@ class Compressor(nn.Module):
         return freq
 
     def _check_input(self, x, cu_seqlens, max_seqlen, total_comp):
-        """Errors naming the argument before torch's own (a GEMM's shapes, autocast's device)."""
+        """Errors naming the argument before torch's own (a GEMM's shapes, autocast's
+        device); returns ``max_seqlen`` as an int (one read where it is a tensor)."""
         check_tensor("x", x)
         w = self.wkv.weight
         if x.device.type not in ("cpu", "cuda"):
@@ -346,10 +347,11 @@ class Compressor(nn.Module):
         if cu_seqlens is not None:
             check_tensor("cu_seqlens", cu_seqlens)
         if max_seqlen is not None:
-            check_int("max_seqlen", int(max_seqlen) if isinstance(max_seqlen, torch.Tensor)
-                      else max_seqlen, 0)
+            max_seqlen = check_int("max_seqlen", int(max_seqlen) if isinstance(
+                max_seqlen, torch.Tensor) else max_seqlen, 0)
         if total_comp is not None:
             check_int("total_comp", total_comp, 0)
+        return max_seqlen
 
     def _make_inv_freq(self, device):
         if self.rope_frequencies == "megatron":
@@ -363,7 +365,7 @@ class Compressor(nn.Module):
         capacity from ``max_seqlen`` (no sync) or else the true count (syncs).
         SBHD: ``x`` (S, B, hidden) -> (S // ratio, B, head_dim), or None where S < ratio
         (no block to compress, as Megatron-LM's Compressor returns)."""
-        self._check_input(x, cu_seqlens, max_seqlen, total_comp)
+        max_seqlen = self._check_input(x, cu_seqlens, max_seqlen, total_comp)
         if cu_seqlens is None:
             if x.dim() != 3:
                 raise ValueError(f"x: expected (S, B, hidden) without cu_seqlens, got {tuple(x.shape)}")
@@ -381,12 +383,13 @@ class Compressor(nn.Module):
         cuc = compressed_cu_seqlens(cu_seqlens, self.ratio)
         if total_comp is None:
             if max_seqlen is not None:
-                total_comp = compressed_capacity(x.shape[0], cu_seqlens.numel() - 1, int(max_seqlen), self.ratio)
+                total_comp = compressed_capacity(x.shape[0], cu_seqlens.numel() - 1, max_seqlen,
+                                                 self.ratio)
             else:
                 total_comp = int(cuc[-1])
         if total_comp == 0 and self.megatron_layout:
             return None, cuc
-        pos = rope_positions(cuc, total_comp, self.ratio, None if max_seqlen is None else int(max_seqlen))
+        pos = rope_positions(cuc, total_comp, self.ratio, max_seqlen)
         if self.one_projection:
             kvs, score_first = self._project(x)
             out = self.pool_packed(kvs, cu_seqlens, cuc, total_comp, score_first, pos)
