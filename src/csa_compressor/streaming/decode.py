@@ -1,0 +1,150 @@
+"""decode and take_back: a few tokens for each active slot, static shapes, no host sync
+inside a CUDA-graph capture."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..checks import check_int, check_tensor
+from .rows import pool_rows, settings
+from .windows import decode_geometry, min_rows
+
+
+class Step(NamedTuple):
+    """One decode step's rows, ``R = ceil(next_n / ratio)`` a slot: ``rows`` ``(B, R,
+    head_dim)``, ``emitted`` ``(B, R)`` (whether the row's window closed in this step),
+    ``positions`` ``(B, R)`` (``block_index * ratio``; meaningful where emitted). Rows of
+    a slot a captured step found malformed input for are NaN."""
+
+    rows: torch.Tensor
+    emitted: torch.Tensor
+    positions: torch.Tensor
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or (
+        t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _require(state, ok: torch.Tensor, slots: torch.Tensor, message) -> None:
+    """Eager: raise ``message(j)`` for the first entry ``j`` where ``ok`` is False (one
+    sync). Under capture, where nothing can be read: mark those slots bad."""
+    if _capturing(ok):
+        hits = torch.zeros_like(state.count).index_add_(0, slots, (~ok).to(torch.int64))
+        state.bad |= hits > 0
+        return
+    if not bool(ok.all()):
+        raise ValueError(message(int((~ok).nonzero()[0])))
+
+
+def _slots(state, slots, batch: int | None) -> torch.Tensor:
+    """The step's slots on the device (None: all, in order), ``batch`` of them where
+    given. Device-resident slots are checked on the device: eager, an error; under
+    capture, entries out of range go to the spare slot and repeated slots go bad."""
+    if slots is None:
+        if batch is not None and batch != state.num_slots:
+            raise ValueError(f"slots: needed when kv holds {batch} slots' tokens, not all "
+                             f"{state.num_slots}")
+        return torch.arange(state.num_slots, dtype=torch.int64, device=state.device)
+    idx = state.slot_index(slots)
+    if batch is not None and idx.numel() != batch:
+        raise ValueError(f"slots: expected {batch} slots (kv's first dimension), got {idx.numel()}")
+    if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+        inside = (idx >= 0) & (idx < state.num_slots)
+        idx = torch.where(inside, idx, torch.full_like(idx, state.spare))
+        _require(state, inside, idx,
+                 lambda j: f"slots: the slot at index {j} is out of range [0, {state.num_slots})")
+        once = torch.zeros_like(state.count).index_add_(0, idx, torch.ones_like(idx)) <= 1
+        _require(state, once[idx] | (idx == state.spare), idx,
+                 lambda j: f"slots: the slot at index {j} appears more than once in one step")
+    return idx
+
+
+def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogue=None,
+           norm_weight=None, rope_table=None, pooling: str = "auto") -> Step:
+    """Feed ``next_n`` tokens to each of ``B`` slots: ``kv`` / ``score`` ``(B, next_n,
+    coff*head_dim)`` (next_n <= the state's max_next_n), ``slots`` ``(B,)`` (None: every
+    slot, in order). Returns the step's rows with static shapes. Capturable in a CUDA
+    graph (after one eager step of the same shapes has compiled the kernels); inside the
+    capture, malformed slots cannot raise and make their rows NaN instead (state.bad).
+    The other arguments: prefill's."""
+    W = state.width
+    for name, t in (("kv", kv), ("score", score)):
+        check_tensor(name, t)
+        if t.dim() != 3 or t.shape[2] != W:
+            raise ValueError(f"{name}: expected (B, next_n, coff*head_dim = {W}), got {tuple(t.shape)}")
+        if t.dtype != state.dtype or t.device != state.device:
+            raise TypeError(f"{name}: expected the state's {state.dtype} on {state.device}, got "
+                            f"{t.dtype} on {t.device}")
+    if score.shape != kv.shape:
+        raise ValueError(f"score: expected kv's shape {tuple(kv.shape)}, got {tuple(score.shape)}")
+    B, n = kv.shape[0], kv.shape[1]
+    check_int("next_n (kv.shape[1])", n, 1, state.max_next_n)
+    r, coff, d, H, dev = state.ratio, state.coff, state.head_dim, state.history, state.device
+    if rope_table is not None:
+        last = None if state.max_seqlen is None else (state.max_seqlen // r - 1) * r
+        rows_in_table = getattr(rope_table[0], "shape", (0,))[0] if isinstance(rope_table, (tuple, list)) else 0
+        if last is None or last >= rows_in_table:
+            raise ValueError(f"rope_table: decode needs StreamState(max_seqlen=...) whose last row "
+                             f"position ({last}) lies inside the table's {rows_in_table} rows")
+    idx = _slots(state, slots, B)
+    count = state.count[idx]
+    _require(state, count + n <= state.position_limit, idx,
+             lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
+                       f"{state.position_limit} tokens")
+    if not _capturing(count) and bool(state.bad[idx].any()):
+        raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
+                         "NaN); reset it before reuse")
+    st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
+                  norm_weight, rope_table, pooling,
+                  torch.arange(B + 1, dtype=torch.int32, device=dev) * n)
+    # the new tokens into the rings, then each slot's segment gathered from its ring
+    k = torch.arange(n, dtype=torch.int64, device=dev)
+    dst = (idx[:, None] * H + (count[:, None] + k) % H).reshape(-1)
+    state.kv.view(-1, W).index_copy_(0, dst, kv.reshape(-1, W))
+    state.score.view(-1, W).index_copy_(0, dst, score.reshape(-1, W))
+    i0, m, shift, R, L, Rs = decode_geometry(count, n, r, coff)
+    t = ((i0 - shift)[:, None] * r + torch.arange(L, dtype=torch.int64, device=dev)) % H
+    src = (idx[:, None] * H + t).reshape(-1)
+    pk = state.kv.view(-1, W).index_select(0, src)
+    ps = state.score.view(-1, W).index_select(0, src)
+    rows = B * Rs
+    cap = min_rows(rows, d)
+    j = torch.arange(Rs, dtype=torch.int64, device=dev)
+    pos = ((i0 - shift)[:, None] + j) * r
+    real = (j[None, :] >= shift[:, None]) & (j[None, :] < (shift + m)[:, None])
+    pos = torch.where(real, pos, torch.zeros_like(pos))  # rows no one keeps: any table row
+    pos = torch.cat([pos.reshape(-1), pos.new_zeros(cap - rows)])
+    seg = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    out = pool_rows(st, pk, ps, seg * L, seg * Rs, cap, pos)[:rows].view(B, Rs, d)
+    pick = shift[:, None] + torch.arange(R, dtype=torch.int64, device=dev)
+    out = out.gather(1, pick[:, :, None].expand(B, R, d))
+    out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
+    state.count.index_copy_(0, idx, count + n)
+    state.last_n.index_copy_(0, idx, torch.full_like(count, n))
+    emitted = torch.arange(R, dtype=torch.int64, device=dev)[None, :] < m[:, None]
+    return Step(out, emitted, (i0[:, None] + torch.arange(R, device=dev)) * r)
+
+
+def take_back(state, k, slots=None) -> None:
+    """Return the last ``k`` tokens of each slot's last decode step (``k``: an int, or a
+    ``(B,)`` integer tensor, for ``slots`` as decode takes them), restoring the state as if
+    they had never come. Rows already emitted from them are the caller's to discard.
+    ``k`` beyond the last step's tokens is an error (under capture: the slot goes bad)."""
+    idx = _slots(state, slots, None)
+    if isinstance(k, int) and not isinstance(k, bool):
+        k = torch.full_like(idx, k)
+    check_tensor("k", k)
+    if k.dtype.is_floating_point or k.dtype == torch.bool or tuple(k.shape) != tuple(idx.shape):
+        raise ValueError(f"k: expected an int or an integer tensor of shape {tuple(idx.shape)}, "
+                         f"got {k.dtype} {tuple(k.shape)}")
+    k = k.to(device=state.device, dtype=torch.int64)
+    last = state.last_n[idx]
+    _require(state, (k >= 0) & (k <= last), idx,
+             lambda j: f"k: {int(k[j])} tokens at index {j} is more than the {int(last[j])} of "
+                       "that slot's last decode step")
+    k = torch.minimum(k.clamp(min=0), last)
+    state.count.index_copy_(0, idx, state.count[idx] - k)
+    state.last_n.index_copy_(0, idx, last - k)

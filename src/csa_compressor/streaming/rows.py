@@ -1,0 +1,71 @@
+"""The rows of a streaming pack: the training op's pooling (fused, or the plain-torch
+reference) and the same epilogue, at positions the stream gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import dispatch, reference
+from ..checks import check_pool_numerics
+from ..epilogue import Epilogue
+from ..epilogue_op import apply_epilogue
+from ..ops import compress_thd_fused
+
+POOLING = ("auto", "fused", "reference")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every row of one call is computed with."""
+
+    ape: torch.Tensor
+    ratio: int
+    coff: int
+    numerics: str
+    epilogue: Epilogue | None
+    norm_weight: torch.Tensor | None
+    rope_table: tuple | None
+    fused: bool
+
+
+def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
+             cu_probe) -> Settings:
+    """The call's settings, the pooling path chosen once for all its packs from the
+    caller's inputs (``auto``: fused where the kernels take them), so that body and
+    boundary rows come from one implementation."""
+    check_pool_numerics(numerics)
+    if pooling not in POOLING:
+        raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
+    if epilogue is None:
+        for name, v in (("norm_weight", norm_weight), ("rope_table", rope_table)):
+            if v is not None:
+                raise ValueError(f"{name}: given without epilogue=")
+    elif not isinstance(epilogue, Epilogue):
+        raise TypeError(f"epilogue: expected a csa_compressor.Epilogue, got {type(epilogue).__name__}")
+    elif not isinstance(norm_weight, torch.Tensor):
+        raise TypeError("norm_weight: expected a torch.Tensor with epilogue=")
+    fused = pooling == "fused"
+    if pooling == "auto":
+        n = cu_probe.numel() - 1
+        reason = dispatch.fused_unavailable_reason(
+            kv, score, ape, cu_probe, None, 0 * n, ratio=state.ratio, coff=state.coff)
+        fused = reason is None
+    return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
+                    fused)
+
+
+def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.Tensor:
+    """``(n_rows, head_dim)``: the pack's rows, through the epilogue where set."""
+    if s.fused:
+        return compress_thd_fused(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
+                                  numerics=s.numerics, epilogue=s.epilogue,
+                                  norm_weight=s.norm_weight,
+                                  positions=positions if s.epilogue is not None else None,
+                                  rope_table=s.rope_table)
+    out = reference.compress_thd(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
+                                 mode=reference.MODE_OF_NUMERICS[s.numerics])
+    if s.epilogue is None:
+        return out
+    return apply_epilogue(out, s.norm_weight, positions, s.epilogue, rope_table=s.rope_table)

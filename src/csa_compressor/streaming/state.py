@@ -1,0 +1,113 @@
+"""The per-slot streaming state: the last tokens' raw ``kv`` / ``score`` and the counts.
+
+Each slot keeps a ring of its last ``history = coff*ratio + max_next_n`` tokens: what the
+next rows need (the unfinished block and, at coff 2, the block before it) plus the tokens
+a decode step may take back. One spare slot past the last takes the writes of entries a
+captured step rejects, so a bad index never lands in a caller's slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import SUPPORTED_DTYPES, check_int, check_ratio_coff, check_tensor
+
+_CONFIG = ("num_slots", "head_dim", "ratio", "coff", "max_next_n", "max_seqlen")
+_TENSORS = ("kv", "score", "count", "last_n", "bad")
+
+
+class StreamState:
+    """What ``num_slots`` sequences being generated need for their next compressed rows.
+
+    ``kv`` / ``score`` ``(num_slots + 1, history, coff*head_dim)`` in the input dtype (token
+    ``t`` of slot ``s`` at ``[s, t % history]``), ``count`` the tokens seen, ``last_n`` the
+    tokens of the slot's last decode step (what take_back may return), ``bad`` set where a
+    captured step met malformed input for the slot (its rows are NaN until reset).
+    ``max_seqlen``: the most tokens a slot may see (None: int32 positions).
+    """
+
+    def __init__(self, num_slots: int, head_dim: int, *, ratio: int, coff: int,
+                 dtype: torch.dtype = torch.bfloat16, device=None, max_next_n: int = 4,
+                 max_seqlen: int | None = None):
+        check_int("num_slots", num_slots, 1)
+        check_int("head_dim", head_dim, 1)
+        check_ratio_coff(ratio, coff)
+        check_int("max_next_n", max_next_n, 1)
+        if max_seqlen is not None:
+            check_int("max_seqlen", max_seqlen, 1, 2**31 - 1)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {dtype!r}")
+        self.num_slots, self.head_dim, self.ratio, self.coff = num_slots, head_dim, ratio, coff
+        self.max_next_n, self.max_seqlen, self.dtype = max_next_n, max_seqlen, dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.history = coff * ratio + max_next_n
+        shape = (num_slots + 1, self.history, coff * head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.score = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+        self.last_n = torch.zeros_like(self.count)
+        self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
+
+    @property
+    def width(self) -> int:
+        return self.coff * self.head_dim
+
+    @property
+    def spare(self) -> int:
+        """The index of the slot that takes rejected writes."""
+        return self.num_slots
+
+    @property
+    def position_limit(self) -> int:
+        return 2**31 - 1 if self.max_seqlen is None else self.max_seqlen
+
+    def reset(self, slots=None) -> None:
+        """Empty ``slots`` (all where None) for new sequences; in place, capture-safe."""
+        idx = slice(None) if slots is None else self.slot_index(slots, "slots")
+        for t in (self.count, self.last_n):
+            t[idx] = 0
+        self.bad[idx] = False
+
+    def slot_index(self, slots, name: str = "slots") -> torch.Tensor:
+        """``slots`` (ints, a list or a 1-D integer tensor) as an int64 tensor on the state's
+        device, checked on the host where they live there."""
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        if isinstance(slots, (list, tuple)):
+            slots = torch.tensor(slots, dtype=torch.int64)
+        check_tensor(name, slots)
+        if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D integer tensor of slot indices, got "
+                            f"{slots.dtype} {tuple(slots.shape)}")
+        if slots.device.type == "cpu":
+            self.check_slots_host(slots, name)
+        return slots.to(device=self.device, dtype=torch.int64)
+
+    def check_slots_host(self, slots: torch.Tensor, name: str) -> None:
+        s = slots.tolist()
+        for j, v in enumerate(s):
+            if not 0 <= v < self.num_slots:
+                raise ValueError(f"{name}: slot {v} at index {j} is out of range "
+                                 f"[0, {self.num_slots})")
+        if len(set(s)) != len(s):
+            dup = next(v for v in s if s.count(v) > 1)
+            raise ValueError(f"{name}: slot {dup} appears more than once in one call")
+
+    def state_dict(self) -> dict:
+        """Tensors and settings; load_state_dict of a state built alike restores it."""
+        out = {k: getattr(self, k) for k in _CONFIG}
+        out.update({k: getattr(self, k).clone() for k in _TENSORS})
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k in _CONFIG:
+            if k not in sd or sd[k] != getattr(self, k):
+                raise ValueError(f"state_dict[{k!r}]: expected {getattr(self, k)!r} (this state's), "
+                                 f"got {sd.get(k)!r}")
+        for k in _TENSORS:
+            t, mine = sd.get(k), getattr(self, k)
+            if not isinstance(t, torch.Tensor) or t.shape != mine.shape or t.dtype != mine.dtype:
+                raise ValueError(f"state_dict[{k!r}]: expected a {mine.dtype} tensor of shape "
+                                 f"{tuple(mine.shape)}, got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+            mine.copy_(t)

@@ -1,0 +1,140 @@
+"""A generation loop over csa_compressor.streaming for the tests: sequences stream through
+slots (prefill in random chunks, several slots a call; decode one or next_n tokens a
+step with drafts partly rejected and taken back; slots reused as sequences finish), and
+every kept row is compared bit for bit with the training op over the whole sequences."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from csa_compressor import reference, streaming
+from csa_compressor.epilogue_op import apply_epilogue
+from csa_compressor.layout import compressed_cu_seqlens
+from csa_compressor.ops import compress_thd_fused
+
+
+def training_rows(kv, score, ape, lens, ratio, coff, numerics, ep, w, fused):
+    """Per sequence, its rows as the training op computes them over one pack of all."""
+    dev = kv.device
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    cuc = compressed_cu_seqlens(cu, ratio)
+    n = sum(x // ratio for x in lens)
+    if fused:
+        out = compress_thd_fused(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                 numerics=numerics, epilogue=ep, norm_weight=w)
+    else:
+        out = reference.compress_thd(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
+                                     mode=reference.MODE_OF_NUMERICS[numerics])
+        if ep is not None:
+            pos = torch.cat([torch.arange(x // ratio) * ratio for x in lens]).to(dev)
+            out = apply_epilogue(out, w, pos, ep)
+    offs = cuc.tolist()
+    return [out[offs[s]:offs[s + 1]] for s in range(len(lens))]
+
+
+class Stream:
+    """Drives ``state`` over ``lens`` sequences of random tokens."""
+
+    def __init__(self, state, lens, *, seed=0, numerics="fp32", ep=None, pooling="reference",
+                 max_n=1, slot_tensor_on_device=False):
+        self.st, self.lens, self.r = state, lens, state.ratio
+        self.rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        W, dt, dev = state.width, state.dtype, state.device
+        T = sum(lens)
+        self.kv = torch.randn(T, W, generator=g).to(dt).to(dev)
+        self.score = (2 * torch.randn(T, W, generator=g)).to(dt).to(dev)
+        self.ape = torch.randn(state.ratio, W, generator=g).to(dev)
+        self.w = (torch.rand(state.head_dim, generator=g) + 0.5).to(dev) if ep else None
+        self.kw = dict(numerics=numerics, epilogue=ep, norm_weight=self.w, pooling=pooling)
+        self.start = [0] + torch.tensor(lens).cumsum(0).tolist()
+        self.max_n, self.dev_slots = max_n, slot_tensor_on_device
+        self.got = [dict() for _ in lens]
+        self.seen = [0] * len(lens)
+
+    def tokens(self, s, a, b):
+        o = self.start[s]
+        return self.kv[o + a:o + b], self.score[o + a:o + b]
+
+    def keep(self, seq, block, row, upto):
+        if (block + 1) * self.r <= upto:
+            self.got[seq][block] = row.clone()
+
+    def prefill(self, pairs):
+        """pairs: [(slot, seq, n)]: one call with a chunk for each."""
+        kvs, scs, cu, slots = [], [], [0], []
+        for slot, seq, n in pairs:
+            k, s = self.tokens(seq, self.seen[seq], self.seen[seq] + n)
+            kvs.append(k), scs.append(s), cu.append(cu[-1] + n), slots.append(slot)
+        res = streaming.prefill(self.st, torch.cat(kvs), torch.cat(scs), self.ape, cu, slots,
+                                **self.kw)
+        owner = {slot: seq for slot, seq, _ in pairs}
+        for slot, seq, n in pairs:
+            self.seen[seq] += n
+        for row, slot, pos in zip(res.rows, res.slots.tolist(), res.positions.tolist()):
+            seq = owner[slot]
+            self.keep(seq, pos // self.r, row, self.seen[seq])
+
+    def decode(self, pairs, n):
+        """pairs: [(slot, seq)]: one step of ``n`` tokens each, drafts after a random
+        accepted prefix replaced by noise and taken back."""
+        dev, W = self.st.device, self.st.width
+        kv = torch.empty(len(pairs), n, W, dtype=self.st.dtype, device=dev)
+        sc = torch.empty_like(kv)
+        accept = []
+        for b, (slot, seq) in enumerate(pairs):
+            left = self.lens[seq] - self.seen[seq]
+            a = min(left, n if n == 1 or self.rng.random() < 0.3 else self.rng.randint(0, n))
+            k, s = self.tokens(seq, self.seen[seq], self.seen[seq] + a)
+            kv[b, :a], sc[b, :a] = k, s
+            kv[b, a:] = torch.randn(n - a, W).to(kv.dtype).to(dev) * 3
+            sc[b, a:] = torch.randn(n - a, W).to(kv.dtype).to(dev) * 3
+            accept.append(a)
+        slots = torch.tensor([p[0] for p in pairs])
+        if self.dev_slots:
+            slots = slots.to(dev)
+        step = streaming.decode(self.st, kv, sc, self.ape, slots, **self.kw)
+        for b, (slot, seq) in enumerate(pairs):
+            upto = self.seen[seq] + accept[b]
+            for j in range(step.rows.shape[1]):
+                if step.emitted[b, j]:
+                    self.keep(seq, int(step.positions[b, j]) // self.r, step.rows[b, j], upto)
+            self.seen[seq] = upto
+        k = torch.tensor([n - a for a in accept])
+        if any(k.tolist()):
+            streaming.take_back(self.st, k.to(dev) if self.dev_slots else k, slots)
+
+    def run(self, prefill_share=0.5):
+        """Every sequence through: slots taken by sequences in turn, prefill of a share of
+        each, then decode steps over the active slots until all are done."""
+        waiting = list(range(len(self.lens)))
+        active = {}  # slot -> seq
+        free = list(range(self.st.num_slots))
+        while waiting or active:
+            while free and waiting:
+                slot, seq = free.pop(0), waiting.pop(0)
+                self.st.reset([slot])
+                active[slot] = seq
+                target = int(self.lens[seq] * prefill_share)
+                while self.seen[seq] < target:
+                    n = self.rng.randint(1, max(1, target - self.seen[seq]))
+                    others = [(s, q, min(self.rng.randint(0, 9), self.lens[q] - self.seen[q]))
+                              for s, q in active.items() if q != seq and self.rng.random() < 0.3]
+                    self.prefill([(slot, seq, n)] + others)
+            pairs = list(active.items())
+            self.decode(pairs, self.rng.randint(1, self.max_n))
+            for slot, seq in pairs:
+                if self.seen[seq] >= self.lens[seq]:
+                    del active[slot]
+                    free.append(slot)
+
+    def check(self, fused=False):
+        want = training_rows(self.kv, self.score, self.ape, self.lens, self.r, self.st.coff,
+                             self.kw["numerics"], self.kw["epilogue"], self.w, fused)
+        for seq, rows in enumerate(want):
+            got = self.got[seq]
+            assert sorted(got) == list(range(rows.shape[0])), (seq, sorted(got), rows.shape[0])
+            for i in range(rows.shape[0]):
+                assert torch.equal(got[i], rows[i]), (seq, i, (got[i] - rows[i]).abs().max())

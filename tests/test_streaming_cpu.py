@@ -1,0 +1,135 @@
+"""csa_compressor.streaming on the plain-torch path (CPU): every row a generation loop
+emits is bitwise the training reference's row for that window; state round-trips; bad
+input is an error naming the argument."""
+
+import pytest
+import torch
+
+from csa_compressor import Epilogue, streaming
+from stream_driver import Stream
+
+# (ratio, coff) the issue names: ratio 4 with overlap, 128 without, and 1, 2, 8
+CONFIGS = [(4, 2), (128, 1), (1, 1), (2, 1), (8, 1)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _lens(ratio, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(ratio, 3 * ratio + 20, (k,), generator=g)]
+
+
+@pytest.mark.parametrize("ratio,coff", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("epilogue", [None, Epilogue(rope_dim=16)])
+def test_generation_rows_are_the_training_rows(ratio, coff, dtype, epilogue):
+    st = streaming.StreamState(3, 64, ratio=ratio, coff=coff, dtype=dtype)
+    run = Stream(st, _lens(ratio, 5, ratio), seed=ratio + coff, ep=epilogue, max_n=4)
+    run.run()
+    run.check()
+
+
+@pytest.mark.parametrize("head_dim", [128, 512])
+@pytest.mark.parametrize("numerics", ["fp32", "eager"])
+def test_head_dims_and_eager_numerics(head_dim, numerics):
+    for ratio, coff in ((4, 2), (128, 1)):
+        st = streaming.StreamState(2, head_dim, ratio=ratio, coff=coff)
+        run = Stream(st, _lens(ratio, 3, head_dim), seed=head_dim, numerics=numerics,
+                     ep=Epilogue(rope_dim=64, rotate=head_dim == 128), max_n=2)
+        run.run()
+        run.check()
+
+
+def test_one_prompt_cut_anywhere_gives_one_call_rows():
+    st1 = streaming.StreamState(1, 32, ratio=4, coff=2, dtype=torch.float32)
+    st2 = streaming.StreamState(1, 32, ratio=4, coff=2, dtype=torch.float32)
+    kv, sc, ape = torch.randn(103, 64), torch.randn(103, 64), torch.randn(4, 64)
+    whole = streaming.prefill(st1, kv, sc, ape, [0, 103], [0])
+    rows = []
+    for a, b in ((0, 1), (1, 6), (6, 7), (7, 8), (8, 60), (60, 103)):
+        rows.append(streaming.prefill(st2, kv[a:b], sc[a:b], ape, [0, b - a], [0]).rows)
+    assert torch.equal(torch.cat(rows), whole.rows)
+    assert whole.positions.tolist() == [4 * i for i in range(25)]
+    assert torch.equal(st1.count, st2.count) and int(st1.count[0]) == 103
+
+
+def test_state_dict_round_trip_continues_the_stream():
+    st = streaming.StreamState(2, 32, ratio=4, coff=2, dtype=torch.bfloat16)
+    kv = torch.randn(40, 64).bfloat16()
+    sc = torch.randn(40, 64).bfloat16()
+    ape = torch.randn(4, 64)
+    streaming.prefill(st, kv[:13], sc[:13], ape, [0, 6, 13], [0, 1])
+    saved = st.state_dict()
+    fresh = streaming.StreamState(2, 32, ratio=4, coff=2, dtype=torch.bfloat16)
+    fresh.load_state_dict(saved)
+    a = streaming.decode(st, kv[13:17].view(2, 2, 64), sc[13:17].view(2, 2, 64), ape)
+    b = streaming.decode(fresh, kv[13:17].view(2, 2, 64), sc[13:17].view(2, 2, 64), ape)
+    assert torch.equal(a.emitted, b.emitted) and torch.equal(a.positions, b.positions)
+    assert torch.equal(a.rows[a.emitted], b.rows[b.emitted]) and bool(a.emitted.any())
+    other = streaming.StreamState(2, 32, ratio=8, coff=2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"state_dict\['ratio'\]"):
+        other.load_state_dict(saved)
+
+
+def test_decode_shapes_are_static():
+    st = streaming.StreamState(4, 16, ratio=2, coff=1, dtype=torch.float32, max_next_n=3)
+    kv, sc, ape = torch.randn(4, 3, 16), torch.randn(4, 3, 16), torch.randn(2, 16)
+    step = streaming.decode(st, kv, sc, ape)
+    assert step.rows.shape == (4, 2, 16) and step.emitted.shape == (4, 2)
+    assert step.emitted[:, 0].all() and not step.emitted[:, 1].any()
+    step = streaming.decode(st, kv, sc, ape)  # 3 seen + 3: blocks 1 and 2 close
+    assert step.emitted.all() and step.positions.tolist() == [[2, 4]] * 4
+
+
+def _state():
+    return streaming.StreamState(2, 16, ratio=4, coff=2, dtype=torch.float32, max_next_n=2,
+                                 max_seqlen=24)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 8], [2]), "slots: slot 2"),
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 4, 8], [1, 1]), "more than once"),
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 9], [0]), "cu_seqlens: the last"),
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 5, 3], [0, 1]), "non-decreasing"),
+    (lambda st, kv, ape: streaming.prefill(st, kv.half(), kv.half(), ape, [0, 8], [0]), "dtype"),
+    (lambda st, kv, ape: streaming.prefill(st, kv[:, :16], kv[:, :16], ape, [0, 8], [0]),
+     r"coff\*head_dim = 32"),
+    (lambda st, kv, ape: streaming.decode(st, kv[:6].view(2, 3, 32), kv[:6].view(2, 3, 32), ape),
+     "next_n"),
+    (lambda st, kv, ape: streaming.decode(st, kv[:2].view(1, 2, 32), kv[:2].view(1, 2, 32), ape,
+                                          [-1]), "out of range"),
+    (lambda st, kv, ape: streaming.take_back(st, 1), "k: 1 tokens"),
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 8], [0], numerics="bf16"),
+     "numerics"),
+])
+def test_malformed_input_is_an_error(call, match):
+    st = _state()
+    kv, ape = torch.randn(8, 32), torch.randn(4, 32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(st, kv, ape)
+
+
+def test_capacity_and_take_back_bounds():
+    st = _state()
+    kv, ape = torch.randn(24, 32), torch.randn(4, 32)
+    streaming.prefill(st, kv[:23], kv[:23], ape, [0, 23], [0])
+    with pytest.raises(ValueError, match="capacity of 24"):
+        streaming.decode(st, kv[:4].view(2, 2, 32), kv[:4].view(2, 2, 32), ape)
+    streaming.decode(st, kv[:2].view(2, 1, 32), kv[:2].view(2, 1, 32), ape)
+    streaming.take_back(st, torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="more than the 0"):
+        streaming.take_back(st, 1, [0])
+    assert st.count[:2].tolist() == [23, 1]
+    with pytest.raises(ValueError, match="past its capacity"):
+        streaming.prefill(st, kv[:2], kv[:2], ape, [0, 2], [0])
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1), (1, 1), (3, 2)])
+def test_each_row_comes_from_one_pack_once(ratio, coff):
+    """A row two packs both kept would be written twice (an unordered write on the GPU)."""
+    from csa_compressor.streaming.windows import prefill_packs
+
+    for c in range(0, 3 * ratio):
+        for n in range(0, 3 * ratio):
+            body, bnd, rows = prefill_packs([c, 5], [n, 2 * ratio], ratio, coff)
+            kept = [k for k in body.keep + bnd.keep if k >= 0]
+            assert sorted(kept) == list(range(len(rows))), (c, n)
