@@ -133,3 +133,12 @@ def test_each_row_comes_from_one_pack_once(ratio, coff):
             body, bnd, rows = prefill_packs([c, 5], [n, 2 * ratio], ratio, coff)
             kept = [k for k in body.keep + bnd.keep if k >= 0]
             assert sorted(kept) == list(range(len(rows))), (c, n)
+
+
+def test_the_example_runs(capsys):
+    import os
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples",
+                                "streaming_generation.py"), run_name="__main__")
+    assert "bitwise the training forward's" in capsys.readouterr().out
