@@ -68,6 +68,13 @@ def cmd_bench(args) -> int:
         print(module_bench.header(bench.environment(), rows))
         print(module_bench.table(rows))
         return 0
+    if args.streaming:
+        from . import streaming_bench
+
+        rows, extra = streaming_bench.run(progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(streaming_bench.header(bench.environment()))
+        print(streaming_bench.table(rows, extra))
+        return 0
     if args.sbhd:
         from . import sbhd_bench
 
@@ -144,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--sbhd", action="store_true",
                    help="SBHD inputs instead: the kernels reading (S, B, ...) in place against a "
                         "transposed copy into THD, and the eager region")
+    b.add_argument("--streaming", action="store_true",
+                   help="csa_compressor.streaming instead: prefill against the training forward, "
+                        "a captured decode step against its floor")
     c = sub.add_parser("check", help="the numerics gate (CUDA GPU): exit 1 on a failing clause",
                        description="The numerics contract on this GPU: the fused op against the "
                                    "references (bitwise where the contract says so), the epilogue "

@@ -1,0 +1,121 @@
+"""`csa-compressor bench --streaming`: prefill and decode of csa_compressor.streaming.
+
+Prefill: 8 prompts of 4096 tokens into empty slots, against the training forward over the
+same tokens (compress_thd_fused) and the streaming plain-torch path; CUDA events around
+each call (prefill reads its offsets on the host, so it is timed outside graphs, and so
+is the training forward it is compared with). Decode: one step of 256 slots in a CUDA
+graph of 20 steps, with and without the epilogue, against the plain-torch path captured
+alike; the floor is the bytes a step must move (read the new tokens, write them into the
+state, read every emitting slot's window, write its row) over the copy bandwidth, and the
+launch floor one captured elementwise kernel's time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import streaming
+from ..epilogue import Epilogue
+from ..ops import compress_thd_fused
+from .bench import CALLS_PER_GRAPH, copy_bandwidth, time_graph, wall_clock
+
+# (ratio, coff) at head_dim 512
+RATIOS = ((4, 2), (128, 1))
+PREFILL = (8, 4096)
+DECODE_SLOTS = 256
+
+
+def _prefill_row(ratio, coff, d, dtype, dev, progress):
+    B, S = PREFILL
+    W = coff * d
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kv = torch.randn(B * S, W, device=dev, generator=gen).to(dtype)
+    sc = torch.randn(B * S, W, device=dev, generator=gen).to(dtype)
+    ape = torch.randn(ratio, W, device=dev, generator=gen)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * S
+    cuc = torch.arange(B + 1, dtype=torch.int32, device=dev) * (S // ratio)
+    st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+    cu_host, slots = cu.tolist(), list(range(B))
+    row = {"case": f"prefill {B}x{S} d{d} r{ratio}"}
+    ways = {
+        "training forward": lambda: compress_thd_fused(kv, sc, ape, cu, cuc, B * (S // ratio),
+                                                       ratio=ratio, coff=coff),
+        "streaming fused": lambda: (st.reset(), streaming.prefill(st, kv, sc, ape, cu_host, slots,
+                                                                  pooling="fused")),
+        "streaming torch": lambda: (st.reset(), streaming.prefill(st, kv, sc, ape, cu_host, slots,
+                                                                  pooling="reference")),
+    }
+    for name, call in ways.items():
+        progress(f"{row['case']} {name} ...")
+        try:
+            row[name] = wall_clock(call)
+        except Exception as exc:  # report, never hide
+            row[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    return row
+
+
+def decode_floor_bytes(ratio, coff, d, elem, slots=DECODE_SLOTS) -> int:
+    """A step where every slot emits: new tokens read and written to the state (kv and
+    score), the window's ``coff*ratio`` tokens of ``d`` channels read (kv and score), the
+    row written."""
+    W = coff * d
+    return slots * (2 * 2 * W * elem + 2 * coff * ratio * d * elem + d * elem)
+
+
+def _decode_row(ratio, coff, d, dtype, dev, epilogue, bandwidth, progress):
+    B, W = DECODE_SLOTS, coff * d
+    gen = torch.Generator(device=dev).manual_seed(1)
+    kv = torch.randn(B, 1, W, device=dev, generator=gen).to(dtype)
+    sc = torch.randn(B, 1, W, device=dev, generator=gen).to(dtype)
+    ape = torch.randn(ratio, W, device=dev, generator=gen)
+    slots = torch.arange(B, device=dev)
+    ep = Epilogue() if epilogue else None
+    w = torch.rand(d, device=dev, generator=gen) + 0.5 if epilogue else None
+    row = {"case": f"decode {B} slots d{d} r{ratio}" + (" +epilogue" if epilogue else "")}
+    for name, pooling in (("streaming fused", "fused"), ("streaming torch", "reference")):
+        st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+        progress(f"{row['case']} {name} ...")
+        try:
+            row[name] = time_graph(lambda i: streaming.decode(st, kv, sc, ape, slots, epilogue=ep,
+                                                              norm_weight=w, pooling=pooling), 1)
+        except Exception as exc:  # report, never hide
+            row[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    elem = torch.tensor([], dtype=dtype).element_size()
+    row["floor"] = decode_floor_bytes(ratio, coff, d, elem) / bandwidth * 1e6
+    return row
+
+
+def launch_floor_us(dev) -> float:
+    x = torch.zeros(1, device=dev)
+    return time_graph(lambda i: x.add_(1), 1)
+
+
+def run(dtype=torch.bfloat16, d=512, progress=print):
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    rows = [_prefill_row(r, c, d, dtype, dev, progress) for r, c in RATIOS]
+    rows += [_decode_row(r, c, d, dtype, dev, ep, bw, progress) for r, c in RATIOS
+             for ep in (False, True)]
+    return rows, {"copy_bandwidth_gbs": bw / 1e9, "launch_floor_us": launch_floor_us(dev)}
+
+
+def table(rows, extra) -> str:
+    names = ["training forward", "streaming fused", "streaming torch", "floor"]
+    lines = ["| case | " + " | ".join(f"{n} µs" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r.get(n, "")
+            cells.append(f"{v:.1f}" if isinstance(v, float) else str(v))
+        lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Prefill: CUDA events around each call. Decode: µs per step, {CALLS_PER_GRAPH} "
+                 f"steps per CUDA graph. Copy bandwidth {extra['copy_bandwidth_gbs']:.0f} GB/s; "
+                 f"launch floor (one captured elementwise kernel) {extra['launch_floor_us']:.2f} µs.")
+    return "\n".join(lines)
+
+
+def header(env) -> str:
+    return (f"GPU {env.get('gpu')}, driver {env.get('driver')}, torch {env['torch']}, CuTe DSL "
+            f"{env['cutlass_dsl']}, commit {env['commit']}, {env['date']}; bf16, head_dim 512")
