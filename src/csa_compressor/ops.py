@@ -33,7 +33,8 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
                        epilogue=None, norm_weight=None, positions=None, rope_table=None, epilogue_inside=None):
     """Fused gated pooling over a packed THD batch: ``(total_comp, head_dim)``.
 
-    Differentiable in ``kv``, ``score`` and ``ape``. Raises (never falls back) on anything
+    Differentiable in ``kv``, ``score`` and ``ape`` (``None``: no position bias, the bits of
+    a zero ``ape``, no ``ape`` gradient). Raises (never falls back) on anything
     the kernels do not support. ``cu_seqlens_comp=None`` derives it on the device.
     ``check_offsets=True`` (or CSA_COMPRESSOR_CHECK_OFFSETS=1) reads the offsets and raises
     on contents that break the layout (one host sync; skipped inside torch.compile and

@@ -162,7 +162,7 @@ def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, rat
         # No window fits: every row is a zero padding row (or there are no rows).
         return kv2.new_zeros((N, d), dtype=out_dtype)
     t0, i, real = row_geometry(prob.cu_seqlens, prob.cu_seqlens_comp, N, ratio)
-    v, s, a, mask = _windows(kv2, score2, ape, t0, i, ratio, coff, d)
+    v, s, a, mask = _windows(kv2, score2, prob.ape, t0, i, ratio, coff, d)
     out = _pool(v, s, a, mask, mode, out_dtype)
     # Padding rows exist only for static shapes: finite values, no gradient.
     return torch.where(real[:, None], out, out.detach())

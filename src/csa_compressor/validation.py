@@ -144,7 +144,8 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
         cu_seqlens_comp = compressed_cu_seqlens(_check_offsets("cu_seqlens", cu_seqlens), ratio)
     kv = _as_2d("kv", check_tensor("kv", kv))
     score = _as_2d("score", check_tensor("score", score))
-    ape = check_tensor("ape", ape)
+    if ape is not None:
+        check_tensor("ape", ape)
     if kv.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"kv: expected dtype bfloat16, float16 or float32, got {kv.dtype}")
     if score.dtype != kv.dtype:
@@ -154,6 +155,9 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     width = kv.shape[1]
     if width == 0 or width % coff:
         raise ValueError(f"kv: last dimension must be a positive multiple of coff={coff}, got {width}")
+    if ape is None:
+        # no position bias (DeepSeek-V4.1): score + 0 is score, bit for bit
+        ape = torch.zeros((ratio, width), dtype=torch.float32, device=kv.device)
     if ape.dtype != torch.float32:
         raise TypeError(f"ape: expected float32, got {ape.dtype}")
     if tuple(ape.shape) != (ratio, width):
