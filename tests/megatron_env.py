@@ -22,11 +22,14 @@ def megatron_tree():
         return _tree["path"]
     path = os.environ.get("MEGATRON_LM_PATH")
     if not path:
-        tars = sorted(glob.glob(os.path.join(ROOT, "..", "shared", "megatron", "*.tar.xz")))
+        tars = glob.glob(os.path.join(ROOT, "..", "shared", "megatron", "*.tar.xz"))
+        # the dev snapshot first, then the overlays (the V4.1 compressor) on top of it
+        tars.sort(key=lambda t: (os.path.basename(t).startswith("megatron-lm-dev") is False, t))
         if tars:
             path = tempfile.mkdtemp(prefix="megatron-lm-")
-            with tarfile.open(tars[-1]) as tar:
-                tar.extractall(path, filter="data")
+            for t in tars:
+                with tarfile.open(t) as tar:
+                    tar.extractall(path, filter="data")
     _tree["path"] = path if path and os.path.isdir(os.path.join(path, "megatron")) else None
     return _tree["path"]
 
@@ -43,6 +46,17 @@ def import_csa():
     except Exception:  # an incomplete environment: the tests that need it skip
         return None
     return csa
+
+
+def import_csa2():
+    """Megatron's DeepSeek-V4.1 compressor module (the csa2 overlay), or None."""
+    if import_csa() is None:
+        return None
+    try:
+        import megatron.core.transformer.experimental_attention_variant.csa2.compressor as csa2
+    except Exception:  # a tree without the overlay: the tests that need it skip
+        return None
+    return csa2
 
 
 def init_one_process(tmp_dir):

@@ -122,6 +122,16 @@ class Compressor(nn.Module):
     MEGATRON_KEYS = {"linear_wkv.weight": "wkv.weight", "linear_wgate.weight": "wgate.weight",
                      "ape": "ape", "norm.weight": "norm_weight"}
 
+    @staticmethod
+    def v41(hidden_size: int, head_dim: int, ratio: int, **kwargs):
+        """DeepSeek-V4.1's compressor (Megatron-LM's CSA2Compressor): fp32 projections, no
+        position bias, no overlap, no RoPE, the norm after rounding; ratio 1 a projection
+        and the norm (module_v41.CompressorV41; ``norm_eps``, ``dtype``, ``device``,
+        ``pooling``)."""
+        from .module_v41 import CompressorV41
+
+        return CompressorV41(hidden_size, head_dim, ratio, **kwargs)
+
     def load_megatron_state_dict(self, state_dict, strict: bool = True):
         """Load a Megatron-LM ``Compressor``'s ``state_dict`` (its keys mapped onto this
         module's; Transformer Engine's ``_extra_state`` entries are skipped)."""
