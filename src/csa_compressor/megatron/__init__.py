@@ -59,6 +59,11 @@ to the dtype as Megatron's eager region does; alone (no epilogue, no projection)
 Compressor then computes what it computes without this package, its ape gradient summed
 in another order.
 
+DeepSeek-V4.1's ``CSA2Compressor`` (where the tree has Megatron's csa2 module) is routed
+too: its ``forward`` and ``forward_packed`` pool through the fused kernels with no position
+bias (megatron/csa2.py); its projections and norm run as Megatron's. Ratio 1 (no pooling)
+and CPU inputs keep Megatron's code, with the reason in ``fallback_reasons()``.
+
 Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 """
 
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import csa2
 from .hooks import HOOK, csa_module, forward_sbhd, forward_thd, maybe_compress_thd_fused
 from .state import Options, installed as _installed, reasons as _reasons
 
@@ -106,6 +112,9 @@ def install(respect_enabled: bool = False, epilogue: bool = False,
         mod.Compressor._forward_sbhd = forward_sbhd
     if _installed["thd"] is not None:
         mod.Compressor._forward_thd = forward_thd
+    v41 = csa2.csa2_module()
+    if v41 is not None:
+        csa2.patch(v41)
 
 
 def uninstall() -> None:
@@ -116,6 +125,7 @@ def uninstall() -> None:
             if _installed[name] is not None:
                 setattr(_installed["module"].Compressor, f"_forward_{name}", _installed[name])
         _installed.update(module=None, original=None, sbhd=None, thd=None, options=Options())
+    csa2.unpatch()
 
 
 def is_installed() -> bool:

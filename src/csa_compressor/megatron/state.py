@@ -33,9 +33,9 @@ class Options:
 
 # The one record of the installation (Megatron's methods are patched process-wide, so the
 # record is too): "module", "original", "sbhd", "thd" (Megatron's own hook and methods),
-# "options".
+# "options"; "csa2": the V4.1 compressor's class and original methods where patched.
 installed: dict = {"module": None, "original": None, "sbhd": None, "thd": None,
-                   "options": Options()}
+                   "options": Options(), "csa2": None}
 reasons: dict = {}
 
 
