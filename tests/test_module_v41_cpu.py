@@ -39,7 +39,7 @@ def _grads(module, x, out_fn):
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     out = out_fn(module, x)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, out.dtype)
     out.backward(g)
     return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
 
