@@ -153,3 +153,9 @@ def test_streaming_bench_floor_and_table():
                     {"copy_bandwidth_gbs": 4000.0, "launch_floor_us": 2.0})
     assert "| decode x |  | 12.5 |  | 1.5 |" in text.splitlines()
     assert "launch floor (one captured elementwise kernel) 2.00 µs" in text
+
+
+def test_the_submodule_resolves_from_the_package():
+    import csa_compressor
+
+    assert csa_compressor.streaming.decode is streaming.decode

@@ -13,7 +13,8 @@ Public surface (``__all__``):
 
 Submodules: ``kernel_api`` (caller buffers: ``pool_forward``, ``pool_backward``,
 ``backward_workspace_shape``, ``precompile``), ``reference`` (plain PyTorch), ``layout``,
-``epilogue`` (``YaRN``), ``megatron`` (Megatron-LM's Compressor on the fused kernels).
+``epilogue`` (``YaRN``), ``megatron`` (Megatron-LM's Compressor on the fused kernels),
+``streaming`` (prefill / decode for generation).
 
 Names load on first use, so ``csa-compressor --help`` needs no torch import.
 """
@@ -52,7 +53,7 @@ def __getattr__(name):
         raise AttributeError("csa_compressor.set_epilogue_inside was removed: pass "
                              "epilogue_inside=csa_compressor.EpilogueInside(short=..., long=...) "
                              "to the op or the Compressor instead")
-    if name in ("reference", "kernel_api", "layout", "epilogue", "megatron"):
+    if name in ("reference", "kernel_api", "layout", "epilogue", "megatron", "streaming"):
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
