@@ -14,7 +14,8 @@ Public surface (``__all__``):
 Submodules: ``kernel_api`` (caller buffers: ``pool_forward``, ``pool_backward``,
 ``backward_workspace_shape``, ``precompile``), ``reference`` (plain PyTorch), ``layout``,
 ``epilogue`` (``YaRN``), ``megatron`` (Megatron-LM's Compressor on the fused kernels),
-``streaming`` (prefill / decode for generation).
+``streaming`` (prefill / decode for generation), ``transformers`` (Hugging Face's
+DeepSeek-V4 compressors on the fused kernels).
 
 Names load on first use, so ``csa-compressor --help`` needs no torch import.
 """
@@ -53,7 +54,8 @@ def __getattr__(name):
         raise AttributeError("csa_compressor.set_epilogue_inside was removed: pass "
                              "epilogue_inside=csa_compressor.EpilogueInside(short=..., long=...) "
                              "to the op or the Compressor instead")
-    if name in ("reference", "kernel_api", "layout", "epilogue", "megatron", "streaming"):
+    if name in ("reference", "kernel_api", "layout", "epilogue", "megatron", "streaming",
+                "transformers"):
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -59,7 +59,7 @@ def _inputs(state, kv, score, cu_seqlens, slots):
 
 
 def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32", epilogue=None,
-            norm_weight=None, rope_table=None, pooling: str = "auto") -> Rows:
+            norm_weight=None, rope_table=None, pooling: str = "auto", emit: bool = True) -> Rows:
     """Feed each slot in ``slots`` its chunk of new tokens (sequence ``b`` of the THD pack
     ``kv`` / ``score`` ``(T, coff*head_dim)`` at ``cu_seqlens[b]:cu_seqlens[b+1]``) and
     return every row whose window closed. A slot may already hold part of a window from
@@ -67,7 +67,9 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     ``ape``, ``numerics``, ``epilogue``, ``norm_weight``, ``rope_table``: as
     compress_thd_fused's; ``pooling``: "fused", "reference" (plain torch, any device) or
     "auto" (fused where the kernels take the inputs). Reads the offsets and the slots'
-    counts on the host (one sync where they live on the GPU)."""
+    counts on the host (one sync where they live on the GPU). ``emit=False`` only takes the
+    tokens into the state (for a caller that computed these rows another way, e.g. the
+    training op over whole sequences): no pooling, empty ``Rows``."""
     cu, slot_list = _inputs(state, kv, score, cu_seqlens, slots)
     slots_dev = torch.tensor(slot_list, dtype=torch.int64, device=state.device)
     counts = state.count[slots_dev].tolist()
@@ -87,6 +89,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             raise ValueError(f"rope_table: row position {last * state.ratio} is past the table's "
                              f"{rows_in_table} rows")
     dev = state.device
+    if not emit:
+        _store(state, kv, score, slot_list, counts, lens, cu)
+        none = torch.empty(0, dtype=torch.int64, device=dev)
+        return Rows(kv.new_empty((0, state.head_dim)), none, none)
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
                   torch.tensor(cu, dtype=torch.int32, device=dev))
     body, bnd, rows = prefill_packs(counts, lens, state.ratio, state.coff)

@@ -68,6 +68,14 @@ class StreamState:
             t[idx] = 0
         self.bad[idx] = False
 
+    def reorder(self, index) -> None:
+        """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place."""
+        idx = torch.as_tensor(index, dtype=torch.int64, device=self.device)
+        if idx.dim() != 1 or idx.numel() != self.num_slots:
+            raise ValueError(f"index: expected {self.num_slots} slot indices, got shape {tuple(idx.shape)}")
+        for t in (self.kv, self.score, self.count, self.last_n, self.bad):
+            t[: self.num_slots] = t[idx]
+
     def slot_index(self, slots, name: str = "slots") -> torch.Tensor:
         """``slots`` (ints, a list or a 1-D integer tensor) as an int64 tensor on the state's
         device, checked on the host where they live there."""

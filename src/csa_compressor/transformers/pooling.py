@@ -1,0 +1,92 @@
+"""transformers' batch-first compressor inputs on this package's ops: ``kv`` / ``gate``
+``(B, S, coff*d)`` (the projections' outputs), ``position_bias`` ``(ratio, coff*d)``.
+
+Without a cache every batch row is one sequence of S tokens: the THD op over ``B*S`` rows
+(a view, no copy). With a cache the rows come from a streaming state attached to the
+cache layer (one per compressor name), fed each call's tokens, so prefill and decode emit
+the rows training computes; transformers' own buffers are then not used for that name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch, runtime, streaming
+from .state import options
+
+_STREAMS = "_csa_compressor_streams"  # cache layer attribute: {name: StreamState}
+
+
+def reason(module, hidden_states) -> str | None:
+    """Why this compressor call cannot take the fused pooling (before any work), or None."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        return f"hidden_states: expected (batch, seq, hidden), got {type(hidden_states).__name__}"
+    r = runtime.device_reason(hidden_states.device)
+    if r is not None:
+        return r
+    bias = getattr(module, "position_bias", None)
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
+        # transformers adds a bias of the gate's dtype in that dtype; the kernels add in fp32
+        return (f"position_bias is {getattr(bias, 'dtype', None)}, not float32 (load the model "
+                "with its keep-in-fp32 modules, e.g. from_pretrained(..., dtype=torch.bfloat16))")
+    return None
+
+
+def stateless(kv, gate, bias, ratio: int, coff: int):
+    """(rows (B, S // ratio, d), None) or (None, the reason)."""
+    B, S, W = kv.shape
+    n = S // ratio
+    steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)
+    out, why = dispatch.fused_or_reason(kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
+                                        steps * S, steps * n, B * n, ratio=ratio, coff=coff,
+                                        numerics=options().numerics)
+    return (None, why) if why is not None else (out.view(B, n, W // coff), None)
+
+
+def stream_for(cache_layer, name: str, kv, ratio: int, coff: int, entry_count: int):
+    """(the cache layer's streaming state for ``name``, whether it is new), or (None, a
+    reason): a layer that already ran transformers' own compressor keeps it (its history
+    is in transformers' buffers)."""
+    streams = getattr(cache_layer, _STREAMS, None)
+    if streams is None:
+        streams = {}
+        setattr(cache_layer, _STREAMS, streams)
+    st = streams.get(name)
+    if st is None:
+        if entry_count or getattr(cache_layer, "buffer_kv", {}).get(name) is not None:
+            return None, "the cache already holds transformers' own compressor state"
+        B, _, W = kv.shape
+        st = streaming.StreamState(B, W // coff, ratio=ratio, coff=coff, dtype=kv.dtype,
+                                   device=kv.device)
+        streams[name] = st
+        return st, True
+    if st.num_slots != kv.shape[0]:
+        return None, f"batch size changed from {st.num_slots} to {kv.shape[0]} within one cache"
+    return st, False
+
+
+def absorb(st, kv, gate) -> None:
+    """The call's tokens into a fresh state whose rows the stateless op computed."""
+    B, S, W = kv.shape
+    streaming.prefill(st, kv.reshape(B * S, W).detach(), gate.reshape(B * S, W).detach(), None,
+                      [S * b for b in range(B + 1)], list(range(B)), emit=False)
+
+
+def streamed(st, kv, gate, bias):
+    """(rows (B, n, d), positions (n,)): the rows whose windows this call's tokens closed."""
+    B, S, W = kv.shape
+    out = streaming.prefill(st, kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
+                            [S * b for b in range(B + 1)], list(range(B)),
+                            numerics=options().numerics, pooling="fused")
+    n = out.rows.shape[0] // B  # every slot has seen as many tokens: as many rows each
+    return out.rows.view(B, n, st.head_dim), out.positions[:n]
+
+
+def reorder(cache_layer, beam_idx) -> None:
+    for st in getattr(cache_layer, _STREAMS, {}).values():
+        st.reorder(beam_idx)
+
+
+def reset(cache_layer) -> None:
+    if getattr(cache_layer, _STREAMS, None):
+        setattr(cache_layer, _STREAMS, {})

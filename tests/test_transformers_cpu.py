@@ -1,0 +1,105 @@
+"""csa_compressor.transformers on the CPU: install() keeps transformers' own compressor and
+says why; with the fused pooling standing in on the CPU (the reference in the kernels'
+place), training (loss and every gradient) and greedy generation (ids and every step's
+logits) are bitwise transformers' own."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+from csa_compressor import transformers as csa_hf  # noqa: E402
+from hf_model import greedy, tiny_model, train_step  # noqa: E402
+
+
+@pytest.fixture
+def clean():
+    csa_hf.uninstall()
+    csa_hf.clear_fallback_reasons()
+    yield
+    csa_hf.uninstall()
+
+
+@pytest.fixture
+def fused_here(fused_on_cpu, monkeypatch):
+    """fused_on_cpu, and the op's own kernel checks taking any device."""
+    from csa_compressor import ops, validation
+
+    real = validation.validate
+    monkeypatch.setattr(ops, "validate", lambda *a, for_kernel=False, **k: real(*a, **k))
+    return fused_on_cpu
+
+
+def _ids(batch=2, seq=70, seed=1):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_on_the_cpu_install_keeps_transformers_code_and_says_why(clean):
+    model = tiny_model()
+    ids = _ids()
+    want = model(input_ids=ids).logits
+    with csa_hf.installed():
+        got = model(input_ids=ids).logits
+    assert torch.equal(want, got)
+    reasons = csa_hf.fallback_reasons()
+    assert reasons and all("CUDA" in r or "cuda" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_training_step_is_bitwise_transformers(clean, fused_here, padded):
+    model = tiny_model()
+    ids = _ids(seq=69)
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, 50:] = 0
+    want = train_step(model, ids, mask)
+    csa_hf.install()
+    got = train_step(model, ids, mask)
+    assert fused_here, "the fused pooling was not called"
+    assert not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
+    assert torch.equal(want[0], got[0])
+    assert want[1].keys() == got[1].keys()
+    for name, g in want[1].items():
+        if name.endswith("position_bias"):
+            # summed over the windows in another order than autograd sums the broadcast add
+            assert torch.allclose(g, got[1][name], rtol=1e-5, atol=1e-9), name
+            continue
+        assert torch.equal(g, got[1][name]), name
+
+
+def test_greedy_generation_is_bitwise_transformers(clean, fused_here):
+    model = tiny_model(hca=16)
+    ids = _ids(seq=23)
+    with torch.no_grad():
+        want = greedy(model, ids, new=40)
+        csa_hf.install()
+        got = greedy(model, ids, new=40)
+    assert fused_here and not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
+    assert torch.equal(want[0], got[0])
+    assert torch.equal(want[1], got[1])
+
+
+def test_reorder_and_reset_carry_the_streams(clean, fused_here):
+    from transformers import DynamicCache
+
+    model = tiny_model(hca=8)
+    ids = _ids(seq=13)
+    beam = torch.tensor([1, 1])
+
+    def run():
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache.reorder_cache(beam)
+            steps = [model(input_ids=ids[:, k:k + 1] * 0 + k, past_key_values=cache,
+                           use_cache=True).logits for k in range(9)]
+            cache.reset()
+            again = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return torch.stack(steps), again
+
+    want = run()
+    csa_hf.install()
+    got = run()
+    assert not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
