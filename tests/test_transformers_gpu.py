@@ -5,6 +5,7 @@ not installed, numerics="eager"."""
 import pytest
 import torch
 
+pytest.importorskip("transformers", minversion="5.23")
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from csa_compressor import transformers as csa_hf  # noqa: E402

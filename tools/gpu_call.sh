@@ -13,6 +13,14 @@
 #   tests                the whole GPU suite; tests_bounds / tests_fused / tests_torch /
 #                        tests_rest are its four shards (run them side by side),
 #                        tests_fused_k a -k "$TESTS_K" subset
+#   unpack               the carried tarballs: .megatron/megatron-lm-dev-*.tar.xz then the csa2
+#                        overlay into $MEGATRON_LM_PATH (set it, e.g. /tmp/megatron-lm, for
+#                        the whole call), .megatron/transformers-*.tar.xz into /tmp/hf
+#   streaming            tests/test_streaming_gpu.py and examples/streaming_generation.py
+#   streaming_bench      python -m csa_compressor bench --streaming
+#   streaming_sanitize   compute-sanitizer memcheck over examples/streaming_generation.py
+#   hf                   tests/test_transformers_gpu.py with transformers 5.23 (/tmp/hf) first
+#   csa2                 tests/test_megatron_csa2_gpu.py (needs MEGATRON_LM_PATH with the overlay)
 #   check                python -m csa_compressor check (the numerics gate)
 #   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
 #   pool_epilogue_probe  tools/pool_epilogue_probe.py: each direction inside vs by parts
@@ -87,6 +95,12 @@ cmd_of() {
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py -rs --durations=10" ;;
+        unpack) echo "mkdir -p \${MEGATRON_LM_PATH:?} /tmp/hf; for t in .megatron/megatron-lm-dev-*.tar.xz .megatron/megatron-csa2-*.tar.xz; do tar -C \$MEGATRON_LM_PATH -xJf \$t || exit 1; done; for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
+        streaming) echo "python3 -m pytest -q -m gpu tests/test_streaming_gpu.py -rs --durations=10 && python3 examples/streaming_generation.py" ;;
+        streaming_bench) echo "python3 -m csa_compressor bench --streaming" ;;
+        streaming_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 examples/streaming_generation.py" ;;
+        hf) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 -m pytest -q -m gpu tests/test_transformers_gpu.py -rs" ;;
+        csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
         check) echo "python3 -m csa_compressor check" ;;
         pool_epilogue) echo "python3 -m pytest -q -m gpu tests/test_pool_epilogue_gpu.py -rs --durations=10" ;;
         pool_epilogue_probe) echo "python3 tools/pool_epilogue_probe.py" ;;

@@ -10,8 +10,8 @@ bitwise the training op's row for that window (same numerics, same epilogue).
 - ``take_back(state, k, slots=None)``: undo the last ``k`` tokens of a decode step.
 """
 
-from .decode import Step, decode, take_back
-from .prefill import Rows, prefill
+from .steps import Step, decode, take_back
+from .chunks import Rows, prefill
 from .state import StreamState
 
 __all__ = ["Rows", "Step", "StreamState", "decode", "prefill", "take_back"]
