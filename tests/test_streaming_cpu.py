@@ -125,14 +125,22 @@ def test_capacity_and_take_back_bounds():
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1), (1, 1), (3, 2)])
 def test_each_row_comes_from_one_pack_once(ratio, coff):
-    """A row two packs both kept would be written twice (an unordered write on the GPU)."""
-    from csa_compressor.streaming.windows import prefill_packs
+    """Every closing block is kept from exactly one pack (a row kept twice would be an
+    unordered write on the GPU), and each pack's segment holds what its rows read."""
+    from csa_compressor.streaming.windows import plan
 
     for c in range(0, 3 * ratio):
         for n in range(0, 3 * ratio):
-            body, bnd, rows = prefill_packs([c, 5], [n, 2 * ratio], ratio, coff)
-            kept = [k for k in body.keep + bnd.keep if k >= 0]
-            assert sorted(kept) == list(range(len(rows))), (c, n)
+            for w in plan([c, 5], [n, 2 * ratio], ratio, coff)[:1]:
+                kept = list(range(w.j0, w.last + 1)) + list(range(w.a + w.junk, w.i1))
+                assert kept == list(range(w.i0, w.i1)), (c, n, w)
+                if w.bnd_rows:  # the boundary segment: some held tokens, the rest new
+                    t_lo, t_hi = (w.j0 - w.shift) * ratio, (w.last + 1) * ratio
+                    assert t_lo < c and c <= t_hi <= c + n, (c, n, w)
+                    assert w.shift == (coff == 2 and w.j0 > 0)
+                if w.junk:  # the body's first row lacks its previous block
+                    assert coff == 2 and w.a > 0
+                assert 0 <= w.head < ratio and w.head + w.body_rows * ratio <= n
 
 
 def test_the_example_runs(capsys):

@@ -8,7 +8,7 @@ import torch
 
 from ..checks import check_tensor
 from .rows import pool_rows, settings
-from .windows import min_rows, prefill_packs
+from .windows import min_rows, plan, seg_arange
 
 
 class Rows(NamedTuple):
@@ -90,89 +90,108 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
                              f"{rows_in_table} rows")
     dev = state.device
     if not emit:
-        _store(state, kv, score, slot_list, counts, lens, cu)
+        _store(state, kv, score, slot_list, plan(counts, lens, state.ratio, state.coff))
         none = torch.empty(0, dtype=torch.int64, device=dev)
         return Rows(kv.new_empty((0, state.head_dim)), none, none)
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
                   torch.tensor(cu, dtype=torch.int32, device=dev))
-    body, bnd, rows = prefill_packs(counts, lens, state.ratio, state.coff)
-    d = state.head_dim
-    parts, keep = [], []
-    if any(k >= 0 for k in body.keep):
-        parts.append(_pool(st, kv, score, body, d))
-        keep += body.keep + [-1] * (parts[-1].shape[0] - len(body.keep))
-    if bnd.keep:
-        pk, ps = _boundary_tokens(state, kv, score, bnd.src, slot_list)
-        parts.append(_pool(st, pk, ps, bnd, d))
-        keep += bnd.keep + [-1] * (parts[-1].shape[0] - len(bnd.keep))
-    in_order = len(parts) == 1 and keep[:len(rows)] == list(range(len(rows)))
-    if in_order:
-        out = parts[0][:len(rows)]  # the body's rows are the call's: no copy
+    r, d = state.ratio, state.head_dim
+    wins = plan(counts, lens, r, state.coff)
+    want_pos = epilogue is not None
+    parts, cap = [], 0  # pooled rows of the body pass then the boundary pass
+    body_base = bnd_base = 0
+    if any(w.body_rows for w in wins):
+        cu_b, rows_b = [0], []
+        for w in wins:  # [head][blocks a .. i1-1][tail]: rows only in the middle
+            cu_b += [cu_b[-1] + w.head, cu_b[-1] + w.head + w.body_rows * r, w.start + w.n]
+            rows_b += [0, w.body_rows, 0]
+        parts.append(_pool(st, kv, score, cu_b, rows_b, d, want_pos,
+                           [w.a for w in wins], [w.body_rows for w in wins]))
+        cap = parts[-1].shape[0]
+    bnd = [w for w in wins if w.bnd_rows]
+    if bnd:
+        pk, ps, cu_d, rows_d = _boundary_pack(state, kv, score, bnd, slot_list, wins)
+        parts.append(_pool(st, pk, ps, cu_d, rows_d, d, want_pos,
+                           [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd]))
+        bnd_base = cap
+    m = [w.i1 - w.i0 for w in wins]
+    total = sum(m)
+    if not bnd and not any(w.junk for w in wins):
+        out = parts[0][:total] if parts else kv.new_empty((0, d))  # in call order already
     else:
-        out = torch.empty((len(rows), d), dtype=parts[0].dtype if parts else kv.dtype, device=dev)
-    if parts and not in_order:
+        # per slot its boundary rows, then its body rows past the junk one
+        starts, counts, b_row, d_row = [], [], body_base, 0
+        for w in wins:
+            if w.bnd_rows:
+                starts.append(bnd_base + d_row + w.shift)
+                counts.append(w.bnd_rows)
+                d_row += w.shift + w.bnd_rows
+            starts.append(b_row + w.junk)
+            counts.append(w.body_rows - w.junk)
+            b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
-        src = [j for j, k in enumerate(keep) if k >= 0]
-        out.index_copy_(0, torch.tensor([keep[j] for j in src], dtype=torch.int64, device=dev),
-                        pooled.index_select(0, torch.tensor(src, dtype=torch.int64, device=dev)))
-    _store(state, kv, score, slot_list, counts, lens, cu)
-    r = state.ratio
-    return Rows(out, torch.tensor([slot_list[b] for b, _ in rows], dtype=torch.int64, device=dev),
-                torch.tensor([i * r for _, i in rows], dtype=torch.int64, device=dev))
+        out = pooled.index_select(0, seg_arange(starts, counts, dev))
+    _store(state, kv, score, slot_list, wins)
+    slots_t = torch.tensor(slot_list, dtype=torch.int64, device=dev)
+    return Rows(out, torch.repeat_interleave(slots_t, torch.tensor(m, device=dev), output_size=total),
+                seg_arange([w.i0 for w in wins], m, dev) * r)
 
 
-def _pool(st, kv, score, pack, d):
-    """The pack's rows, its capacity padded (windows.min_rows)."""
+def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts):
+    """The rows of a pack (offsets ``cu``, ``rows`` a segment), its capacity padded
+    (windows.min_rows); the rotary positions where the epilogue takes them."""
     dev = kv.device
-    r = st.ratio
-    rows_per = [(pack.cu[j + 1] - pack.cu[j]) // r for j in range(len(pack.cu) - 1)]
     cuc = [0]
-    for n in rows_per:
-        cuc.append(cuc[-1] + n)
+    for k in rows:
+        cuc.append(cuc[-1] + k)
     n = min_rows(cuc[-1], d)
-    pos = pack.positions + [0] * (n - len(pack.positions))
-    return pool_rows(st, kv, score, torch.tensor(pack.cu, dtype=torch.int32, device=dev),
-                     torch.tensor(cuc, dtype=torch.int32, device=dev), n,
-                     torch.tensor(pos, dtype=torch.int64, device=dev))
+    pos = None
+    if want_pos:
+        pos = seg_arange(first_blocks, block_counts, dev) * st.ratio
+        pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
+    return pool_rows(st, kv, score, torch.tensor(cu, dtype=torch.int32, device=dev),
+                     torch.tensor(cuc, dtype=torch.int32, device=dev), n, pos)
 
 
-def _boundary_tokens(state, kv, score, src, slot_list):
-    """The boundary pack's ``kv`` and ``score`` rows: ring tokens ``(0, b, t)`` of slot
-    ``slot_list[b]`` and chunk rows ``(1, row)``."""
-    H, dev = state.history, state.device
-    ring_at, ring_rows, chunk_at, chunk_rows = [], [], [], []
-    for j, e in enumerate(src):
-        if e[0] == 0:
-            ring_at.append(j)
-            ring_rows.append(slot_list[e[1]] * H + e[2] % H)
-        else:
-            chunk_at.append(j)
-            chunk_rows.append(e[1])
-    out = []
-    for ring, chunk in ((state.kv, kv), (state.score, score)):
-        pack = chunk.new_empty((len(src), state.width))
-        for at, rows, t in ((ring_at, ring_rows, ring.view(-1, state.width)), (chunk_at, chunk_rows, chunk)):
-            if at:
-                at_t = torch.tensor(at, dtype=torch.int64, device=dev)
-                pack.index_copy_(0, at_t, t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev)))
-        out.append(pack)
-    return out
+def _boundary_pack(state, kv, score, bnd, slot_list, wins):
+    """The boundary pack: per slot with boundary rows, tokens ``t_lo .. t_hi - 1`` (those
+    before ``c`` from the slot's ring, the rest from its chunk); its offsets and rows."""
+    H, W, r, dev = state.history, state.width, state.ratio, state.device
+    slot_of = {id(w): slot_list[b] for b, w in enumerate(wins)}
+    cu, rows, ring, chunk = [0], [], ([], [], [], []), ([], [], [])
+    for w in bnd:
+        t_lo, t_hi = (w.j0 - w.shift) * r, (w.last + 1) * r
+        k_ring, k_chunk = w.c - t_lo, t_hi - w.c
+        ring[0].append(cu[-1]), ring[1].append(k_ring), ring[2].append(t_lo)
+        ring[3].append(slot_of[id(w)] * H)
+        chunk[0].append(cu[-1] + k_ring), chunk[1].append(k_chunk), chunk[2].append(w.start)
+        cu.append(cu[-1] + t_hi - t_lo)
+        rows.append(w.shift + w.bnd_rows)
+    ring_src = seg_arange(ring[2], ring[1], dev) % H + torch.repeat_interleave(
+        torch.tensor(ring[3], dtype=torch.int64, device=dev),
+        torch.tensor(ring[1], dtype=torch.int64, device=dev), output_size=sum(ring[1]))
+    ring_dst = seg_arange(ring[0], ring[1], dev)
+    chunk_src, chunk_dst = seg_arange(chunk[2], chunk[1], dev), seg_arange(chunk[0], chunk[1], dev)
+    packs = []
+    for held, new in ((state.kv, kv), (state.score, score)):
+        pack = new.new_empty((cu[-1], W))
+        pack.index_copy_(0, ring_dst, held.view(-1, W).index_select(0, ring_src))
+        pack.index_copy_(0, chunk_dst, new.index_select(0, chunk_src))
+        packs.append(pack)
+    return packs[0], packs[1], cu, rows
 
 
-def _store(state, kv, score, slot_list, counts, lens, cu):
+def _store(state, kv, score, slot_list, wins):
     """The chunks' last ``history`` tokens into the slots' rings; the counts advanced."""
-    H, dev = state.history, state.device
-    dst, src = [], []
-    for b, s in enumerate(slot_list):
-        c, n = counts[b], lens[b]
-        for t in range(max(c, c + n - H), c + n):
-            dst.append(s * H + t % H)
-            src.append(cu[b] + t - c)
-    if dst:
-        d_t = torch.tensor(dst, dtype=torch.int64, device=dev)
-        s_t = torch.tensor(src, dtype=torch.int64, device=dev)
-        state.kv.view(-1, state.width).index_copy_(0, d_t, kv.index_select(0, s_t))
-        state.score.view(-1, state.width).index_copy_(0, d_t, score.index_select(0, s_t))
+    H, W, dev = state.history, state.width, state.device
+    keep = [min(w.n, H) for w in wins]
+    src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev)
+    dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev) % H + \
+        torch.repeat_interleave(torch.tensor([s * H for s in slot_list], dtype=torch.int64, device=dev),
+                                torch.tensor(keep, dtype=torch.int64, device=dev), output_size=sum(keep))
+    if src.numel():
+        state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
+        state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))
     idx = torch.tensor(slot_list, dtype=torch.int64, device=dev)
-    state.count[idx] = torch.tensor([c + n for c, n in zip(counts, lens)], dtype=torch.int64, device=dev)
+    state.count[idx] = torch.tensor([w.c + w.n for w in wins], dtype=torch.int64, device=dev)
     state.last_n[idx] = 0

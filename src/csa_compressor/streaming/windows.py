@@ -25,51 +25,64 @@ def min_rows(n: int, head_dim: int) -> int:
     return max(n, -(-_FEW_VALUES // head_dim)) if n else 0
 
 
-@dataclass
-class Pack:
-    """A THD pack to pool: token rows (``None``: the caller's chunk in place) or gather
-    indices, host offsets, and per row its rotary position and whether it is kept."""
+@dataclass(slots=True)
+class SlotWindows:  # (slots, not frozen: a frozen one took 2 µs to build)
+    """One call slot's windows: blocks ``i0 .. i1 - 1`` close. The body computes blocks
+    ``a .. i1 - 1`` in place over the chunk (its first row ``junk`` where that block's
+    previous block is not in the segment); the boundary computes blocks ``j0 .. last``
+    from a gathered segment of tokens ``t_lo .. t_hi - 1`` that starts ``shift`` blocks
+    before ``j0`` (its first row then junk). ``start``: the chunk's first row in the
+    caller's pack; ``c`` tokens seen before, ``n`` new."""
 
-    cu: list
-    positions: list
-    keep: list  # per row: index into the call's output, or -1
-    src: list | None = None  # per token: (0, b, t) token t of call slot b's ring, (1, row) the chunk's
+    c: int
+    n: int
+    start: int
+    i0: int
+    i1: int
+    a: int
+    head: int  # chunk tokens before block a (fewer than a block: they make no row)
+    junk: int
+    j0: int
+    last: int
+    shift: int
+
+    @property
+    def body_rows(self) -> int:
+        return max(self.i1 - self.a, 0)
+
+    @property
+    def bnd_rows(self) -> int:
+        return max(self.last - self.j0 + 1, 0)
 
 
-def prefill_packs(counts, lens, ratio: int, coff: int):
-    """The body and boundary packs of a prefill call. ``counts``: tokens each slot has
-    seen; ``lens``: its new tokens. Returns (body, boundary, per call row: (b, block))."""
-    r = ratio
-    body = Pack(cu=[0], positions=[], keep=[])
-    bnd = Pack(cu=[0], positions=[], keep=[], src=[])
-    rows = []
-    start = 0  # the chunk's first token in the caller's pack
-    for b, (c, n) in enumerate(zip(counts, lens)):
-        i0, i1 = c // r, (c + n) // r
-        a = -(-c // r)  # the first block that starts inside the chunk
-        first_row = len(rows)
-        rows.extend((b, i) for i in range(i0, i1))
-        # body: [head < r tokens][blocks a .. i1-1][tail < r tokens], rows only in the middle
-        head = min(a * r - c, n)
-        mid = max(i1 - a, 0) * r
-        body.cu += [body.cu[-1] + head, body.cu[-1] + head + mid, start + n]
-        for k, i in enumerate(range(a, i1)):
-            junk = coff == 2 and a > 0 and k == 0  # its previous block is not in the segment
-            body.positions.append(i * r)
-            body.keep.append(-1 if junk else first_row + i - i0)
-        # boundary: the rows that read tokens held by the state
+def plan(counts, lens, ratio: int, coff: int) -> list:
+    """The SlotWindows of a prefill call, O(slots) on the host."""
+    out, start = [], 0
+    for c, n in zip(counts, lens):
+        i0, i1 = c // ratio, (c + n) // ratio
+        a = -(-c // ratio)  # the first block that starts inside the chunk
+        junk = 1 if coff == 2 and a > 0 and i1 > a else 0
         last = min(a if coff == 2 and c > 0 else a - 1, i1 - 1)
-        if i0 <= last:
-            shift = 1 if coff == 2 and i0 > 0 else 0
-            t_lo, t_hi = (i0 - shift) * r, (last + 1) * r
-            bnd.src += [(0, b, t) if t < c else (1, start + t - c) for t in range(t_lo, t_hi)]
-            bnd.cu.append(bnd.cu[-1] + t_hi - t_lo)
-            for k in range(shift + last - i0 + 1):
-                i = i0 - shift + k
-                bnd.positions.append(i * r)
-                bnd.keep.append(-1 if k < shift else first_row + i - i0)
+        shift = 1 if coff == 2 and i0 > 0 else 0
+        out.append(SlotWindows(c, n, start, i0, i1, a, min(a * ratio - c, n), junk, i0, last,
+                               shift))
         start += n
-    return body, bnd, rows
+    return out
+
+
+def seg_arange(starts, counts, device) -> torch.Tensor:
+    """``cat([arange(s, s + k) for s, k in zip(starts, counts)])`` built on the device from
+    two small host lists (no sync)."""
+    total = sum(counts)
+    if not total:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    offs, first = [], 0
+    for s, k in zip(starts, counts):
+        offs.append(s - first)
+        first += k
+    reps = torch.tensor(counts, dtype=torch.int64, device=device)
+    return torch.arange(total, device=device) + torch.repeat_interleave(
+        torch.tensor(offs, dtype=torch.int64, device=device), reps, output_size=total)
 
 
 def decode_geometry(count: torch.Tensor, n: int, ratio: int, coff: int):
