@@ -183,3 +183,29 @@ def test_the_fused_path_plumbing(fused_on_cpu, monkeypatch, ratio, coff):
     run.run()
     run.check()
     assert fused_on_cpu and min(fused_on_cpu) >= 2  # packs padded past the few-row orders
+
+
+def test_the_capture_branch_poisons_instead_of_raising(monkeypatch):
+    """decode and take_back as they run inside a CUDA-graph capture (nothing read on the
+    host): the same rows, and malformed input marks the slot bad (NaN rows) instead."""
+    import importlib
+
+    steps = importlib.import_module("csa_compressor.streaming.steps")
+    kv, ape = torch.randn(3, 2, 32), torch.randn(4, 32)
+    eager = streaming.StreamState(3, 16, ratio=4, coff=2, dtype=torch.float32, max_seqlen=9)
+    captured = streaming.StreamState(3, 16, ratio=4, coff=2, dtype=torch.float32, max_seqlen=9)
+    want = [streaming.decode(eager, kv, kv, ape) for _ in range(2)]
+    monkeypatch.setattr(steps, "_capturing", lambda t: True)
+    got = [streaming.decode(captured, kv, kv, ape) for _ in range(2)]
+    for a, b in zip(want, got):
+        assert torch.equal(a.rows, b.rows) and torch.equal(a.emitted, b.emitted)
+    streaming.take_back(captured, torch.tensor([0, 3, 0]))  # more than slot 1's last 2
+    for _ in range(2):  # 9, 7, 9 tokens seen: within max_seqlen
+        step = streaming.decode(captured, kv, kv, ape, [0, 1, 2])
+    assert captured.bad[:3].tolist() == [False, True, False]
+    assert step.rows[1].isnan().all() and not step.rows[0::2].isnan().any()
+    step = streaming.decode(captured, kv, kv, ape)  # 11 > max_seqlen for slots 0 and 2
+    assert captured.bad[:3].tolist() == [True, True, True]
+    assert step.rows.isnan().all()
+    captured.reset([0])
+    assert captured.bad[:3].tolist() == [False, True, True]

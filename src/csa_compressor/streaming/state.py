@@ -47,6 +47,7 @@ class StreamState:
         self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
+        self.constants: dict = {}  # decode's shape-only tensors, by (batch, next_n)
 
     @property
     def width(self) -> int:

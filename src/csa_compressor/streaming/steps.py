@@ -82,7 +82,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
         raise ValueError(f"score: expected kv's shape {tuple(kv.shape)}, got {tuple(score.shape)}")
     B, n = kv.shape[0], kv.shape[1]
     check_int("next_n (kv.shape[1])", n, 1, state.max_next_n)
-    r, coff, d, H, dev = state.ratio, state.coff, state.head_dim, state.history, state.device
+    r, coff, d, H = state.ratio, state.coff, state.head_dim, state.history
     if rope_table is not None:
         last = None if state.max_seqlen is None else (state.max_seqlen // r - 1) * r
         rows_in_table = getattr(rope_table[0], "shape", (0,))[0] if isinstance(rope_table, (tuple, list)) else 0
@@ -91,41 +91,60 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
                              f"position ({last}) lies inside the table's {rows_in_table} rows")
     idx = _slots(state, slots, B)
     count = state.count[idx]
-    _require(state, count + n <= state.position_limit, idx,
-             lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
-                       f"{state.position_limit} tokens")
-    if not _capturing(count) and bool(state.bad[idx].any()):
+    capturing = _capturing(count)
+    if state.max_seqlen is not None:
+        _require(state, count + n <= state.position_limit, idx,
+                 lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
+                           f"{state.position_limit} tokens")
+    if not capturing and bool(state.bad[idx].any()):
         raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
                          "NaN); reset it before reuse")
+    c = _constants(state, B, n)
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
-                  norm_weight, rope_table, pooling,
-                  torch.arange(B + 1, dtype=torch.int32, device=dev) * n)
+                  norm_weight, rope_table, pooling, c["probe_cu"])
     # the new tokens into the rings, then each slot's segment gathered from its ring
-    k = torch.arange(n, dtype=torch.int64, device=dev)
-    dst = (idx[:, None] * H + (count[:, None] + k) % H).reshape(-1)
+    base = idx[:, None] * H
+    dst = (base + (count[:, None] + c["k"]) % H).view(-1)
     state.kv.view(-1, W).index_copy_(0, dst, kv.reshape(-1, W))
     state.score.view(-1, W).index_copy_(0, dst, score.reshape(-1, W))
     i0, m, shift, R, L, Rs = decode_geometry(count, n, r, coff)
-    t = ((i0 - shift)[:, None] * r + torch.arange(L, dtype=torch.int64, device=dev)) % H
-    src = (idx[:, None] * H + t).reshape(-1)
+    first = i0 - shift  # the segment's first block
+    src = (base + (first[:, None] * r + c["L"]) % H).view(-1)
     pk = state.kv.view(-1, W).index_select(0, src)
     ps = state.score.view(-1, W).index_select(0, src)
-    rows = B * Rs
-    cap = min_rows(rows, d)
-    j = torch.arange(Rs, dtype=torch.int64, device=dev)
-    pos = ((i0 - shift)[:, None] + j) * r
-    real = (j[None, :] >= shift[:, None]) & (j[None, :] < (shift + m)[:, None])
-    pos = torch.where(real, pos, torch.zeros_like(pos))  # rows no one keeps: any table row
-    pos = torch.cat([pos.reshape(-1), pos.new_zeros(cap - rows)])
-    seg = torch.arange(B + 1, dtype=torch.int32, device=dev)
-    out = pool_rows(st, pk, ps, seg * L, seg * Rs, cap, pos)[:rows].view(B, Rs, d)
-    pick = shift[:, None] + torch.arange(R, dtype=torch.int64, device=dev)
-    out = out.gather(1, pick[:, :, None].expand(B, R, d))
-    out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
+    pos = None
+    if epilogue is not None:
+        pos = (first[:, None] + c["j"]) * r
+        if rope_table is not None:  # rows no one keeps may not point past the table
+            real = (c["j"] >= shift[:, None]) & (c["j"] < (shift + m)[:, None])
+            pos = torch.where(real, pos, torch.zeros_like(pos))
+        pos = torch.cat([pos.view(-1), c["pad"]])
+    out = pool_rows(st, pk, ps, c["cu"], c["cuc"], c["cap"], pos)[:B * Rs].view(B, Rs, d)
+    if coff == 2:  # at a sequence's first block its row is the segment's first, else second
+        out = out.gather(1, (shift[:, None] + c["R"])[:, :, None].expand(B, R, d))
+    if capturing:  # eager calls raised above instead
+        out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
     state.count.index_copy_(0, idx, count + n)
-    state.last_n.index_copy_(0, idx, torch.full_like(count, n))
-    emitted = torch.arange(R, dtype=torch.int64, device=dev)[None, :] < m[:, None]
-    return Step(out, emitted, (i0[:, None] + torch.arange(R, device=dev)) * r)
+    state.last_n.index_fill_(0, idx, n)
+    return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
+
+
+def _constants(state, B: int, n: int) -> dict:
+    """The step's shape-only tensors, made once per (B, next_n) and kept on the state."""
+    key = (B, n)
+    got = state.constants.get(key)
+    if got is None:
+        r, coff, dev = state.ratio, state.coff, state.device
+        R = -(-n // r)
+        Rs = R + coff - 1
+        cap = min_rows(B * Rs, state.head_dim)
+        seg = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        got = {"k": torch.arange(n, device=dev), "L": torch.arange(Rs * r, device=dev),
+               "j": torch.arange(Rs, device=dev), "R": torch.arange(R, device=dev),
+               "cu": seg * (Rs * r), "cuc": seg * Rs, "probe_cu": seg * n, "cap": cap,
+               "pad": torch.zeros(cap - B * Rs, dtype=torch.int64, device=dev)}
+        state.constants[key] = got
+    return got
 
 
 def take_back(state, k, slots=None) -> None:
