@@ -104,3 +104,14 @@ def test_reorder_and_reset_carry_the_streams(clean, fused_here):
     got = run()
     assert not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_unknown_modules_and_cache_layers_are_named():
+    from csa_compressor.transformers import pooling
+
+    class Layer:  # a cache layer without the compressor's bookkeeping (e.g. a static one)
+        pass
+
+    assert "has no entry_count, update_compressor_states" in pooling.cache_reason(Layer())
+    why = pooling.reason(torch.nn.Linear(2, 2), torch.zeros(1, 4, 2))
+    assert why.startswith("Linear has no kv_proj, gate_proj, position_bias"), why

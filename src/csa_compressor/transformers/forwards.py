@@ -21,6 +21,8 @@ def _compressed(module, hidden_states, cache, layer_idx, name, coff):
     fused pooling does not take this call (the reason recorded)."""
     why = pooling.reason(module, hidden_states)
     layer = cache.layers[layer_idx] if cache is not None else None
+    if why is None and layer is not None:
+        why = pooling.cache_reason(layer)
     if why is not None:
         return fallback(why), layer
     r = module.compress_rate

@@ -17,10 +17,26 @@ from .state import options
 _STREAMS = "_csa_compressor_streams"  # cache layer attribute: {name: StreamState}
 
 
+_NEEDS = ("kv_proj", "gate_proj", "position_bias", "kv_norm", "rotary_emb", "compress_rate",
+          "head_dim", "rope_layer_type")
+_CACHE_NEEDS = ("entry_count", "update_compressor_states")
+
+
+def cache_reason(layer) -> str | None:
+    """Why a cache layer cannot carry the streaming state, or None."""
+    missing = [a for a in _CACHE_NEEDS if not hasattr(layer, a)]
+    if missing:
+        return f"cache layer {type(layer).__name__} has no {', '.join(missing)}"
+    return None
+
+
 def reason(module, hidden_states) -> str | None:
     """Why this compressor call cannot take the fused pooling (before any work), or None."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         return f"hidden_states: expected (batch, seq, hidden), got {type(hidden_states).__name__}"
+    missing = [a for a in _NEEDS if not hasattr(module, a)]
+    if missing:
+        return f"{type(module).__name__} has no {', '.join(missing)}: not the compressor the adapter knows"
     r = runtime.device_reason(hidden_states.device)
     if r is not None:
         return r
