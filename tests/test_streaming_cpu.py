@@ -209,3 +209,16 @@ def test_the_capture_branch_poisons_instead_of_raising(monkeypatch):
     assert step.rows.isnan().all()
     captured.reset([0])
     assert captured.bad[:3].tolist() == [False, True, True]
+
+
+def test_empty_calls_and_chunks():
+    st = streaming.StreamState(2, 16, ratio=4, coff=2, dtype=torch.float32)
+    ape = torch.randn(4, 32)
+    out = streaming.prefill(st, torch.randn(0, 32), torch.randn(0, 32), ape, [0], [])
+    assert out.rows.shape == (0, 16) and out.slots.shape == (0,)
+    out = streaming.prefill(st, torch.randn(9, 32), torch.randn(9, 32), ape, [0, 0, 9], [0, 1])
+    assert out.slots.tolist() == [1, 1] and out.positions.tolist() == [0, 4]
+    assert st.count[:2].tolist() == [0, 9]
+    for slots in ([1.5], torch.tensor([0.0])):
+        with pytest.raises(TypeError, match="slots"):
+            streaming.prefill(st, torch.randn(5, 32), torch.randn(5, 32), ape, [0, 5], slots)

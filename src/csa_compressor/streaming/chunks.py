@@ -49,13 +49,13 @@ def _inputs(state, kv, score, cu_seqlens, slots):
                              f"{cu[s]} > cu_seqlens[{s + 1}] = {cu[s + 1]}")
     if cu[-1] > kv.shape[0]:
         raise ValueError(f"cu_seqlens: the last offset {cu[-1]} is past the {kv.shape[0]} tokens of kv")
-    if not isinstance(slots, torch.Tensor) or slots.device.type != "cpu":
-        slots = torch.as_tensor(slots.tolist() if isinstance(slots, torch.Tensor) else slots)
-    if slots.dim() != 1 or slots.numel() != len(cu) - 1:
+    if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+        slots = slots.cpu()  # prefill reads its slots: one sync where they live on the GPU
+    idx = state.slot_index(slots)  # type, range and duplicates, on the host
+    if idx.numel() != len(cu) - 1:
         raise ValueError(f"slots: expected one slot per sequence of cu_seqlens ({len(cu) - 1}), "
-                         f"got shape {tuple(slots.shape)}")
-    state.slot_index(slots)  # range and duplicates, on the host
-    return cu, slots.tolist()
+                         f"got {idx.numel()}")
+    return cu, idx.tolist()
 
 
 def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32", epilogue=None,
@@ -133,7 +133,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
     _store(state, kv, score, slot_list, wins)
     slots_t = torch.tensor(slot_list, dtype=torch.int64, device=dev)
-    return Rows(out, torch.repeat_interleave(slots_t, torch.tensor(m, device=dev), output_size=total),
+    return Rows(out, torch.repeat_interleave(slots_t, torch.tensor(m, dtype=torch.int64, device=dev),
+                                             output_size=total),
                 seg_arange([w.i0 for w in wins], m, dev) * r)
 
 

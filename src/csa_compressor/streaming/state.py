@@ -83,6 +83,8 @@ class StreamState:
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         if isinstance(slots, (list, tuple)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in slots):
+                raise TypeError(f"{name}: expected slot indices as ints, got {list(slots)!r}")
             slots = torch.tensor(slots, dtype=torch.int64)
         check_tensor(name, slots)
         if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
