@@ -115,3 +115,19 @@ def test_unknown_modules_and_cache_layers_are_named():
     assert "has no entry_count, update_compressor_states" in pooling.cache_reason(Layer())
     why = pooling.reason(torch.nn.Linear(2, 2), torch.zeros(1, 4, 2))
     assert why.startswith("Linear has no kv_proj, gate_proj, position_bias"), why
+
+
+def test_fp32_numerics_pool_in_fp32(clean, fused_here):
+    """numerics="fp32": the pooling's weights and products stay fp32 (one rounding), so
+    the logits move off transformers' own, stay finite, and train."""
+    model = tiny_model()
+    ids = _ids(seq=40)
+    want = model(input_ids=ids).logits
+    with csa_hf.installed(numerics="fp32"):
+        got = model(input_ids=ids).logits
+        loss, grads = train_step(model, ids)
+    assert not csa_hf.fallback_reasons() and fused_here
+    assert torch.isfinite(got).all() and not torch.equal(want, got)
+    assert torch.isfinite(loss) and grads
+    with pytest.raises(ValueError, match="numerics"):
+        csa_hf.install(numerics="bf16")
