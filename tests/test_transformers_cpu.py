@@ -131,3 +131,26 @@ def test_fp32_numerics_pool_in_fp32(clean, fused_here):
     assert torch.isfinite(loss) and grads
     with pytest.raises(ValueError, match="numerics"):
         csa_hf.install(numerics="bf16")
+
+
+def test_a_cache_whose_first_call_fell_back_stays_with_transformers(clean, fused_here, monkeypatch):
+    """The kernels refusing a cache's first call (here: every call of the HCA layer) leaves
+    that compressor on transformers' own buffers for the whole generation: the same tokens
+    and logits, and the reason recorded."""
+    from csa_compressor.transformers import pooling
+
+    real = pooling.stateless
+
+    def refuse_hca(kv, gate, bias, ratio, coff):
+        return (None, "refused for the test") if ratio == 16 else real(kv, gate, bias, ratio, coff)
+
+    model = tiny_model(hca=16)
+    ids = _ids(seq=23)
+    with torch.no_grad():
+        want = greedy(model, ids, new=30)
+        csa_hf.install()
+        monkeypatch.setattr(pooling, "stateless", refuse_hca)
+        got = greedy(model, ids, new=30)
+    assert "refused for the test" in csa_hf.fallback_reasons()
+    assert any("transformers' own compressor state" in r for r in csa_hf.fallback_reasons())
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

@@ -41,8 +41,8 @@ def _compressed(module, hidden_states, cache, layer_idx, name, coff):
         # a first call: every window from token 0, the training op's (differentiable) rows
         rows, why = pooling.stateless(kv, gate, module.position_bias, r, coff)
         if why is not None:
-            if fresh:
-                pooling.reset(layer)  # transformers' own code keeps this cache from here
+            if fresh:  # transformers' own code keeps this name of the cache from here
+                pooling.drop(layer, name)
             return fallback(why), layer
         first = torch.arange(rows.shape[1], device=rows.device) * r
         if fresh:

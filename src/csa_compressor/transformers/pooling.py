@@ -103,6 +103,10 @@ def reorder(cache_layer, beam_idx) -> None:
         st.reorder(beam_idx)
 
 
+def drop(cache_layer, name: str) -> None:
+    getattr(cache_layer, _STREAMS, {}).pop(name, None)
+
+
 def reset(cache_layer) -> None:
     if getattr(cache_layer, _STREAMS, None):
         setattr(cache_layer, _STREAMS, {})
