@@ -72,6 +72,10 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch, "validate", validate_any_device)
     monkeypatch.setattr(dispatch, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(dispatch, "validate_sbhd", validate_sbhd_any_device)
+    # the public ops' own kernel checks too (compress_thd_fused and the SBHD op called directly)
+    monkeypatch.setattr(ops, "validate", validate_any_device)
+    monkeypatch.setattr(ops, "validate_sbhd", validate_sbhd_any_device)
+    monkeypatch.setattr(ops, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(ops, "fused_from_problem", launch)
     yield launched
 

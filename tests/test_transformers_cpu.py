@@ -21,16 +21,6 @@ def clean():
     csa_hf.uninstall()
 
 
-@pytest.fixture
-def fused_here(fused_on_cpu, monkeypatch):
-    """fused_on_cpu, and the op's own kernel checks taking any device."""
-    from csa_compressor import ops, validation
-
-    real = validation.validate
-    monkeypatch.setattr(ops, "validate", lambda *a, for_kernel=False, **k: real(*a, **k))
-    return fused_on_cpu
-
-
 def _ids(batch=2, seq=70, seed=1):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -47,7 +37,7 @@ def test_on_the_cpu_install_keeps_transformers_code_and_says_why(clean):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_training_step_is_bitwise_transformers(clean, fused_here, padded):
+def test_training_step_is_bitwise_transformers(clean, fused_on_cpu, padded):
     model = tiny_model()
     ids = _ids(seq=69)
     mask = None
@@ -57,7 +47,7 @@ def test_training_step_is_bitwise_transformers(clean, fused_here, padded):
     want = train_step(model, ids, mask)
     csa_hf.install()
     got = train_step(model, ids, mask)
-    assert fused_here, "the fused pooling was not called"
+    assert fused_on_cpu, "the fused pooling was not called"
     assert not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
     assert torch.equal(want[0], got[0])
     assert want[1].keys() == got[1].keys()
@@ -69,19 +59,19 @@ def test_training_step_is_bitwise_transformers(clean, fused_here, padded):
         assert torch.equal(g, got[1][name]), name
 
 
-def test_greedy_generation_is_bitwise_transformers(clean, fused_here):
+def test_greedy_generation_is_bitwise_transformers(clean, fused_on_cpu):
     model = tiny_model(hca=16)
     ids = _ids(seq=23)
     with torch.no_grad():
         want = greedy(model, ids, new=40)
         csa_hf.install()
         got = greedy(model, ids, new=40)
-    assert fused_here and not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
+    assert fused_on_cpu and not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
     assert torch.equal(want[0], got[0])
     assert torch.equal(want[1], got[1])
 
 
-def test_reorder_and_reset_carry_the_streams(clean, fused_here):
+def test_reorder_and_reset_carry_the_streams(clean, fused_on_cpu):
     from transformers import DynamicCache
 
     model = tiny_model(hca=8)
@@ -117,7 +107,7 @@ def test_unknown_modules_and_cache_layers_are_named():
     assert why.startswith("Linear has no kv_proj, gate_proj, position_bias"), why
 
 
-def test_fp32_numerics_pool_in_fp32(clean, fused_here):
+def test_fp32_numerics_pool_in_fp32(clean, fused_on_cpu):
     """numerics="fp32": the pooling's weights and products stay fp32 (one rounding), so
     the logits move off transformers' own, stay finite, and train."""
     model = tiny_model()
@@ -126,14 +116,14 @@ def test_fp32_numerics_pool_in_fp32(clean, fused_here):
     with csa_hf.installed(numerics="fp32"):
         got = model(input_ids=ids).logits
         loss, grads = train_step(model, ids)
-    assert not csa_hf.fallback_reasons() and fused_here
+    assert not csa_hf.fallback_reasons() and fused_on_cpu
     assert torch.isfinite(got).all() and not torch.equal(want, got)
     assert torch.isfinite(loss) and grads
     with pytest.raises(ValueError, match="numerics"):
         csa_hf.install(numerics="bf16")
 
 
-def test_a_cache_whose_first_call_fell_back_stays_with_transformers(clean, fused_here, monkeypatch):
+def test_a_cache_whose_first_call_fell_back_stays_with_transformers(clean, fused_on_cpu, monkeypatch):
     """The kernels refusing a cache's first call (here: every call of the HCA layer) leaves
     that compressor on transformers' own buffers for the whole generation: the same tokens
     and logits, and the reason recorded."""
