@@ -131,6 +131,8 @@ class Stream:
                     free.append(slot)
 
     def check(self, fused=False):
+        st = self.st  # the host's counts, where it keeps them, are the device's
+        assert st.host_counts is None or st.host_counts == st.count[: st.num_slots].tolist()
         want = training_rows(self.kv, self.score, self.ape, self.lens, self.r, self.st.coff,
                              self.kw["numerics"], self.kw["epilogue"], self.w, fused)
         for seq, rows in enumerate(want):

@@ -205,6 +205,9 @@ def test_the_capture_branch_poisons_instead_of_raising(monkeypatch):
     assert step.rows.isnan().all()
     captured.reset([0])
     assert captured.bad[:3].tolist() == [False, True, True]
+    # a capture may replay unseen: from here prefill reads the device's counts
+    assert captured.captured and captured.host_counts is None
+    assert eager.host_counts == eager.count[:3].tolist() == [4, 4, 4]
 
 
 def test_empty_calls_and_chunks():
@@ -218,3 +221,22 @@ def test_empty_calls_and_chunks():
     for slots in ([1.5], torch.tensor([0.0])):
         with pytest.raises(TypeError, match="slots"):
             streaming.prefill(st, torch.randn(5, 32), torch.randn(5, 32), ape, [0, 5], slots)
+
+
+def test_the_host_counts_follow_or_step_aside():
+    """prefill reads no counts from the device while the host could follow every change;
+    a change it cannot follow (device-resident k here stands in for one) hands back to the
+    device's counts, with the same rows."""
+    st = streaming.StreamState(2, 16, ratio=4, coff=2, dtype=torch.float32)
+    kv, ape = torch.randn(20, 32), torch.randn(4, 32)
+    streaming.prefill(st, kv[:10], kv[:10], ape, [0, 3, 10], [0, 1])
+    streaming.decode(st, kv[:4].view(2, 2, 32), kv[:4].view(2, 2, 32), ape)
+    streaming.take_back(st, torch.tensor([1, 0]))
+    assert st.host_counts == st.count[:2].tolist() == [4, 9]
+    st.reorder(torch.tensor([1, 0]))
+    assert st.host_counts == [9, 4]
+    st.host_counts = None  # as after a change the host did not see
+    out = streaming.prefill(st, kv[10:14], kv[10:14], ape, [0, 4], [1])
+    assert st.host_counts == [9, 8] and out.positions.tolist() == [4]
+    st.load_state_dict(st.state_dict())
+    assert st.host_counts is None

@@ -66,17 +66,18 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     an earlier call; a prompt cut anywhere, in any number of calls, gives the same rows.
     ``ape``, ``numerics``, ``epilogue``, ``norm_weight``, ``rope_table``: as
     compress_thd_fused's; ``pooling``: "fused", "reference" (plain torch, any device) or
-    "auto" (fused where the kernels take the inputs). Reads the offsets and the slots'
-    counts on the host (one sync where they live on the GPU). ``emit=False`` only takes the
+    "auto" (fused where the kernels take the inputs). Reads the offsets and slots on the
+    host, the counts from the state's host record where it has one (StreamState.counts_of;
+    else one sync). ``emit=False`` only takes the
     tokens into the state (for a caller that computed these rows another way, e.g. the
     training op over whole sequences): no pooling, empty ``Rows``."""
     cu, slot_list = _inputs(state, kv, score, cu_seqlens, slots)
-    slots_dev = torch.tensor(slot_list, dtype=torch.int64, device=state.device)
-    counts = state.count[slots_dev].tolist()
-    bad = state.bad[slots_dev].tolist()
+    counts = state.counts_of(slot_list)
+    # only a captured step sets a slot bad
+    bad = state.bad[: state.num_slots].tolist() if state.captured else None
     lens = [cu[b + 1] - cu[b] for b in range(len(slot_list))]
     for b, s in enumerate(slot_list):
-        if bad[b]:
+        if bad is not None and bad[s]:
             raise ValueError(f"slots: slot {s} met malformed input in a captured step (its rows "
                              "are NaN); reset it before reuse")
         if counts[b] + lens[b] > state.position_limit:
@@ -194,5 +195,9 @@ def _store(state, kv, score, slot_list, wins):
         state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
         state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))
     idx = torch.tensor(slot_list, dtype=torch.int64, device=dev)
-    state.count[idx] = torch.tensor([w.c + w.n for w in wins], dtype=torch.int64, device=dev)
+    new = [w.c + w.n for w in wins]
+    state.count[idx] = torch.tensor(new, dtype=torch.int64, device=dev)
     state.last_n[idx] = 0
+    if state.host_counts is not None:
+        for sl, c in zip(slot_list, new):
+            state.host_counts[sl] = c

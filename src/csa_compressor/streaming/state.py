@@ -48,6 +48,11 @@ class StreamState:
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
         self.constants: dict = {}  # decode's shape-only tensors, by (batch, next_n)
+        # The counts as the host knows them, while every change went through calls that
+        # saw their slots on the host: prefill then reads nothing from the device. A
+        # captured step may replay unseen, so after a capture the device's are read.
+        self.host_counts: list | None = [0] * num_slots
+        self.captured = False
 
     @property
     def width(self) -> int:
@@ -68,6 +73,7 @@ class StreamState:
         for t in (self.count, self.last_n):
             t[idx] = 0
         self.bad[idx] = False
+        self.follow(which(slots), lambda c: 0, self.capturing())
 
     def reorder(self, index) -> None:
         """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place."""
@@ -76,6 +82,37 @@ class StreamState:
             raise ValueError(f"index: expected {self.num_slots} slot indices, got shape {tuple(idx.shape)}")
         for t in (self.kv, self.score, self.count, self.last_n, self.bad):
             t[: self.num_slots] = t[idx]
+        order = host_list(index)
+        if order is None or self.host_counts is None:
+            self.host_counts = None
+        else:
+            self.host_counts = [self.host_counts[i] for i in order]
+
+    def capturing(self) -> bool:
+        return torch.compiler.is_compiling() or (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def follow(self, slots, change, capturing: bool = False) -> None:
+        """Keep the host's counts in step with a change to ``slots`` (a host list; None:
+        every slot) made by ``change(count)``; a change the host cannot see (``slots``
+        ``False``, or a capture) ends them."""
+        if capturing:
+            self.captured = True
+        if capturing or slots is False or self.host_counts is None:
+            self.host_counts = None
+            return
+        for s in (range(self.num_slots) if slots is None else slots):
+            self.host_counts[s] = change(self.host_counts[s])
+
+    def counts_of(self, slots: list) -> list:
+        """The counts of ``slots``: the host's, else read from the device (one sync),
+        which the host then keeps unless a capture happened."""
+        if self.host_counts is None:
+            counts = self.count[: self.num_slots].tolist()
+            if not self.captured:
+                self.host_counts = counts
+            return [counts[s] for s in slots]
+        return [self.host_counts[s] for s in slots]
 
     def slot_index(self, slots, name: str = "slots") -> torch.Tensor:
         """``slots`` (ints, a list or a 1-D integer tensor) as an int64 tensor on the state's
@@ -122,3 +159,25 @@ class StreamState:
                                  f"{tuple(mine.shape)}, got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
             mine.copy_(t)
+        self.host_counts = None  # read again at the next prefill
+
+
+def which(slots):
+    """For StreamState.follow: None (every slot), a host list, or False (on the device)."""
+    if slots is None:
+        return None
+    got = host_list(slots)
+    return False if got is None else got
+
+
+def host_list(slots):
+    """``slots`` as a host list of ints where they live on the host (an int, a list, a CPU
+    tensor), else None."""
+    if isinstance(slots, int) and not isinstance(slots, bool):
+        return [slots]
+    if isinstance(slots, (list, tuple)):
+        return [int(v) for v in slots]
+    if isinstance(slots, torch.Tensor) and slots.device.type == "cpu":
+        return slots.tolist()
+    return None
+

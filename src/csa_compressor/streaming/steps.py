@@ -9,6 +9,7 @@ import torch
 
 from ..checks import check_int, check_tensor
 from .rows import pool_rows, settings
+from .state import host_list, which
 from .windows import decode_geometry, min_rows
 
 
@@ -126,6 +127,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
         out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
     state.count.index_copy_(0, idx, count + n)
     state.last_n.index_fill_(0, idx, n)
+    state.follow(which(slots), lambda v: v + n, capturing)
     return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
 
 
@@ -153,6 +155,8 @@ def take_back(state, k, slots=None) -> None:
     they had never come. Rows already emitted from them are the caller's to discard.
     ``k`` beyond the last step's tokens is an error (under capture: the slot goes bad)."""
     idx = _slots(state, slots, None)
+    host_k = [k] * idx.numel() if isinstance(k, int) and not isinstance(k, bool) else (
+        host_list(k) if isinstance(k, torch.Tensor) else None)
     if isinstance(k, int) and not isinstance(k, bool):
         k = torch.full_like(idx, k)
     check_tensor("k", k)
@@ -167,3 +171,7 @@ def take_back(state, k, slots=None) -> None:
     k = torch.minimum(k.clamp(min=0), last)
     state.count.index_copy_(0, idx, state.count[idx] - k)
     state.last_n.index_copy_(0, idx, last - k)
+    # eager: every k was checked against its slot's last step above
+    slots_known = which(slots) if host_k is not None else False
+    back = iter(host_k or [])
+    state.follow(slots_known, lambda v: v - next(back), _capturing(k))
