@@ -176,6 +176,7 @@ def test_the_fused_path_plumbing(fused_on_cpu, ratio, coff):
     st = streaming.StreamState(3, 64, ratio=ratio, coff=coff)
     run = Stream(st, _lens(ratio, 4, 7), seed=3, ep=Epilogue(rope_dim=16), pooling="fused",
                  max_n=3)
+    run.kw["epilogue_inside"] = ("fwd", "bwd")  # passed on to the op
     run.run()
     run.check()
     assert fused_on_cpu and min(fused_on_cpu) >= 2  # packs padded past the few-row orders

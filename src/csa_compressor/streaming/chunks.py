@@ -59,13 +59,14 @@ def _inputs(state, kv, score, cu_seqlens, slots):
 
 
 def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32", epilogue=None,
-            norm_weight=None, rope_table=None, pooling: str = "auto", emit: bool = True) -> Rows:
+            norm_weight=None, rope_table=None, pooling: str = "auto",
+            epilogue_inside=None, emit: bool = True) -> Rows:
     """Feed each slot in ``slots`` its chunk of new tokens (sequence ``b`` of the THD pack
     ``kv`` / ``score`` ``(T, coff*head_dim)`` at ``cu_seqlens[b]:cu_seqlens[b+1]``) and
     return every row whose window closed. A slot may already hold part of a window from
     an earlier call; a prompt cut anywhere, in any number of calls, gives the same rows.
-    ``ape``, ``numerics``, ``epilogue``, ``norm_weight``, ``rope_table``: as
-    compress_thd_fused's; ``pooling``: "fused", "reference" (plain torch, any device) or
+    ``ape``, ``numerics``, ``epilogue``, ``norm_weight``, ``rope_table``,
+    ``epilogue_inside``: as compress_thd_fused's; ``pooling``: "fused", "reference" (plain torch, any device) or
     "auto" (fused where the kernels take the inputs). Reads the offsets and slots on the
     host, the counts from the state's host record where it has one (StreamState.counts_of;
     else one sync). ``emit=False`` only takes the
@@ -95,7 +96,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         none = torch.empty(0, dtype=torch.int64, device=dev)
         return Rows(kv.new_empty((0, state.head_dim)), none, none)
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
-                  torch.tensor(cu, dtype=torch.int32, device=dev))
+                  torch.tensor(cu, dtype=torch.int32, device=dev), epilogue_inside)
     r, d = state.ratio, state.head_dim
     wins = plan(counts, lens, r, state.coff)
     want_pos = epilogue is not None

@@ -11,6 +11,7 @@ from .. import dispatch, reference
 from ..checks import check_pool_numerics
 from ..epilogue import Epilogue
 from ..epilogue_op import apply_epilogue
+from ..fused_epilogue import EpilogueInside
 from ..ops import compress_thd_fused
 
 POOLING = ("auto", "fused", "reference")
@@ -28,10 +29,11 @@ class Settings:
     norm_weight: torch.Tensor | None
     rope_table: tuple | None
     fused: bool
+    inside: object = None  # the fused path's EpilogueInside (None: its default)
 
 
 def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
-             cu_probe) -> Settings:
+             cu_probe, epilogue_inside=None) -> Settings:
     """The call's settings, the pooling path chosen once for all its packs from the
     caller's inputs (``auto``: fused where the kernels take them), so that body and
     boundary rows come from one implementation."""
@@ -53,7 +55,7 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
             kv, score, ape, cu_probe, None, 0 * n, ratio=state.ratio, coff=state.coff)
         fused = reason is None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
-                    fused)
+                    fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside))
 
 
 def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.Tensor:
@@ -63,7 +65,7 @@ def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.
                                   numerics=s.numerics, epilogue=s.epilogue,
                                   norm_weight=s.norm_weight,
                                   positions=positions if s.epilogue is not None else None,
-                                  rope_table=s.rope_table)
+                                  rope_table=s.rope_table, epilogue_inside=s.inside)
     out = reference.compress_thd(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
                                  mode=reference.MODE_OF_NUMERICS[s.numerics])
     if s.epilogue is None:

@@ -64,7 +64,8 @@ def _slots(state, slots, batch: int | None) -> torch.Tensor:
 
 
 def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogue=None,
-           norm_weight=None, rope_table=None, pooling: str = "auto") -> Step:
+           norm_weight=None, rope_table=None, pooling: str = "auto",
+           epilogue_inside=None) -> Step:
     """Feed ``next_n`` tokens to each of ``B`` slots: ``kv`` / ``score`` ``(B, next_n,
     coff*head_dim)`` (next_n <= the state's max_next_n), ``slots`` ``(B,)`` (None: every
     slot, in order). Returns the step's rows with static shapes. Capturable in a CUDA
@@ -102,7 +103,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
                          "NaN); reset it before reuse")
     c = _constants(state, B, n)
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
-                  norm_weight, rope_table, pooling, c["probe_cu"])
+                  norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
     # the new tokens into the rings, then each slot's segment gathered from its ring
     base = idx[:, None] * H
     dst = (base + (count[:, None] + c["k"]) % H).view(-1)
