@@ -87,6 +87,21 @@ def offsets_check_requested(check_offsets) -> bool:
 _skipped_warned = []
 
 
+def check_token_offsets(c: torch.Tensor, num_tokens: int) -> None:
+    """``cu_seqlens``'s rules on its values ``c`` (a 1-D int64 CPU tensor): it starts at 0,
+    never decreases and ends within the ``num_tokens`` tokens of kv."""
+    if c[0] != 0:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(c[0])}")
+    step = c[1:] - c[:-1]
+    if (step < 0).any():
+        s = int(torch.nonzero(step < 0)[0])
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s}] = "
+                         f"{int(c[s])} > cu_seqlens[{s + 1}] = {int(c[s + 1])}")
+    if c[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens: the last offset {int(c[-1])} is past the {num_tokens} "
+                         "tokens of kv")
+
+
 def check_offset_contents(p: "Problem") -> None:
     """Read the offsets (one host sync) and raise a ValueError naming the argument when they
     break the layout's rules: ``cu_seqlens`` starts at 0, never decreases, ends within the
@@ -103,16 +118,7 @@ def check_offset_contents(p: "Problem") -> None:
         return
     c = cu.to(torch.int64).cpu()
     cc = cuc.to(torch.int64).cpu()
-    if c[0] != 0:
-        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(c[0])}")
-    step = c[1:] - c[:-1]
-    if (step < 0).any():
-        s = int(torch.nonzero(step < 0)[0])
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s}] = "
-                         f"{int(c[s])} > cu_seqlens[{s + 1}] = {int(c[s + 1])}")
-    if c[-1] > p.num_tokens:
-        raise ValueError(f"cu_seqlens: the last offset {int(c[-1])} is past the {p.num_tokens} "
-                         "tokens of kv")
+    check_token_offsets(c, p.num_tokens)
     want = compressed_cu_seqlens(c, p.ratio).to(torch.int64)
     if not torch.equal(cc, want):
         s = int(torch.nonzero(cc != want)[0])

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..checks import check_tensor
+from ..validation import check_token_offsets
 from .rows import pool_rows, settings
 from .windows import min_rows, plan, seg_arange
 
@@ -40,15 +41,10 @@ def _inputs(state, kv, score, cu_seqlens, slots):
             or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens: expected a 1-D int32/int64 tensor of B+1 offsets, got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.tolist()  # prefill reads its offsets: one sync where they live on the GPU
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {cu[0]}")
-    for s in range(len(cu) - 1):
-        if cu[s + 1] < cu[s]:
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s}] = "
-                             f"{cu[s]} > cu_seqlens[{s + 1}] = {cu[s + 1]}")
-    if cu[-1] > kv.shape[0]:
-        raise ValueError(f"cu_seqlens: the last offset {cu[-1]} is past the {kv.shape[0]} tokens of kv")
+    # prefill reads its offsets: one sync where they live on the GPU
+    c = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    check_token_offsets(c, kv.shape[0])
+    cu = c.tolist()
     if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
         slots = slots.cpu()  # prefill reads its slots: one sync where they live on the GPU
     idx = state.slot_index(slots)  # type, range and duplicates, on the host
