@@ -28,8 +28,8 @@ def _compressed(module, hidden_states, cache, layer_idx, name, coff):
     r = module.compress_rate
     st = fresh = None
     if layer is not None:
-        st, fresh = pooling.stream_for(layer, name, hidden_states.new_empty(
-            (hidden_states.shape[0], 0, coff * module.head_dim)), r, coff, layer.entry_count[name])
+        st, fresh = pooling.stream_for(layer, name, hidden_states, module.head_dim, r, coff,
+                                       layer.entry_count[name])
         if st is None:
             return fallback(fresh), layer
         if not fresh and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):

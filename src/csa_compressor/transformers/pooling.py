@@ -59,7 +59,8 @@ def stateless(kv, gate, bias, ratio: int, coff: int):
     return (None, why) if why is not None else (out.view(B, n, W // coff), None)
 
 
-def stream_for(cache_layer, name: str, kv, ratio: int, coff: int, entry_count: int):
+def stream_for(cache_layer, name: str, hidden_states, head_dim: int, ratio: int, coff: int,
+               entry_count: int):
     """(the cache layer's streaming state for ``name``, whether it is new), or (None, a
     reason): a layer that already ran transformers' own compressor keeps it (its history
     is in transformers' buffers)."""
@@ -71,13 +72,14 @@ def stream_for(cache_layer, name: str, kv, ratio: int, coff: int, entry_count: i
     if st is None:
         if entry_count or getattr(cache_layer, "buffer_kv", {}).get(name) is not None:
             return None, "the cache already holds transformers' own compressor state"
-        B, _, W = kv.shape
-        st = streaming.StreamState(B, W // coff, ratio=ratio, coff=coff, dtype=kv.dtype,
-                                   device=kv.device)
+        # the projections' outputs will have the hidden states' batch, dtype and device
+        st = streaming.StreamState(hidden_states.shape[0], head_dim, ratio=ratio, coff=coff,
+                                   dtype=hidden_states.dtype, device=hidden_states.device)
         streams[name] = st
         return st, True
-    if st.num_slots != kv.shape[0]:
-        return None, f"batch size changed from {st.num_slots} to {kv.shape[0]} within one cache"
+    if st.num_slots != hidden_states.shape[0]:
+        return None, (f"batch size changed from {st.num_slots} to {hidden_states.shape[0]} "
+                      "within one cache")
     return st, False
 
 
