@@ -100,3 +100,14 @@ def hadamard_standin(megatron_csa, monkeypatch):
 
     monkeypatch.setattr(dsa, "hadamard_transform", transform)
     return calls
+
+
+@pytest.fixture
+def hf_clean():
+    """csa_compressor.transformers uninstalled, its reasons cleared, around a test."""
+    from csa_compressor import transformers as csa_hf
+
+    csa_hf.uninstall()
+    csa_hf.clear_fallback_reasons()
+    yield
+    csa_hf.uninstall()

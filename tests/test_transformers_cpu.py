@@ -13,19 +13,11 @@ from csa_compressor import transformers as csa_hf  # noqa: E402
 from hf_model import greedy, tiny_model, train_step  # noqa: E402
 
 
-@pytest.fixture
-def clean():
-    csa_hf.uninstall()
-    csa_hf.clear_fallback_reasons()
-    yield
-    csa_hf.uninstall()
-
-
 def _ids(batch=2, seq=70, seed=1):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def test_on_the_cpu_install_keeps_transformers_code_and_says_why(clean):
+def test_on_the_cpu_install_keeps_transformers_code_and_says_why(hf_clean):
     model = tiny_model()
     ids = _ids()
     want = model(input_ids=ids).logits
@@ -37,7 +29,7 @@ def test_on_the_cpu_install_keeps_transformers_code_and_says_why(clean):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_training_step_is_bitwise_transformers(clean, fused_on_cpu, padded):
+def test_training_step_is_bitwise_transformers(hf_clean, fused_on_cpu, padded):
     model = tiny_model()
     ids = _ids(seq=69)
     mask = None
@@ -59,7 +51,7 @@ def test_training_step_is_bitwise_transformers(clean, fused_on_cpu, padded):
         assert torch.equal(g, got[1][name]), name
 
 
-def test_greedy_generation_is_bitwise_transformers(clean, fused_on_cpu):
+def test_greedy_generation_is_bitwise_transformers(hf_clean, fused_on_cpu):
     model = tiny_model(hca=16)
     ids = _ids(seq=23)
     with torch.no_grad():
@@ -71,7 +63,7 @@ def test_greedy_generation_is_bitwise_transformers(clean, fused_on_cpu):
     assert torch.equal(want[1], got[1])
 
 
-def test_reorder_and_reset_carry_the_streams(clean, fused_on_cpu):
+def test_reorder_and_reset_carry_the_streams(hf_clean, fused_on_cpu):
     from transformers import DynamicCache
 
     model = tiny_model(hca=8)
@@ -107,7 +99,7 @@ def test_unknown_modules_and_cache_layers_are_named():
     assert why.startswith("Linear has no kv_proj, gate_proj, position_bias"), why
 
 
-def test_fp32_numerics_pool_in_fp32(clean, fused_on_cpu):
+def test_fp32_numerics_pool_in_fp32(hf_clean, fused_on_cpu):
     """numerics="fp32": the pooling's weights and products stay fp32 (one rounding), so
     the logits move off transformers' own, stay finite, and train."""
     model = tiny_model()
@@ -123,7 +115,7 @@ def test_fp32_numerics_pool_in_fp32(clean, fused_on_cpu):
         csa_hf.install(numerics="bf16")
 
 
-def test_a_cache_whose_first_call_fell_back_stays_with_transformers(clean, fused_on_cpu, monkeypatch):
+def test_a_cache_whose_first_call_fell_back_stays_with_transformers(hf_clean, fused_on_cpu, monkeypatch):
     """The kernels refusing a cache's first call (here: every call of the HCA layer) leaves
     that compressor on transformers' own buffers for the whole generation: the same tokens
     and logits, and the reason recorded."""

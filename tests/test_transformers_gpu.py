@@ -14,14 +14,6 @@ from hf_model import greedy, tiny_model, train_step  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def clean():
-    csa_hf.uninstall()
-    csa_hf.clear_fallback_reasons()
-    yield
-    csa_hf.uninstall()
-
-
 def _ids(batch, seq, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 128, (batch, seq), generator=g).cuda()
@@ -29,7 +21,7 @@ def _ids(batch, seq, seed=1):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("hca", [16, 128])
-def test_training_step_is_bitwise_transformers(clean, padded, hca):
+def test_training_step_is_bitwise_transformers(hf_clean, padded, hca):
     model = tiny_model(hca=hca, device="cuda", hidden=128, head_dim=128)
     ids = _ids(2, 2 * hca + 37)
     mask = None
@@ -49,7 +41,7 @@ def test_training_step_is_bitwise_transformers(clean, padded, hca):
 
 
 @pytest.mark.parametrize("hca", [16, 128])
-def test_greedy_generation_is_bitwise_transformers(clean, hca):
+def test_greedy_generation_is_bitwise_transformers(hf_clean, hca):
     model = tiny_model(hca=hca, device="cuda", hidden=128, head_dim=128)
     ids = _ids(2, hca + 5)
     with torch.no_grad():
