@@ -17,6 +17,11 @@ def tiny_model(seed=0, hca=16, dtype=torch.bfloat16, device="cpu", hidden=64, he
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca})
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM._from_config(cfg, dtype=dtype).to(device)
+    # from_pretrained keeps these in fp32; _from_config does so from 5.25 only
+    keep = tuple(model._keep_in_fp32_modules_strict or ())
+    for name, p in model.named_parameters():
+        if any(k in name.split(".") for k in keep):
+            p.data = p.data.float()
     with torch.no_grad():  # the biases and norms away from their initial constants
         for name, p in model.named_parameters():
             if "position_bias" in name or "kv_norm" in name:

@@ -43,6 +43,7 @@ class StreamState:
         self.history = coff * ratio + max_next_n
         shape = (num_slots + 1, self.history, coff * head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.device = self.kv.device  # "cuda" resolved to "cuda:0", as the caller's tensors say it
         self.score = torch.zeros(shape, dtype=dtype, device=self.device)
         self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.last_n = torch.zeros_like(self.count)
