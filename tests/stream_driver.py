@@ -21,6 +21,8 @@ def training_rows(kv, score, ape, lens, ratio, coff, numerics, ep, w, fused):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     cuc = compressed_cu_seqlens(cu, ratio)
     n = sum(x // ratio for x in lens)
+    if ep is not None:  # the norm's order differs below 16 rows (softmax_order.ROWSUM_MIN_ROWS)
+        n = max(n, 16)
     if fused:
         out = compress_thd_fused(kv, score, ape, cu, cuc, n, ratio=ratio, coff=coff,
                                  numerics=numerics, epilogue=ep, norm_weight=w)
@@ -29,6 +31,7 @@ def training_rows(kv, score, ape, lens, ratio, coff, numerics, ep, w, fused):
                                      mode=reference.MODE_OF_NUMERICS[numerics])
         if ep is not None:
             pos = torch.cat([torch.arange(x // ratio) * ratio for x in lens]).to(dev)
+            pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
             out = apply_epilogue(out, w, pos, ep)
     offs = cuc.tolist()
     return [out[offs[s]:offs[s + 1]] for s in range(len(lens))]

@@ -241,3 +241,13 @@ def test_the_host_counts_follow_or_step_aside():
     assert st.host_counts == [9, 8] and out.positions.tolist() == [4]
     st.load_state_dict(st.state_dict())
     assert st.host_counts is None
+
+
+def test_packs_are_padded_past_the_row_counts_where_torch_reorders():
+    from csa_compressor.softmax_order import ROWSUM_MIN_ROWS
+    from csa_compressor.streaming.windows import min_rows
+
+    assert min_rows(0, 512, True) == 0
+    assert min_rows(1, 512) == 1 and min_rows(1, 64) == 2 and min_rows(3, 32) == 4
+    assert min_rows(1, 512, True) == ROWSUM_MIN_ROWS == 16
+    assert min_rows(40, 64, True) == 40

@@ -143,7 +143,7 @@ def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts):
     cuc = [0]
     for k in rows:
         cuc.append(cuc[-1] + k)
-    n = min_rows(cuc[-1], d)
+    n = min_rows(cuc[-1], d, want_pos)
     pos = None
     if want_pos:
         pos = seg_arange(first_blocks, block_counts, dev) * st.ratio

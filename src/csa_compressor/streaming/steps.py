@@ -101,7 +101,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     if not capturing and bool(state.bad[idx].any()):
         raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
                          "NaN); reset it before reuse")
-    c = _constants(state, B, n)
+    c = _constants(state, B, n, epilogue is not None)
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
                   norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
     # the new tokens into the rings, then each slot's segment gathered from its ring
@@ -132,15 +132,15 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
 
 
-def _constants(state, B: int, n: int) -> dict:
+def _constants(state, B: int, n: int, epilogue: bool) -> dict:
     """The step's shape-only tensors, made once per (B, next_n) and kept on the state."""
-    key = (B, n)
+    key = (B, n, epilogue)
     got = state.constants.get(key)
     if got is None:
         r, coff, dev = state.ratio, state.coff, state.device
         R = -(-n // r)
         Rs = R + coff - 1
-        cap = min_rows(B * Rs, state.head_dim)
+        cap = min_rows(B * Rs, state.head_dim, epilogue)
         seg = torch.arange(B + 1, dtype=torch.int32, device=dev)
         got = {"k": torch.arange(n, device=dev), "L": torch.arange(Rs * r, device=dev),
                "j": torch.arange(Rs, device=dev), "R": torch.arange(R, device=dev),

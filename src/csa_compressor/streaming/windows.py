@@ -14,15 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..softmax_order import ROWSUM_MIN_ROWS
+
 # torch's reduce order over a window depends on the row count for packs of fewer than 128
-# output values (softmax_order.torch_sum_lanes_by_rows): packs are padded past that, so
-# a streamed row sums in the order of a training pack's.
+# output values (softmax_order.torch_sum_lanes_by_rows), and the epilogue's row sums below
+# ROWSUM_MIN_ROWS rows: packs are padded past both, so a streamed row sums in the order of
+# a training pack's.
 _FEW_VALUES = 128
 
 
-def min_rows(n: int, head_dim: int) -> int:
+def min_rows(n: int, head_dim: int, epilogue: bool = False) -> int:
     """The capacity a pack of ``n`` rows is given (padding rows past the true ones)."""
-    return max(n, -(-_FEW_VALUES // head_dim)) if n else 0
+    if not n:
+        return 0
+    return max(n, -(-_FEW_VALUES // head_dim), ROWSUM_MIN_ROWS if epilogue else 0)
 
 
 @dataclass(slots=True)
