@@ -31,13 +31,15 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 
 def build(spec):
     """The kernel and its arguments:
-    ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``,
+    ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``, ``guard:ratio`` (the offsets' guard),
     ``colsum:head_dim:lanes:finish`` (column_sum)."""
     if spec.startswith("colsum:"):
         _, d, lanes, finish = spec.split(":")
         return cs.ColumnSum(int(d), int(lanes), finish == "1"), cs.compile_args(int(d))
     if spec.startswith("offsets:"):
         return off.CompressedOffsets(int(spec.split(":")[1])), off.compile_args()
+    if spec.startswith("guard:"):
+        return off.OffsetsGuard(int(spec.split(":")[1])), off.guard_compile_args()
     if spec == "positions":
         return ra.RopePositions(), ra.compile_args("positions")
     if spec.startswith(("angles:", "trig:")):

@@ -92,3 +92,57 @@ def test_corrupt_offsets_stay_in_bounds_and_terminate(ratio, coff, offsets):
     for name, buf in (("out", out_buf), ("dkv", dkv_buf), ("dscore", dsc_buf)):
         for guard in (buf[:GUARD], buf[-GUARD:]):
             assert (guard == sentinel).all(), f"{name}: a write landed outside the buffer"
+
+
+def _malformed(case, cu, cuc, N, ratio):
+    from csa_compressor.layout import compressed_cu_seqlens
+
+    cu, cuc = cu.clone(), cuc.clone()
+    if case == "decreasing":
+        cu[1], cu[2] = cu[2], cu[1]
+    elif case == "first":
+        cu[0] = 5
+    elif case == "past_T":
+        cu[-1] += 4
+    elif case == "other_ratio":
+        cuc = compressed_cu_seqlens(cu, 2 * ratio)
+    elif case == "capacity":
+        N = int(cuc[-1]) - 1
+    return cu, cuc, N
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)])
+@pytest.mark.parametrize("case", ["decreasing", "first", "past_T", "other_ratio", "capacity"])
+def test_malformed_offsets_give_nan_by_default(ratio, coff, case):
+    """The default path (no check_offsets, no host sync): the fused op, forward and
+    backward, eager and replayed in a CUDA graph, and the reference on the GPU give NaN
+    for a malformed pack; the same pack well formed gives finite rows."""
+    from csa_compressor import compress_thd_fused, reference
+
+    d = 64
+    kv, score, ape, cu, cuc, N = make_pack([5 * ratio + 3, 2 * ratio, 7 * ratio + 1], d, ratio, coff,
+                                           dtype=torch.bfloat16, device="cuda")
+    bad_cu, bad_cuc, bad_N = _malformed(case, cu, cuc, N, ratio)
+    for op in (compress_thd_fused, reference.compress_thd):
+        good = op(kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff)
+        assert torch.isfinite(good).all()
+        a = ape.clone().requires_grad_(True)
+        k = kv.clone().requires_grad_(True)
+        out = op(k, score, a, bad_cu, bad_cuc, bad_N, ratio=ratio, coff=coff)
+        assert out.isnan().any(), (op.__name__, case)
+        if op is compress_thd_fused and case in ("other_ratio", "capacity"):
+            assert out.isnan().all()  # offsets in range: every row read the NaN copy
+        out.float().sum().backward()
+        assert a.grad.isnan().all() and k.grad.isnan().any(), (op.__name__, case)
+    # captured with well-formed offsets, replayed with malformed ones copied in
+    s_cu, s_cuc = cu.clone(), cuc.clone()
+    compress_thd_fused(kv, score, ape, s_cu, s_cuc, N, ratio=ratio, coff=coff)  # compile first
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = compress_thd_fused(kv, score, ape, s_cu, s_cuc, N, ratio=ratio, coff=coff)
+    g.replay()
+    assert torch.isfinite(out).all()
+    if case != "capacity":
+        s_cu.copy_(bad_cu), s_cuc.copy_(bad_cuc)
+        g.replay()
+        assert out.isnan().any(), case

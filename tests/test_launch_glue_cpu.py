@@ -6,6 +6,7 @@ checked without a GPU."""
 import pytest
 import torch
 from csa_compressor import kernel_api
+from csa_compressor.checks import poison_if_malformed
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -52,6 +53,9 @@ def fake_compile(monkeypatch):
     monkeypatch.setattr(launch, "compiled_for", compiled_for)
     monkeypatch.setattr(launch, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch, "_one_gpu", lambda: True)
+    # the offsets' guard kernel as its torch ops (the same rule, checks.poison_if_malformed)
+    monkeypatch.setattr(launch, "guarded_ape", lambda cu, cuc, ape, T, N, r:
+                        poison_if_malformed(ape, cu, cuc, T, N, r))
     return calls
 
 
@@ -68,6 +72,7 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
     out = torch.empty(N, d, dtype=dtype)
     launch.launch_forward(p, out)
     (fwd_args,) = fake_compile["fwd"].calls
+    assert torch.equal(fwd_args[2], ape)  # well-formed offsets: the guard's copy is ape
     assert fwd_args[5] is out and isinstance(fwd_args[6], int) and fwd_args[6] >= 1
     g = torch.randn(N, d).to(dtype)
     dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
@@ -76,6 +81,7 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
     assert len(used) == 1, used  # one backward launched, the default or its large-pack variant
     which = used[0]
     (bwd_args,) = fake_compile[which].calls
+    assert torch.equal(bwd_args[2], ape)
     rows_per_cta, row_ctas, zero_ctas = bwd_args[9:12]
     assert rows_per_cta * row_ctas >= N and zero_ctas >= 1
     work = bwd_args[8]
@@ -83,6 +89,43 @@ def test_launches_pass_the_compiled_functions_their_arguments(fake_compile, lens
     (dape_args,) = fake_compile["dape"].calls
     assert dape_args[1].shape == (1, ratio * coff * d)
     assert (which == "bwd_large") == (N >= 4096)
+
+
+@pytest.mark.parametrize("break_it", ["decreasing", "first", "past_T", "other_ratio", "capacity",
+                                      "capacity_zero"])
+def test_malformed_offsets_reach_the_kernels_as_a_nan_ape(fake_compile, break_it):
+    """The default path's guard: the kernels read a NaN APE (so every row and gradient is
+    NaN) for each malformation check_offsets=True names; with no rows, NaN gradients."""
+    from csa_compressor.layout import compressed_cu_seqlens
+
+    kv, score, ape, cu, cuc, N = make_pack([37, 20, 64, 29], 128, 4, 2, dtype=torch.bfloat16)
+    if break_it == "decreasing":
+        cu = torch.tensor([0, 60, 37, 101, 150], dtype=torch.int32)
+        cuc = compressed_cu_seqlens(cu.clamp(max=150), 4)
+    elif break_it == "first":
+        cu = cu + 5
+        cuc = compressed_cu_seqlens(cu - 5, 4)
+    elif break_it == "past_T":
+        cu = cu.clone()
+        cu[-1] += 4
+        cuc = compressed_cu_seqlens(cu, 4)
+    elif break_it == "other_ratio":
+        cuc = compressed_cu_seqlens(cu, 8)
+    elif break_it == "capacity":
+        N = int(cuc[-1]) - 1
+    else:
+        N = 0
+    p = validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2, contents=False)
+    g = torch.randn(N, 128).to(torch.bfloat16)
+    dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    launch.launch_backward(p, g, dkv, dsc, dape)
+    if N == 0:
+        assert all(bool(t.isnan().all()) for t in (dkv, dsc, dape))
+        return
+    launch.launch_forward(p, torch.empty(N, 128, dtype=torch.bfloat16))
+    (fwd_args,) = fake_compile["fwd"].calls
+    bwd = [c for k in ("bwd", "bwd_large") if k in fake_compile for c in fake_compile[k].calls]
+    assert fwd_args[2].isnan().all() and bwd[0][2].isnan().all()
 
 
 def test_a_kernels_check_runs_once_a_key_and_never_while_a_graph_captures(monkeypatch):

@@ -130,3 +130,15 @@ def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.devi
     if t.data_ptr() % KERNEL_ALIGN_BYTES:
         raise ValueError(f"{name}: expected a {KERNEL_ALIGN_BYTES}-byte aligned data pointer, got {t.data_ptr():#x}")
     return t
+
+
+def poison_if_malformed(t: torch.Tensor, cu, cuc, num_tokens: int, total_comp: int, ratio: int):
+    """``t``, or NaN where the offsets break the pack's rules (those of
+    validation.check_offset_contents), in torch ops on the offsets' device: no host sync,
+    differentiable in ``t`` (``t + 0`` where well formed: the same values). kernels.offsets.OffsetsGuard is the one-launch version."""
+    c, cc = cu.to(torch.int64), cuc.to(torch.int64)
+    n = c[1:] - c[:-1]
+    bad = (c[0] != 0) | (cc[0] != 0) | (c[-1] > num_tokens) | (cc[-1] > total_comp) \
+        | (n < 0).any() | ((cc[1:] - cc[:-1]) != torch.div(n, ratio, rounding_mode="floor")).any()
+    # an added NaN, not a select: the gradient of ``t`` turns NaN too
+    return t + torch.where(bad, float("nan"), 0.0).to(t.dtype)

@@ -38,7 +38,8 @@ def compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
     the kernels do not support. ``cu_seqlens_comp=None`` derives it on the device.
     ``check_offsets=True`` (or CSA_COMPRESSOR_CHECK_OFFSETS=1) reads the offsets and raises
     on contents that break the layout (one host sync; skipped inside torch.compile and
-    graph capture); by default they are not read, and bad contents give unspecified rows,
+    graph capture); by default a device-side check makes a malformed pack's rows and
+    gradients NaN (kernels.launch.ape_read), with no host sync,
     never an out-of-bounds access. ``deterministic`` is accepted for API stability: the
     backward is always bitwise reproducible (dape partials are reduced in a fixed order),
     so both settings, and ``torch.use_deterministic_algorithms(True)``, give the same result.

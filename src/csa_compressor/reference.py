@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import poison_if_malformed
 from .softmax_order import SUM_ACCUMULATORS, ordered_sum, torch_softmax_lanes, torch_sum_lanes
 from .validation import check_ratio_coff, validate
 
@@ -158,11 +159,18 @@ def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, rat
                     check_offsets=check_offsets)
     kv2, score2, d, N = prob.kv, prob.score, prob.head_dim, total_comp
     out_dtype = torch.float64 if mode == "fp64" else kv2.dtype
+    # offsets on the CPU were checked by validate; on the GPU a malformed pack gives NaN
+    guard = None
+    if prob.cu_seqlens.device.type != "cpu":
+        def guard(t):
+            return poison_if_malformed(t, prob.cu_seqlens, prob.cu_seqlens_comp, kv2.shape[0], N, ratio)
     if N == 0 or kv2.shape[0] < ratio:
         # No window fits: every row is a zero padding row (or there are no rows).
-        return kv2.new_zeros((N, d), dtype=out_dtype)
+        out = kv2.new_zeros((N, d), dtype=out_dtype)
+        return out if guard is None else guard(out)
     t0, i, real = row_geometry(prob.cu_seqlens, prob.cu_seqlens_comp, N, ratio)
-    v, s, a, mask = _windows(kv2, score2, prob.ape, t0, i, ratio, coff, d)
+    v, s, a, mask = _windows(kv2, score2, prob.ape if guard is None else guard(prob.ape), t0, i,
+                             ratio, coff, d)
     out = _pool(v, s, a, mask, mode, out_dtype)
     # Padding rows exist only for static shapes: finite values, no gradient.
     return torch.where(real[:, None], out, out.detach())

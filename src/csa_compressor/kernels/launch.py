@@ -11,6 +11,7 @@ import torch
 from . import plan
 from .compile import compiled_for
 from .hardware import sm_count
+from .offsets import guarded_ape
 from .tuning import current
 
 
@@ -40,6 +41,15 @@ class _on_device:
             self.guard.__exit__(*exc)
 
 
+def ape_read(p):
+    """The APE the pooling kernels read: of a THD pack, a copy that is NaN where its
+    offsets are malformed (offsets.OffsetsGuard; SBHD packs have no caller offsets), so
+    bad offsets give NaN rows and gradients by default, with no host sync."""
+    if p.batch:
+        return p.ape
+    return guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp, p.ratio)
+
+
 def launch_forward(p, out, epilogue=None, extra=()):
     """Forward launch on a validated problem into a checked ``out``. ``epilogue`` (an
     EpilogueKey): the kernel with the epilogue inside (pool_epilogue), ``extra`` its
@@ -54,7 +64,7 @@ def launch_forward(p, out, epilogue=None, extra=()):
                                    numerics=p.numerics, epilogue=epilogue), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm,
                                          p.tuning)
-        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
+        c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
     return out
 
 
@@ -121,9 +131,13 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     dev, dt, N, T, d, ratio, coff = (p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens,
                                      p.head_dim, p.ratio, p.coff)
     if N == 0 or T == 0:
-        grad_kv.zero_()
-        grad_score.zero_()
-        grad_ape.zero_()
+        # no rows or no tokens: zeros, or NaN where the offsets are malformed
+        fill = None
+        if p.batch == 0 and p.ape.numel():
+            with _on_device(dev):
+                fill = ape_read(p).view(-1)[:1] * 0
+        for g in (grad_kv, grad_score, grad_ape):
+            g.zero_() if fill is None else g.copy_(fill.view([1] * g.dim()).expand(g.shape))
         return grad_kv, grad_score, grad_ape
     with _on_device(dev):
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
@@ -134,7 +148,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:
             raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
-        c.fn(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
+        c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
              grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, *extra)
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows.

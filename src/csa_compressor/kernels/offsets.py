@@ -84,3 +84,87 @@ def compressed_offsets(cu, ratio: int):
     out = torch.empty_like(cu)
     fn(cu, out)
     return out
+
+
+GUARD_THREADS = 1024
+GUARD_MAX_CTAS = 16  # every CTA checks every segment: a few, each copying a slice of ape
+
+
+class OffsetsGuard:
+    """``out = ape`` where the pack's offsets keep the layout's rules, else NaN: the
+    default GPU path's check, with no host sync. The pooling then reads ``out``, so a
+    malformed pack gives NaN rows and gradients instead of finite garbage. The rules are
+    validation.check_offset_contents': ``cu[0] == 0``, no segment shorter than 0 tokens,
+    ``cu[B] <= num_tokens``, ``cuc[s+1] - cuc[s] == (cu[s+1] - cu[s]) // ratio`` with
+    ``cuc[0] == 0``, and ``cuc[B] <= total_comp``."""
+
+    def __init__(self, ratio: int):
+        self.ratio = ratio
+
+    @cute.jit
+    def __call__(self, mCu: cute.Tensor, mCuc: cute.Tensor, mApe: cute.Tensor, mOut: cute.Tensor,
+                 num_tokens: Int32, total_comp: Int32, ctas: Int32, stream):
+        self.kernel(mCu, mCuc, mApe, mOut, num_tokens, total_comp).launch(
+            grid=[ctas, 1, 1], block=[GUARD_THREADS, 1, 1], smem=16, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mCu: cute.Tensor, mCuc: cute.Tensor, mApe: cute.Tensor, mOut: cute.Tensor,
+               num_tokens: Int32, total_comp: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        segs = mCu.shape[0] - 1
+        smem = cutlass.memory.SmemAllocator()
+        flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 16)
+        if tid == 0:
+            flag[0] = Int32(0)
+        cute.arch.sync_threads()
+        bad = Int32(0)
+        if tid == 0:
+            if mCu[0] != 0 or mCuc[0] != 0 or mCu[segs] > num_tokens or mCuc[segs] > total_comp:
+                bad = Int32(1)
+        for s in cutlass.range(tid, segs, GUARD_THREADS):
+            n = Int64(mCu[s + 1]) - Int64(mCu[s])
+            rows = Int64(mCuc[s + 1]) - Int64(mCuc[s])
+            if n < 0:
+                bad = Int32(1)
+            elif rows != n // Int64(self.ratio):
+                bad = Int32(1)
+        if bad != 0:
+            flag[0] = Int32(1)  # any writer's 1 will do
+        cute.arch.sync_threads()
+        poisoned = flag[0] != 0
+        for i in cutlass.range(cta * GUARD_THREADS + tid, mApe.shape[0], ctas * GUARD_THREADS):
+            v = mApe[i]
+            if poisoned:
+                v = cutlass.Float32(float("nan"))
+            mOut[i] = v
+
+
+def guard_compile_args() -> tuple:
+    """Symbolic arguments: segments and ape's size stay symbolic (one compile a ratio)."""
+    from .plan import _fake
+
+    B1, n = cute.sym_int32(), cute.sym_int32()
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (_fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4),
+            _fake(cutlass.Float32, (n,), 4), _fake(cutlass.Float32, (n,), 4),
+            Int32(1), Int32(1), Int32(1), stream)
+
+
+def guarded_ape(cu, cuc, ape, num_tokens: int, total_comp: int, ratio: int):
+    """``ape`` as the pooling should read it: a copy, NaN where the offsets are malformed
+    (OffsetsGuard, one launch; its torch version where the kernel cannot be had now)."""
+    import torch
+
+    fn = small_kernel(("offsets_guard", ratio), cu.device,
+                      lambda: (OffsetsGuard(ratio), guard_compile_args()))
+    if fn is None:
+        from ..checks import poison_if_malformed
+
+        return poison_if_malformed(ape, cu, cuc, num_tokens, total_comp, ratio)
+    out = torch.empty_like(ape)
+    n = ape.numel()
+    fn(cu, cuc, ape.view(-1), out.view(-1), num_tokens, total_comp,
+       max(1, min(GUARD_MAX_CTAS, -(-n // (4 * GUARD_THREADS)))))
+    return out
