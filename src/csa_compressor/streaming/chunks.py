@@ -9,7 +9,7 @@ import torch
 from ..checks import check_tensor
 from ..validation import check_token_offsets
 from .rows import pool_rows, settings
-from .windows import min_rows, plan, seg_arange
+from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange
 
 
 class Rows(NamedTuple):
@@ -184,16 +184,25 @@ def _store(state, kv, score, slot_list, wins):
     """The chunks' last ``history`` tokens into the slots' rings; the counts advanced."""
     H, W, dev = state.history, state.width, state.device
     keep = [min(w.n, H) for w in wins]
-    src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev)
-    dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev) % H + \
-        torch.repeat_interleave(torch.tensor([s * H for s in slot_list], dtype=torch.int64, device=dev),
-                                torch.tensor(keep, dtype=torch.int64, device=dev), output_size=sum(keep))
-    if src.numel():
+    new = [w.c + w.n for w in wins]
+    m, B = sum(keep), len(slot_list)
+    if m <= HOST_INDEX_MAX:  # every index in one host list, one copy
+        src = [t for w, k in zip(wins, keep) for t in range(w.start + w.n - k, w.start + w.n)]
+        dst = [s * H + t % H for w, k, s in zip(wins, keep, slot_list)
+               for t in range(w.c + w.n - k, w.c + w.n)]
+        ix = torch.tensor(src + dst + slot_list + new, dtype=torch.int64, device=dev)
+        src, dst, idx, counts = ix[:m], ix[m:2 * m], ix[2 * m:2 * m + B], ix[2 * m + B:]
+    else:
+        src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev)
+        dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev) % H + \
+            torch.repeat_interleave(torch.tensor([s * H for s in slot_list], dtype=torch.int64, device=dev),
+                                    torch.tensor(keep, dtype=torch.int64, device=dev), output_size=m)
+        ix = torch.tensor(slot_list + new, dtype=torch.int64, device=dev)
+        idx, counts = ix[:B], ix[B:]
+    if m:
         state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
         state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))
-    idx = torch.tensor(slot_list, dtype=torch.int64, device=dev)
-    new = [w.c + w.n for w in wins]
-    state.count[idx] = torch.tensor(new, dtype=torch.int64, device=dev)
+    state.count[idx] = counts
     state.last_n[idx] = 0
     if state.host_counts is not None:
         for sl, c in zip(slot_list, new):

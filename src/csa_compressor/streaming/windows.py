@@ -75,12 +75,19 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
     return out
 
 
+# below this many indices a host list and one copy beat three device ops
+HOST_INDEX_MAX = 512
+
+
 def seg_arange(starts, counts, device) -> torch.Tensor:
-    """``cat([arange(s, s + k) for s, k in zip(starts, counts)])`` built on the device from
-    two small host lists (no sync)."""
+    """``cat([arange(s, s + k) for s, k in zip(starts, counts)])`` from two small host
+    lists, with no sync: built on the host where short, else on the device."""
     total = sum(counts)
     if not total:
         return torch.empty(0, dtype=torch.int64, device=device)
+    if total <= HOST_INDEX_MAX:
+        return torch.tensor([i for s, k in zip(starts, counts) for i in range(s, s + k)],
+                            dtype=torch.int64, device=device)
     offs, first = [], 0
     for s, k in zip(starts, counts):
         offs.append(s - first)
