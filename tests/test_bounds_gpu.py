@@ -50,6 +50,9 @@ def test_many_segment_packs_match_the_reference(case):
     N = max(0, N + min(extra, 0))
     g = torch.randn(N, d, device="cuda").to(dtype)
     fused = _kernel_level(kv, score, ape, cu, cuc, N, ratio, coff, g, float("nan"))
+    if extra < 0:  # a capacity cut below the true row count is malformed: NaN by default
+        assert fused[0].isnan().all() and fused[3].isnan().all()
+        return
     ref = _grads(_ref("fp32"), kv, score, ape, cu, cuc, N, ratio, coff, g)
     for name, f in zip(("out", "dkv", "dscore", "dape"), fused):
         assert not torch.isnan(f).any(), f"{name}: elements left unwritten"

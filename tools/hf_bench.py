@@ -8,7 +8,7 @@ The model: hidden 4096, head_dim 512 (the realistic compressor size), one CSA la
 4, with its indexer), one HCA layer (ratio 128) and one sliding layer; the rest small
 (4 heads, 4 experts, vocabulary 1024), bf16 with transformers' fp32 modules.
 
-- Training step: CUDA events around 3 back-to-back steps (median of 3; host included, no
+- Training step (``use_cache=False``, as fine-tuning runs): CUDA events around 3 back-to-back steps (median of 3; host included, no
   graph: the model is eager). The compressor's part: each compressor module replayed alone
   on the inputs it saw in one forward (hooks), forward + backward to its inputs and
   parameters (the indexer's forward only: its top-k indices carry no gradient).
@@ -64,7 +64,7 @@ def compressors(model):
 
 def train_step(model, ids):
     model.zero_grad(set_to_none=True)
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
 
 def compressor_step_us(model, ids):
@@ -73,13 +73,16 @@ def compressor_step_us(model, ids):
     hooks = [m.register_forward_pre_hook(lambda m, a, k: seen.append((m, a, k)), with_kwargs=True)
              for _, m in compressors(model)]
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids, use_cache=False)  # no cache: the compressors' training path
     for h in hooks:
         h.remove()
     calls = []
+    def leaf(a):  # each replay its own graph: the model's forward is long gone
+        return a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a
+
     for m, args, kwargs in seen:
-        args = [a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a
-                for a in args]
+        args = [leaf(a) for a in args]
+        kwargs = {k: leaf(v) for k, v in kwargs.items()}
         calls.append((m, args, kwargs, type(m).__name__ != "DeepseekV4Indexer"))
 
     def step():
