@@ -5,6 +5,8 @@
 # $WORK and are packed into $OUT/logs.tgz at the end (the device tool returns at most 8
 # files); $OUT/progress.txt grows as steps finish, so a killed call still says how far
 # it got.
+# CSA_COMMIT: write the hash in as a literal from this machine; `git rev-parse` run on the
+# device answers from the copy's stale git metadata, not the tree that runs.
 #   source .device/env.sh && CSA_COMMIT=<hash> DEADLINE=560 bash tools/gpu_call.sh \
 #       "par:info,tests_bounds,tests_fused,tests_rest,sanitize" "seq:host,bench,scale" \
 #       "seq:ncu_1x8192:128:4:2"
