@@ -69,8 +69,7 @@ Megatron is imported only by ``install()``, never by ``import csa_compressor``.
 
 from __future__ import annotations
 
-import contextlib
-
+from ..install_scope import installed_for_block
 from . import csa2
 from .hooks import HOOK, csa_module, forward_sbhd, forward_thd, maybe_compress_thd_fused
 from .state import Options, installed as _installed, reasons as _reasons
@@ -132,16 +131,9 @@ def is_installed() -> bool:
     return _installed["module"] is not None
 
 
-@contextlib.contextmanager
 def installed(respect_enabled: bool = False, epilogue: bool = False, projection: bool = False,
               numerics: str = "fp32"):
     """``install()`` for the block, then Megatron's hook back as it was."""
-    was, before = is_installed(), _installed["options"]
-    install(respect_enabled, epilogue, projection, numerics)
-    try:
-        yield
-    finally:
-        if was:
-            _installed["options"] = before
-        else:
-            uninstall()
+    return installed_for_block(_installed, is_installed,
+                               lambda: install(respect_enabled, epilogue, projection, numerics),
+                               uninstall)

@@ -21,9 +21,9 @@ transformers' own code before, autograd through a cache), the class's own forwar
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
+from ..install_scope import installed_for_block
 from . import forwards, pooling
 from .state import Options, installed as _installed, reasons as _reasons
 
@@ -111,15 +111,6 @@ def clear_fallback_reasons() -> None:
     _reasons.clear()
 
 
-@contextlib.contextmanager
 def installed(numerics: str = "eager"):
     """``install()`` for the block, then transformers' forwards back as they were."""
-    was, before = is_installed(), _installed["options"]
-    install(numerics)
-    try:
-        yield
-    finally:
-        if was:
-            _installed["options"] = before
-        else:
-            uninstall()
+    return installed_for_block(_installed, is_installed, lambda: install(numerics), uninstall)
