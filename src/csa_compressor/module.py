@@ -16,6 +16,7 @@ from .epilogue import (Epilogue, YaRN, eager_epilogue, megatron_epilogue, megatr
 from .epilogue_op import apply_epilogue
 from .fused_epilogue import EpilogueInside, Finish
 from .layout import compressed_capacity, compressed_cu_seqlens
+from .module_v41 import CompressorV41, megatron_mapped
 
 POOLING = ("auto", "fused", "reference")
 NUMERICS = ("fp32", "megatron", "megatron_eager")
@@ -128,24 +129,13 @@ class Compressor(nn.Module):
         position bias, no overlap, no RoPE, the norm after rounding; ratio 1 a projection
         and the norm (module_v41.CompressorV41; ``norm_eps``, ``dtype``, ``device``,
         ``pooling``)."""
-        from .module_v41 import CompressorV41
-
         return CompressorV41(hidden_size, head_dim, ratio, **kwargs)
 
     def load_megatron_state_dict(self, state_dict, strict: bool = True):
         """Load a Megatron-LM ``Compressor``'s ``state_dict`` (its keys mapped onto this
         module's; Transformer Engine's ``_extra_state`` entries are skipped)."""
-        mapped = {}
-        for key, value in state_dict.items():
-            if key.endswith("_extra_state"):
-                continue
-            if key not in self.MEGATRON_KEYS:
-                if strict:
-                    raise KeyError(f"state_dict: unexpected key {key!r} for a Megatron Compressor "
-                                   f"(expected {sorted(self.MEGATRON_KEYS)})")
-                continue
-            mapped[self.MEGATRON_KEYS[key]] = value
-        return self.load_state_dict(mapped, strict=strict)
+        return self.load_state_dict(megatron_mapped(state_dict, self.MEGATRON_KEYS, strict,
+                                                    "a Megatron Compressor"), strict=strict)
 
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, *, coff: int | None = None,
                  rope_dim: int | None = None, rope_theta: float = 160000.0,

@@ -17,6 +17,23 @@ from .layout import compressed_capacity, compressed_cu_seqlens
 POOLING = ("auto", "fused", "reference")
 
 
+def megatron_mapped(state_dict, keys: dict, strict: bool, what: str) -> dict:
+    """A Megatron-LM module's ``state_dict`` under this package's names (``keys``: theirs
+    to ours); Transformer Engine's ``_extra_state`` entries skipped, any other key not in
+    ``keys`` an error where ``strict``, else skipped."""
+    mapped = {}
+    for key, value in state_dict.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key not in keys:
+            if strict:
+                raise KeyError(f"state_dict: unexpected key {key!r} for {what} (expected "
+                               f"{sorted(keys)})")
+            continue
+        mapped[keys[key]] = value
+    return mapped
+
+
 class CompressorV41(nn.Module):
     """``wkv`` (and, at ratio > 1, ``wgate``): hidden -> head_dim, fp32 at ratio > 1 (the
     checkpoint ``dtype`` at ratio 1); ``norm_weight`` ``(head_dim,)`` in ``dtype``, applied
@@ -49,17 +66,10 @@ class CompressorV41(nn.Module):
 
     def load_megatron_state_dict(self, state_dict, strict: bool = True):
         """Load a Megatron-LM ``CSA2Compressor``'s ``state_dict``."""
-        mapped = {}
-        for key, value in state_dict.items():
-            if key.endswith("_extra_state"):
-                continue
-            if key not in self.MEGATRON_KEYS or (key == "linear_wgate.weight" and not self.gated):
-                if strict:
-                    raise KeyError(f"state_dict: unexpected key {key!r} for a CSA2Compressor of "
-                                   f"ratio {self.ratio}")
-                continue
-            mapped[self.MEGATRON_KEYS[key]] = value
-        return self.load_state_dict(mapped, strict=strict)
+        keys = {k: v for k, v in self.MEGATRON_KEYS.items() if self.gated or k != "linear_wgate.weight"}
+        return self.load_state_dict(megatron_mapped(state_dict, keys, strict,
+                                                    f"a CSA2Compressor of ratio {self.ratio}"),
+                                    strict=strict)
 
     def _norm(self, rows):
         return nn.functional.rms_norm(rows, (self.head_dim,), self.norm_weight, self.norm_eps)
