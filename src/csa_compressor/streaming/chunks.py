@@ -9,7 +9,7 @@ import torch
 from ..checks import check_tensor
 from ..validation import check_token_offsets
 from .rows import pool_rows, settings
-from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange
+from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange, seg_list
 
 
 class Rows(NamedTuple):
@@ -187,7 +187,7 @@ def _store(state, kv, score, slot_list, wins):
     new = [w.c + w.n for w in wins]
     m, B = sum(keep), len(slot_list)
     if m <= HOST_INDEX_MAX:  # every index in one host list, one copy
-        src = [t for w, k in zip(wins, keep) for t in range(w.start + w.n - k, w.start + w.n)]
+        src = seg_list([w.start + w.n - k for w, k in zip(wins, keep)], keep)
         dst = [s * H + t % H for w, k, s in zip(wins, keep, slot_list)
                for t in range(w.c + w.n - k, w.c + w.n)]
         ix = torch.tensor(src + dst + slot_list + new, dtype=torch.int64, device=dev)

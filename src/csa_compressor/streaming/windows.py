@@ -79,6 +79,11 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
 HOST_INDEX_MAX = 512
 
 
+def seg_list(starts, counts) -> list:
+    """seg_arange's indices as a host list."""
+    return [i for s, k in zip(starts, counts) for i in range(s, s + k)]
+
+
 def seg_arange(starts, counts, device) -> torch.Tensor:
     """``cat([arange(s, s + k) for s, k in zip(starts, counts)])`` from two small host
     lists, with no sync: built on the host where short, else on the device."""
@@ -86,8 +91,7 @@ def seg_arange(starts, counts, device) -> torch.Tensor:
     if not total:
         return torch.empty(0, dtype=torch.int64, device=device)
     if total <= HOST_INDEX_MAX:
-        return torch.tensor([i for s, k in zip(starts, counts) for i in range(s, s + k)],
-                            dtype=torch.int64, device=device)
+        return torch.tensor(seg_list(starts, counts), dtype=torch.int64, device=device)
     offs, first = [], 0
     for s, k in zip(starts, counts):
         offs.append(s - first)
