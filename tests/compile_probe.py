@@ -17,6 +17,7 @@ batch = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # SBHD sequences (0: THD)
 numerics = sys.argv[8] if len(sys.argv) > 8 else "fp32"
 # the epilogue inside the kernels, "rope_dim:interleaved:rotate:weight dtype" ("" none)
 epilogue = sys.argv[9] if len(sys.argv) > 9 else ""
+fp32_dscore = len(sys.argv) > 10 and sys.argv[10] == "1"  # a backward's dscore stored in fp32
 dump = tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
@@ -63,7 +64,7 @@ with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         ep = plan.EpilogueKey(int(rope), inter == "1", rot == "1", 1e-6, getattr(torch, wdt))
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
                                row_stride=row_stride, batch=batch, numerics=numerics,
-                               epilogue=ep))
+                               epilogue=ep, fp32_dscore=fp32_dscore))
 if built is None:  # the specialisation has no such kernel (catalog.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)
@@ -77,6 +78,10 @@ loads = {}
 for m in re.findall(r"ld\.global(?:\.nc)?((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
     width = (int(m[0][2:]) if m[0] else 1) * int(m[1]) // 8
     loads[width] = loads.get(width, 0) + 1
+stores = {}
+for m in re.findall(r"st\.global((?:\.v\d)?)\.(?:b|u|f|s)(\d+)", ptx):
+    width = (int(m[0][2:]) if m[0] else 1) * int(m[1]) // 8
+    stores[width] = stores.get(width, 0) + 1
 copies = {}
 for m in re.findall(r"cp\.async\.c[ag]\.shared(?:::cta)?\.global[^,]*,[^,]*,\s*(\d+)", ptx):
     copies[int(m)] = copies.get(int(m), 0) + 1
@@ -92,6 +97,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
+                  "stores_by_bytes": stores,
                   "shfl_bfly": ptx.count("shfl.sync.bfly"), "bar_sync": len(re.findall(r"\bbar(?:rier)?\.sync", ptx)),
                   "cvt_rn": len(re.findall(r"cvt\.rn\.(?:bf16|f16)\.f32", ptx)),
                   "cvt_rn_x2": len(re.findall(r"cvt\.rn\.(?:bf16|f16)x2\.f32", ptx)),

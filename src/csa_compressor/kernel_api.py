@@ -64,7 +64,9 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
     ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
     reproducible: dape partials are reduced in a fixed order, never with atomics.
     ``check_offsets`` and ``numerics``: as compress_thd_fused's (a ``workspace`` then of
-    backward_workspace_shape(..., numerics=numerics))."""
+    backward_workspace_shape(..., numerics=numerics)). ``grad_score`` may be float32 for
+    bf16 / fp16 inputs: dscore before its rounding (the value the kernel rounds into a
+    grad_score of kv's dtype), for callers that reduce it in an order of their own."""
     if not isinstance(grad_out, torch.Tensor):
         raise TypeError(f"grad_out: expected a torch.Tensor, got {type(grad_out).__name__}")
     p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.shape[0], ratio, coff,
@@ -72,7 +74,8 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
     dev, dt, N, d = p.kv.device, p.kv.dtype, p.total_comp, p.head_dim
     check_out("grad_out", grad_out, (N, d), dt, dev)
     check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
-    check_out("grad_score", grad_score, tuple(p.kv.shape), dt, dev)
+    score_dt = torch.float32 if getattr(grad_score, "dtype", None) == torch.float32 else dt
+    check_out("grad_score", grad_score, tuple(p.kv.shape), score_dt, dev)
     check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
     if workspace is not None:
         check_out("workspace", workspace, workspace.shape, torch.float32, dev)

@@ -76,6 +76,8 @@ class BackwardGrid:
         cpr = self.cpr
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
+        zero_s = cute.make_rmem_tensor((self.vec,), gDSc.element_type)  # fp32 where asked
+        zero_s.fill(0.0)
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(pk.cu, cutlass.min(t0, pk.num_tokens), pk.num_seqs)
         start, end, nb, rowb = self.segment_span(pk, s)
@@ -84,7 +86,8 @@ class BackwardGrid:
         # zero CTA in a pack of full sequences) walks none.
         j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,
                                pk.num_rows)
-        self.zero_tokens(pk, gDKV, gDSc, t0, chunk, zero, own_col, s, (start, end, nb, rowb), j0)
+        self.zero_tokens(pk, gDKV, gDSc, t0, chunk, (zero, zero_s), own_col, s, (start, end, nb, rowb),
+                         j0)
 
     @cute.jit
     def first_unread(self, t0, Z: int, start, end, nb, rowb, num_rows):
@@ -108,10 +111,11 @@ class BackwardGrid:
         return (blk < nb) & (row < num_rows)
 
     @cute.jit
-    def zero_tokens(self, pk: Pack, gDKV, gDSc, t0, chunk, zero, own_col, s, span, j0):
+    def zero_tokens(self, pk: Pack, gDKV, gDSc, t0, chunk, zeros, own_col, s, span, j0):
         """zero_unread's walk over its tokens from t0 + j0, from segment ``s``'s ``span``
-        (segment_span's)."""
+        (segment_span's); ``zeros``: a zero vector of dkv's and of dscore's type."""
         ratio, num_rows = self.ratio, pk.num_rows
+        zero, zero_s = zeros
         start, end, nb, rowb = span
         for j in cutlass.range(j0, self.t.ZERO_TOKENS_PER_THREAD):
             t = t0 + j
@@ -124,9 +128,9 @@ class BackwardGrid:
                 own_read = self.block_read(blk, row, nb, num_rows)
                 if ~own_read:
                     gDKV[(None, (t, own_col))].store(zero.load())
-                    gDSc[(None, (t, own_col))].store(zero.load())
+                    gDSc[(None, (t, own_col))].store(zero_s.load())
                 if cutlass.const_expr(self.coff == 2):
                     prev_read = self.block_read(blk + 1, row + 1, nb, num_rows)
                     if ~prev_read:
                         gDKV[(None, (t, chunk))].store(zero.load())
-                        gDSc[(None, (t, chunk))].store(zero.load())
+                        gDSc[(None, (t, chunk))].store(zero_s.load())

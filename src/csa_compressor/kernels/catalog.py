@@ -24,7 +24,7 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     specialisation does not have)."""
     specs = family(s)
     args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
-                         f.batch, f.epilogue, f.tuning) for f in specs]
+                         f.batch, f.epilogue, f.tuning, f.fp32_dscore) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
                           f.row_stride, f.batch, f.numerics, f.epilogue) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
@@ -115,11 +115,12 @@ def _designable(dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, ba
 
 def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                  row_stride: int = 0, batch: int = 0, epilogue: EpilogueKey | None = None,
-                 tuning: Tuning | None = None) -> tuple:
+                 tuning: Tuning | None = None, fp32_dscore: bool = False) -> tuple:
     """Symbolic arguments of a direction's launch: token, row, batch and partial-row counts
     stay symbolic, so packs change without recompiling; ``row_stride`` (0: packed rows) is
     the token rows' static stride in kv, score, dkv and dscore; ``batch`` (SBHD) makes the
-    output and grad_out rows ``batch * head_dim`` apart (sequence 0's view of them)."""
+    output and grad_out rows ``batch * head_dim`` apart (sequence 0's view of them);
+    ``fp32_dscore``: a backward's dscore is fp32 (the kernels store its element type)."""
 
     W = coff * head_dim
     T, N, B1, P = (cute.sym_int32() for _ in range(4))
@@ -148,7 +149,8 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
     if direction == "fwd":
         return (kv, score, ape, cu, cuc, outs(), Int32(1)) + ep + (stream,)
     grad = outs()
-    dkv, dscore = rows(), rows()
+    dkv = rows()
+    dscore = _fake(cutlass.Float32, (T, W), 16) if fp32_dscore else rows()
     work = _fake(cutlass.Float32, (P, W), 16)
     return (kv, score, ape, cu, cuc, grad, dkv, dscore, work, Int32(1), Int32(1),
             Int32(1)) + ep + (stream,)

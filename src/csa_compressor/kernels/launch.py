@@ -81,14 +81,16 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
-                    batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None):
+                    batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None,
+                    fp32_dscore: bool = False):
     """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
     sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
     BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
     copies its first row at a guess."""
     t = tuning or current()
     c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, t, row_stride=row_stride,
-                               batch=batch, numerics=numerics, epilogue=epilogue), device)
+                               batch=batch, numerics=numerics, epilogue=epilogue,
+                               fp32_dscore=fp32_dscore), device)
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
         rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
@@ -98,13 +100,14 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
-                  batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None):
+                  batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None,
+                  fp32_dscore: bool = False):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch. A kernel with the epilogue inside takes the plain backward's schedule:
     the APE gradient sums the row CTAs' partials, so the same row CTAs keep that sum in the
     pooling op's order (its own registers may leave fewer CTAs an SM)."""
     c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
-                        numerics, epilogue, tuning)
+                        numerics, epilogue, tuning, fp32_dscore)
     sized = c if epilogue is None else backward_kernel(device, dtype, ratio, coff, head_dim,
                                                        total_comp, row_stride, batch, numerics,
                                                        tuning=tuning)
@@ -127,7 +130,8 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     ``epilogue`` (an EpilogueKey): the kernel with the epilogue's backward inside, which
     writes ``grad_out`` itself before reading it; ``extra`` its arguments after the
     pooling's (the output's gradient, the rows, their statistics, the weight, cos, sin,
-    ``grad_out`` flat, the weight's products)."""
+    ``grad_out`` flat, the weight's products). A float32 ``grad_score`` for narrower
+    inputs takes dscore unrounded (plan.KernelSpec.fp32_dscore)."""
     dev, dt, N, T, d, ratio, coff = (p.kv.device, p.kv.dtype, p.total_comp, p.num_tokens,
                                      p.head_dim, p.ratio, p.coff)
     if N == 0 or T == 0:
@@ -140,10 +144,11 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
             g.zero_() if fill is None else g.copy_(fill.view([1] * g.dim()).expand(g.shape))
         return grad_kv, grad_score, grad_ape
     with _on_device(dev):
+        fp32_dscore = grad_score.dtype == torch.float32 and dt != torch.float32
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
                                                                       p.row_stride, p.batch,
                                                                       p.numerics, epilogue,
-                                                                      p.tuning)
+                                                                      p.tuning, fp32_dscore)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:

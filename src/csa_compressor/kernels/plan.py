@@ -70,6 +70,9 @@ class KernelSpec:
     numerics: str = "fp32"
     # The epilogue inside the kernels (pool_epilogue); None: the pooling alone.
     epilogue: EpilogueKey | None = None
+    # A backward that stores dscore in fp32, unrounded (kv and score of a narrower dtype):
+    # for callers that reduce it themselves in another order (the transformers adapter).
+    fp32_dscore: bool = False
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
@@ -77,7 +80,7 @@ class KernelSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
-                      self.row_stride, self.batch, self.numerics, self.epilogue))
+                      self.row_stride, self.batch, self.numerics, self.epilogue, self.fp32_dscore))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -86,6 +89,7 @@ class KernelSpec:
         rows += f", batch={self.batch}" if self.batch else ""
         rows += f", numerics={self.numerics!r}" if self.numerics != "fp32" else ""
         rows += f", {self.epilogue}" if self.epilogue is not None else ""
+        rows += ", fp32 dscore" if self.fp32_dscore else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
@@ -105,14 +109,16 @@ _SPECS: dict = {}
 
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
          tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0,
-         numerics: str = "fp32", epilogue: EpilogueKey | None = None) -> KernelSpec:
+         numerics: str = "fp32", epilogue: EpilogueKey | None = None,
+         fp32_dscore: bool = False) -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
     cost ~15 µs of host time. The memo keys on the tuning object and keeps it alive, so its
     id cannot be reused."""
     t = tuning or current()
-    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics, epilogue)
+    key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics, epilogue,
+           fp32_dscore)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
@@ -123,12 +129,17 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
     if direction in ("dape", "dape_wide"):
         # the partials are fp32 whatever the inputs are, in one layout
         dtype, row_stride, batch, numerics, epilogue = torch.float32, 0, 0, "fp32", None
+    if direction in ("fwd", "dape", "dape_wide") or dtype == torch.float32:
+        fp32_dscore = False  # no dscore, or one that is fp32 anyway
     if batch == 1:
         batch = 0  # one SBHD sequence is a one-segment pack
     if row_stride == coff * head_dim and not batch:
         row_stride = 0  # packed rows: one spec, one kernel
+    if fp32_dscore and (row_stride or batch or epilogue is not None):
+        raise ValueError("fp32_dscore: only for THD packs of separate kv and score tensors "
+                         "without the epilogue")
     made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch,
-                      numerics, epilogue)
+                      numerics, epilogue, fp32_dscore)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -140,7 +151,7 @@ def family(s: KernelSpec) -> tuple:
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
     sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0,
-                         numerics="fp32", epilogue=None)
+                         numerics="fp32", epilogue=None, fp32_dscore=False)
                  for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)

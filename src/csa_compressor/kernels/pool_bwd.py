@@ -167,7 +167,7 @@ class PoolBackward(BackwardGrid, WindowSlots):
             _, _, _, valid = self.slot_coords(Int32(kk), t0, has_prev, chunk)
             if valid:
                 off = self.slot_offset(kk)
-                cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(self.dtype))
+                cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(gDSc.element_type))
                 cute.make_tensor(bV + off, vl).store(vf[kk, None].load().to(self.dtype))
                 for e in cutlass.range_constexpr(self.vec):
                     dacc[kk, e] = dacc[kk, e] + sf[kk, e]

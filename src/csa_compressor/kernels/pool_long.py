@@ -320,7 +320,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                         dsc[e], dkv[e] = softmax_grads(sf[kk, e], buf[self.col(tid, e), g * CH + kk],
                                                        S[e], gv[e], self.rnd)
                         dacc[kk, e] = dacc[kk, e] + dsc[e]
-                    gDSc[(None, (tok, colc))].store(dsc.load().to(self.dtype))
+                    gDSc[(None, (tok, colc))].store(dsc.load().to(gDSc.element_type))
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
 
     @cute.jit
@@ -348,7 +348,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
             for kk in cutlass.range_constexpr(CH):
                 tok, colc, _, valid = self.slot_coords(g * CH + kk, t0, has_prev, chunk)
                 if valid:
-                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(self.dtype))
+                    gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(gDSc.element_type))
                     gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
                     for e in cutlass.range_constexpr(vec):
                         dacc[kk, e] = dacc[kk, e] + sf[kk, e]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import dispatch, runtime, streaming
+from .. import dispatch, kernel_api, runtime, streaming
 from .state import options
 
 _STREAMS = "_csa_compressor_streams"  # cache layer attribute: {name: StreamState}
@@ -53,10 +53,46 @@ def stateless(kv, gate, bias, ratio: int, coff: int):
     B, S, W = kv.shape
     n = S // ratio
     steps = torch.arange(B + 1, dtype=torch.int32, device=kv.device)
-    out, why = dispatch.fused_or_reason(kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
-                                        steps * S, steps * n, B * n, ratio=ratio, coff=coff,
-                                        numerics=options().numerics)
-    return (None, why) if why is not None else (out.view(B, n, W // coff), None)
+    kv2, gate2 = kv.reshape(B * S, W), gate.reshape(B * S, W)
+    why, _ = dispatch.unavailable(kv2, gate2, bias, steps * S, steps * n, B * n, ratio, coff, True)
+    if why is not None:
+        return None, why
+    out = _BatchPool.apply(kv2, gate2, bias, steps * S, steps * n, B, n, ratio, coff,
+                           options().numerics)
+    return out.view(B, n, W // coff), None
+
+
+class _BatchPool(torch.autograd.Function):
+    """The fused pooling of B sequences of S tokens, whose ``position_bias`` gradient is
+    summed as autograd sums transformers' broadcast ``gate.view(B, n, ratio, W) + bias``:
+    the backward stores dscore in fp32 (unrounded) and torch reduces it in that shape, so
+    the gradient is transformers' bit for bit (the kernels' own dape sums in another
+    order)."""
+
+    @staticmethod
+    def forward(ctx, kv, gate, bias, cu, cuc, B, n, ratio, coff, numerics):
+        W = kv.shape[1]
+        out = torch.empty((B * n, W // coff), dtype=kv.dtype, device=kv.device)
+        kernel_api.pool_forward(kv, gate, bias, cu, cuc, out, ratio=ratio, coff=coff,
+                                numerics=numerics)
+        ctx.save_for_backward(kv, gate, bias, cu, cuc)
+        ctx.meta = (B, n, ratio, coff, numerics)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        kv, gate, bias, cu, cuc = ctx.saved_tensors
+        B, n, ratio, coff, numerics = ctx.meta
+        T, W = kv.shape
+        dkv = torch.empty_like(kv)
+        dscore = torch.empty((T, W), dtype=torch.float32, device=kv.device)
+        kernel_api.pool_backward(kv, gate, bias, cu, cuc, grad.contiguous(), dkv, dscore,
+                                 torch.empty_like(bias), ratio=ratio, coff=coff,
+                                 numerics=numerics)
+        # contiguous, as autograd's gradient of the sum is: the reduction order follows the strides
+        windows = dscore.view(B, T // B, W)[:, :n * ratio].reshape(B, n, ratio, W).contiguous()
+        return (dkv, dscore.to(gate.dtype), windows.sum_to_size(bias.shape),
+                None, None, None, None, None, None, None)
 
 
 def stream_for(cache_layer, name: str, hidden_states, head_dim: int, ratio: int, coff: int,
