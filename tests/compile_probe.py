@@ -18,6 +18,7 @@ numerics = sys.argv[8] if len(sys.argv) > 8 else "fp32"
 # the epilogue inside the kernels, "rope_dim:interleaved:rotate:weight dtype" ("" none)
 epilogue = sys.argv[9] if len(sys.argv) > 9 else ""
 fp32_dscore = len(sys.argv) > 10 and sys.argv[10] == "1"  # a backward's dscore stored in fp32
+ape = not (len(sys.argv) > 11 and sys.argv[11] == "noape")  # no position bias
 dump = tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
@@ -64,7 +65,7 @@ with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         ep = plan.EpilogueKey(int(rope), inter == "1", rot == "1", 1e-6, getattr(torch, wdt))
     built = cc.build(plan.spec(direction, getattr(torch, dtype), ratio, coff, d,
                                row_stride=row_stride, batch=batch, numerics=numerics,
-                               epilogue=ep, fp32_dscore=fp32_dscore))
+                               epilogue=ep, fp32_dscore=fp32_dscore, ape=ape))
 if built is None:  # the specialisation has no such kernel (catalog.kernel_for)
     print(json.dumps({"absent": True}))
     sys.exit(0)

@@ -54,8 +54,9 @@ def fake_compile(monkeypatch):
     monkeypatch.setattr(launch, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch, "_one_gpu", lambda: True)
     # the offsets' guard kernel as its torch ops (the same rule, checks.poison_if_malformed)
-    monkeypatch.setattr(launch, "guarded_ape", lambda cu, cuc, ape, T, N, r:
-                        poison_if_malformed(ape, cu, cuc, T, N, r))
+    monkeypatch.setattr(launch, "guarded_ape", lambda cu, cuc, ape, T, N, r, shape=None:
+                        poison_if_malformed(ape if ape.numel() else torch.zeros(shape),
+                                            cu, cuc, T, N, r))
     return calls
 
 
@@ -190,3 +191,42 @@ def test_the_kernel_level_api_launches_the_numerics_it_is_asked_for(fake_compile
         assert all(s.numerics == numerics for s in specs)
     with pytest.raises(ValueError, match="numerics"):
         kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=4, coff=2, numerics="bf16")
+
+
+@pytest.mark.parametrize("lens,d,ratio,coff", [([37, 0, 64], 128, 2, 1), ([300, 257], 512, 128, 1),
+                                               ([8192, 8192], 128, 4, 2)])
+@pytest.mark.parametrize("malformed", [False, True])
+def test_no_position_bias_launches_the_kernels_without_an_ape(fake_compile, monkeypatch, lens, d,
+                                                             ratio, coff, malformed):
+    """ape=None: the specs say no ape, the kernels read the guard's flag (zeros, NaN for
+    malformed offsets) where the APE would be, and the backward launches no dape sum."""
+    specs = []
+    record = launch.compiled_for
+    monkeypatch.setattr(launch, "compiled_for", lambda spec, dev: specs.append(spec) or record(spec, dev))
+    kv, score, _, cu, cuc, N = make_pack(lens, d, ratio, coff, dtype=torch.bfloat16)
+    if malformed:
+        cu = cu.clone()
+        cu[0] = 1
+    p = validate(kv, score, None, cu, cuc, N, ratio=ratio, coff=coff, contents=False)
+    assert not p.has_ape and p.ape.numel() == 0
+    launch.launch_forward(p, torch.empty(N, d, dtype=torch.bfloat16))
+    dape = torch.empty_like(p.ape)
+    launch.launch_backward(p, torch.randn(N, d).to(torch.bfloat16), torch.empty_like(kv),
+                           torch.empty_like(score), dape)
+    assert [s.ape for s in specs] == [False, False]
+    bwd = [c for k in ("bwd", "bwd_large") if k in fake_compile for c in fake_compile[k].calls]
+    for flag in (fake_compile["fwd"].calls[0][2], bwd[0][2]):
+        assert flag.shape == (ratio, coff * d)
+        assert flag.isnan().all() if malformed else (flag == 0).all()
+    assert "dape" not in fake_compile or not fake_compile["dape"].calls
+    assert dape.numel() == 0
+
+
+def test_no_position_bias_is_its_own_kernel():
+    from csa_compressor.kernels import disk_cache, plan
+
+    s = plan.spec("bwd", torch.float32, 2, 1, 512)
+    none = plan.spec("bwd", torch.float32, 2, 1, 512, ape=False)
+    assert s != none and "no ape" in str(none)
+    assert disk_cache.entry_name(s, "sm_90a") != disk_cache.entry_name(none, "sm_90a")
+    assert all(f.ape for f in plan.family(none)[1:3])  # the dape sums are the shared ones

@@ -78,3 +78,28 @@ def test_a_non_tensor_ape_is_named():
     kv, score, cu, cuc = _thd(torch.float32, 2, 1)
     with pytest.raises(TypeError, match="ape: expected a torch.Tensor"):
         reference.compress_thd(kv, score, [[0.0]], cu, cuc, 3, ratio=2, coff=1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,cfg", [("sm_90a", ("fwd", "float32", 2, 1, 512)),
+                                      ("sm_90a", ("bwd", "float32", 2, 1, 512)),
+                                      ("sm_100a", ("bwd", "bfloat16", 128, 1, 512)),
+                                      ("sm_90a", ("bwd_large", "bfloat16", 4, 2, 128))],
+                         ids=lambda c: "-".join(map(str, c)) if isinstance(c, tuple) else c)
+def test_the_kernels_without_an_ape_compile_as_the_design_with_one(arch, cfg):
+    """ape=None's kernels (plan.KernelSpec.ape False): the same design (copies, staging,
+    CTAs an SM), no spills or local memory; a backward stores less (no dape partials)."""
+    pytest.importorskip("cutlass")
+    from test_compile_cpu import probe
+
+    with_ape = probe(arch, cfg)
+    none = probe(arch, (*cfg, 0, 0, "fp32", "", 0, "noape"))
+    assert none["local"] == 0 and all(s == 0 for s in none["spills"] + none["stack"]), none
+    for key in ("coop", "async_copies_by_bytes", "target_ctas", "grid_ctas", "smem_asked",
+                "pdl_wait_first", "vec", "chunk_slots"):
+        assert none[key] == with_ape[key], (key, none[key], with_ape[key])
+    loads = lambda i: sum(int(b) * n for b, n in i["loads_by_bytes"].items())  # noqa: E731
+    assert loads(none) < loads(with_ape), (none["loads_by_bytes"], with_ape["loads_by_bytes"])
+    if cfg[0] != "fwd":
+        stores = lambda i: sum(int(b) * n for b, n in i["stores_by_bytes"].items())  # noqa: E731
+        assert stores(none) < stores(with_ape), (none["stores_by_bytes"], with_ape["stores_by_bytes"])

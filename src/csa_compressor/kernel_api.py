@@ -61,7 +61,7 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
                   grad_ape, *, ratio: int, coff: int, workspace=None, check_offsets: bool = False,
                   numerics: str = "fp32", tuning=None):
     """Write every element of ``grad_kv``/``grad_score`` (may start uninitialised) and
-    ``grad_ape`` (fp32). Gradients on padding rows are ignored. The result is bitwise
+    ``grad_ape`` (fp32; None where ``ape`` is None). Gradients on padding rows are ignored. The result is bitwise
     reproducible: dape partials are reduced in a fixed order, never with atomics.
     ``check_offsets`` and ``numerics``: as compress_thd_fused's (a ``workspace`` then of
     backward_workspace_shape(..., numerics=numerics)). ``grad_score`` may be float32 for
@@ -76,7 +76,13 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
     check_out("grad_kv", grad_kv, tuple(p.kv.shape), dt, dev)
     score_dt = torch.float32 if getattr(grad_score, "dtype", None) == torch.float32 else dt
     check_out("grad_score", grad_score, tuple(p.kv.shape), score_dt, dev)
-    check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
+    if p.has_ape:
+        check_out("grad_ape", grad_ape, tuple(p.ape.shape), torch.float32, dev)
+    elif grad_ape is not None:
+        raise ValueError("grad_ape: expected None where ape is None (no position bias: no "
+                         f"gradient to write), got {type(grad_ape).__name__}")
+    else:
+        grad_ape = p.ape
     if workspace is not None:
         check_out("workspace", workspace, workspace.shape, torch.float32, dev)
     return launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace)
@@ -84,18 +90,21 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=None,
                directions=("fwd", "bwd"), packed: bool = False, sbhd_batch: int = 0,
-               numerics: str = "fp32", epilogue=None, weight_dtype=None, tuning=None) -> None:
+               numerics: str = "fp32", epilogue=None, weight_dtype=None, tuning=None,
+               ape: bool = True) -> None:
     """Compile ahead of time (e.g. before CUDA-graph capture); "bwd" brings its "dape" and
     its large-pack variant. ``packed``: also the kernels of the packed layout
     (compress_thd_fused_packed, the Compressor module's THD path). ``sbhd_batch``: also
     those of SBHD inputs of that many sequences (compress_sbhd_fused, and with ``packed``
     compress_sbhd_fused_packed). ``numerics``: the ops' (the "eager" kernels are others).
     ``epilogue`` (an Epilogue): also the kernels with it inside (the ops' ``epilogue=``),
-    both directions asked for, for a norm weight of ``weight_dtype`` (default ``dtype``)."""
+    both directions asked for, for a norm weight of ``weight_dtype`` (default ``dtype``).
+    ``ape=False``: the kernels of calls with ``ape=None`` (no position bias)."""
     check_specialisation(dtype, ratio, coff, head_dim)
     check_flag("packed", packed)
     check_int("sbhd_batch", sbhd_batch, 0)
     check_pool_numerics(numerics)
+    check_flag("ape", ape)
     if isinstance(directions, str) or not set(directions) <= {"fwd", "bwd"} or not directions:
         raise ValueError(f"directions: expected a sequence of 'fwd' and 'bwd', got {directions!r}")
     key = None
@@ -111,4 +120,4 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device=
     layouts = [(w, 0) for w in widths] + [(sbhd_batch * w, sbhd_batch) for w in widths
                                           if sbhd_batch]
     _compile.precompile(dtype, ratio, coff, head_dim, device, tuple(directions), tuple(layouts),
-                        numerics, key, _tuning(tuning))
+                        numerics, key, _tuning(tuning), ape)

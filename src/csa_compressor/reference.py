@@ -169,7 +169,8 @@ def compress_thd(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, rat
         out = kv2.new_zeros((N, d), dtype=out_dtype)
         return out if guard is None else guard(out)
     t0, i, real = row_geometry(prob.cu_seqlens, prob.cu_seqlens_comp, N, ratio)
-    v, s, a, mask = _windows(kv2, score2, prob.ape if guard is None else guard(prob.ape), t0, i,
+    ape = prob.ape if prob.has_ape else kv2.new_zeros((ratio, kv2.shape[1]), dtype=torch.float32)
+    v, s, a, mask = _windows(kv2, score2, ape if guard is None else guard(ape), t0, i,
                              ratio, coff, d)
     out = _pool(v, s, a, mask, mode, out_dtype)
     # Padding rows exist only for static shapes: finite values, no gradient.

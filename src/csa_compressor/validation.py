@@ -57,6 +57,11 @@ class Problem:
         return self.kv.shape[0]
 
     @property
+    def has_ape(self) -> bool:
+        """False for no position bias (``ape=None``): ``ape`` is then an empty tensor."""
+        return self.ape.numel() != 0
+
+    @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
 
@@ -161,12 +166,13 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     width = kv.shape[1]
     if width == 0 or width % coff:
         raise ValueError(f"kv: last dimension must be a positive multiple of coff={coff}, got {width}")
-    if ape is None:
-        # no position bias (DeepSeek-V4.1): score + 0 is score, bit for bit
-        ape = torch.zeros((ratio, width), dtype=torch.float32, device=kv.device)
-    if ape.dtype != torch.float32:
+    if ape is None or (ape.dim() == 1 and ape.numel() == 0 and ape.dtype == torch.float32):
+        # no position bias (DeepSeek-V4.1): an empty stand-in (Problem.has_ape), which the
+        # custom ops carry as a tensor; the kernels read no APE and sum no dape
+        ape = torch.empty((0,), dtype=torch.float32, device=kv.device)
+    elif ape.dtype != torch.float32:
         raise TypeError(f"ape: expected float32, got {ape.dtype}")
-    if tuple(ape.shape) != (ratio, width):
+    elif tuple(ape.shape) != (ratio, width):
         raise ValueError(f"ape: expected shape (ratio, coff*d) = ({ratio}, {width}), got {tuple(ape.shape)}")
     cu = _check_offsets("cu_seqlens", cu_seqlens)
     cuc = _check_offsets("cu_seqlens_comp", cu_seqlens_comp)

@@ -26,20 +26,30 @@ def lower(s: KernelSpec, arch_major: int) -> tuple:
     args = [compile_args(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, f.row_stride,
                          f.batch, f.epilogue, f.tuning, f.fp32_dscore) for f in specs]
     kernels = [kernel_for(f.direction, f.dtype, f.ratio, f.coff, f.head_dim, arch_major, f.tuning,
-                          f.row_stride, f.batch, f.numerics, f.epilogue) for f in specs]
+                          f.row_stride, f.batch, f.numerics, f.epilogue, f.ape) for f in specs]
     return tuple(Unit(f, k, a) for f, k, a in zip(specs, kernels, args) if k is not None)
 
 
 def kernel_for(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
                arch_major: int, tuning, row_stride: int = 0, batch: int = 0,
-               numerics: str = "fp32", epilogue: EpilogueKey | None = None):
+               numerics: str = "fp32", epilogue: EpilogueKey | None = None, ape: bool = True):
     """The kernel object of one specialisation, None where it has none: windows of more
     than MAX_REG_SLOTS slots take the slot-parallel kernels, the rest the register-resident
     ones; ``bwd_large`` is the register-resident backward's large-pack variant, where the
     default has one; ``dape`` / ``dape_wide`` the two layouts of the backward's partial sum,
     the wide one where the partials have the columns for it. With an ``epilogue``: the
     register-resident kernels with it inside (pool_epilogue), None where the design does
-    not take it (epilogue_designable)."""
+    not take it (epilogue_designable). ``ape=False``: the kernel without a position bias
+    (staging.WindowSlots.has_ape)."""
+    k = _kernel_for(direction, dtype, ratio, coff, head_dim, arch_major, tuning, row_stride,
+                    batch, numerics, epilogue)
+    if k is not None and not ape and direction not in ("dape", "dape_wide"):
+        k.has_ape = False  # read at trace time only: the design (registers, grid) is the same
+    return k
+
+
+def _kernel_for(direction, dtype, ratio, coff, head_dim, arch_major, tuning, row_stride, batch,
+                numerics, epilogue):
     cdt, cols = cutlass_dtype(dtype), ratio * coff * head_dim
     long, wide = tuning.long_window(coff * ratio), tuning.dape_has_wide(cols)
     if direction in ("dape", "dape_wide"):

@@ -136,7 +136,7 @@ def compiled_for(spec: plan.KernelSpec, device: torch.device) -> Compiled:
 
 def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device: torch.device,
                directions: tuple, layouts: tuple, numerics: str, epilogue=None,
-               tuning=None) -> None:
+               tuning=None, ape: bool = True) -> None:
     """Compile ``directions`` for each ``(row_stride, batch)`` of ``layouts``, and with an
     ``epilogue`` (a plan.EpilogueKey) the kernels with it inside where the design takes it.
     The arguments are checked by the caller (kernel_api.precompile)."""
@@ -149,7 +149,7 @@ def precompile(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, device:
                     continue
                 compiled_for(plan.spec(direction, dtype, ratio, coff, head_dim, tuning,
                                        row_stride=row_stride, batch=batch, numerics=numerics,
-                                       epilogue=key), device)
+                                       epilogue=key, ape=ape), device)
 
 
 def _lower(spec: plan.KernelSpec) -> tuple:

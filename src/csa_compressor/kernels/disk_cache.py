@@ -59,7 +59,7 @@ def entry_name(spec, arch: str) -> str:
     key = repr((_versions(), _sources_digest(), arch, spec.direction, str(spec.dtype), spec.ratio,
                 spec.coff, spec.head_dim, spec.tuning, spec.row_stride, spec.batch,
                 getattr(spec, "numerics", "fp32"), getattr(spec, "epilogue", None),
-                getattr(spec, "fp32_dscore", False)))
+                getattr(spec, "fp32_dscore", False), getattr(spec, "ape", True)))
     return hashlib.sha256(key.encode()).hexdigest()[:40]
 
 

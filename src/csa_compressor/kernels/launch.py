@@ -44,10 +44,14 @@ class _on_device:
 def ape_read(p):
     """The APE the pooling kernels read: of a THD pack, a copy that is NaN where its
     offsets are malformed (offsets.OffsetsGuard; SBHD packs have no caller offsets), so
-    bad offsets give NaN rows and gradients by default, with no host sync."""
+    bad offsets give NaN rows and gradients by default, with no host sync. Without an APE
+    (p.has_ape False) the same guard's flag, 0 or NaN in every element, which the
+    kernels read in its place."""
+    shape = (p.ratio, p.kv.shape[1])
     if p.batch:
-        return p.ape
-    return guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp, p.ratio)
+        return p.ape if p.has_ape else torch.zeros(shape, dtype=torch.float32, device=p.kv.device)
+    return guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp, p.ratio,
+                       shape)
 
 
 def launch_forward(p, out, epilogue=None, extra=()):
@@ -61,7 +65,7 @@ def launch_forward(p, out, epilogue=None, extra=()):
     with _on_device(dev):
         c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim, p.tuning,
                                    row_stride=p.row_stride, batch=p.batch,
-                                   numerics=p.numerics, epilogue=epilogue), dev)
+                                   numerics=p.numerics, epilogue=epilogue, ape=p.has_ape), dev)
         rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm,
                                          p.tuning)
         c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
@@ -82,7 +86,7 @@ def backward_schedule(total_comp: int, num_tokens: int, kernel, device: torch.de
 
 def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride: int = 0,
                     batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None,
-                    fp32_dscore: bool = False):
+                    fp32_dscore: bool = False, ape: bool = True):
     """The compiled backward for a pack of ``total_comp`` rows (each of ``batch`` SBHD
     sequences): the large-pack variant where the kernel has one (pool_bwd ``large``), from
     BWD_LARGE_PACK_ROWS rows in all, or from BWD_LARGE_GUESS_PACK_ROWS where that variant
@@ -90,7 +94,7 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
     t = tuning or current()
     c = compiled_for(plan.spec("bwd", dtype, ratio, coff, head_dim, t, row_stride=row_stride,
                                batch=batch, numerics=numerics, epilogue=epilogue,
-                               fp32_dscore=fp32_dscore), device)
+                               fp32_dscore=fp32_dscore, ape=ape), device)
     rows = t.BWD_LARGE_PACK_ROWS
     if c.kernel.large_guesses:
         rows = min(rows, t.BWD_LARGE_GUESS_PACK_ROWS)
@@ -101,16 +105,16 @@ def backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride
 
 def backward_plan(device, dtype, ratio, coff, head_dim, total_comp, num_tokens, row_stride: int = 0,
                   batch: int = 0, numerics: str = "fp32", epilogue=None, tuning=None,
-                  fp32_dscore: bool = False):
+                  fp32_dscore: bool = False, ape: bool = True):
     """(compiled backward, backward_schedule, shape of its fp32 dape partials) of one
     backward launch. A kernel with the epilogue inside takes the plain backward's schedule:
     the APE gradient sums the row CTAs' partials, so the same row CTAs keep that sum in the
     pooling op's order (its own registers may leave fewer CTAs an SM)."""
     c = backward_kernel(device, dtype, ratio, coff, head_dim, total_comp, row_stride, batch,
-                        numerics, epilogue, tuning, fp32_dscore)
+                        numerics, epilogue, tuning, fp32_dscore, ape)
     sized = c if epilogue is None else backward_kernel(device, dtype, ratio, coff, head_dim,
                                                        total_comp, row_stride, batch, numerics,
-                                                       tuning=tuning)
+                                                       tuning=tuning, ape=ape)
     schedule = backward_schedule(total_comp, num_tokens, sized.kernel, device, sized.ctas_per_sm)
     return c, schedule, (schedule[1] * ratio * c.kernel.grid_z(), coff * head_dim)
 
@@ -137,7 +141,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     if N == 0 or T == 0:
         # no rows or no tokens: zeros, or NaN where the offsets are malformed
         fill = None
-        if p.batch == 0 and p.ape.numel():
+        if p.batch == 0:
             with _on_device(dev):
                 fill = ape_read(p).view(-1)[:1] * 0
         for g in (grad_kv, grad_score, grad_ape):
@@ -148,13 +152,16 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
                                                                       p.row_stride, p.batch,
                                                                       p.numerics, epilogue,
-                                                                      p.tuning, fp32_dscore)
+                                                                      p.tuning, fp32_dscore,
+                                                                      p.has_ape)
         if workspace is None:
             workspace = torch.empty(shape, dtype=torch.float32, device=dev)
         elif tuple(workspace.shape) != shape:
             raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
         c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,
              grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, *extra)
+        if not p.has_ape:  # no position bias: no dape partials, no sum
+            return grad_kv, grad_score, grad_ape
         # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
         # the layout for this many partial rows.
         C = ratio * coff * d

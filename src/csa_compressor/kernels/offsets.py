@@ -91,7 +91,8 @@ GUARD_MAX_CTAS = 16  # every CTA checks every segment: a few, each copying a sli
 
 
 class OffsetsGuard:
-    """``out = ape`` where the pack's offsets keep the layout's rules, else NaN: the
+    """``out = ape`` (zeros past ape's end: an empty ape gives the flag alone, for packs
+    with no position bias) where the pack's offsets keep the layout's rules, else NaN: the
     default GPU path's check, with no host sync. The pooling then reads ``out``, so a
     malformed pack gives NaN rows and gradients instead of finite garbage. The rules are
     validation.check_offset_contents': ``cu[0] == 0``, no segment shorter than 0 tokens,
@@ -134,37 +135,45 @@ class OffsetsGuard:
             flag[0] = Int32(1)  # any writer's 1 will do
         cute.arch.sync_threads()
         poisoned = flag[0] != 0
-        for i in cutlass.range(cta * GUARD_THREADS + tid, mApe.shape[0], ctas * GUARD_THREADS):
-            v = mApe[i]
+        for i in cutlass.range(cta * GUARD_THREADS + tid, mOut.shape[0], ctas * GUARD_THREADS):
+            v = cutlass.Float32(0.0)
+            if i < mApe.shape[0]:
+                v = mApe[i]
             if poisoned:
                 v = cutlass.Float32(float("nan"))
             mOut[i] = v
 
 
 def guard_compile_args() -> tuple:
-    """Symbolic arguments: segments and ape's size stay symbolic (one compile a ratio)."""
+    """Symbolic arguments: segments, ape's size and the output's stay symbolic (one compile
+    a ratio)."""
     from .plan import _fake
 
-    B1, n = cute.sym_int32(), cute.sym_int32()
+    B1, n, m = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (_fake(cutlass.Int32, (B1,), 4), _fake(cutlass.Int32, (B1,), 4),
-            _fake(cutlass.Float32, (n,), 4), _fake(cutlass.Float32, (n,), 4),
+            _fake(cutlass.Float32, (n,), 4), _fake(cutlass.Float32, (m,), 4),
             Int32(1), Int32(1), Int32(1), stream)
 
 
-def guarded_ape(cu, cuc, ape, num_tokens: int, total_comp: int, ratio: int):
+def guarded_ape(cu, cuc, ape, num_tokens: int, total_comp: int, ratio: int, shape=None):
     """``ape`` as the pooling should read it: a copy, NaN where the offsets are malformed
-    (OffsetsGuard, one launch; its torch version where the kernel cannot be had now)."""
+    (OffsetsGuard, one launch; its torch version where the kernel cannot be had now). An
+    empty ``ape`` (no position bias) gives the flag alone: zeros of ``shape``, or NaN."""
     import torch
 
+    shape = tuple(ape.shape) if shape is None else tuple(shape)
     fn = small_kernel(("offsets_guard", ratio), cu.device,
                       lambda: (OffsetsGuard(ratio), guard_compile_args()))
     if fn is None:
         from ..checks import poison_if_malformed
 
-        return poison_if_malformed(ape, cu, cuc, num_tokens, total_comp, ratio)
-    out = torch.empty_like(ape)
-    n = ape.numel()
-    fn(cu, cuc, ape.view(-1), out.view(-1), num_tokens, total_comp,
+        src = ape if ape.numel() else torch.zeros(shape, dtype=torch.float32, device=ape.device)
+        return poison_if_malformed(src, cu, cuc, num_tokens, total_comp, ratio)
+    out = torch.empty(shape, dtype=torch.float32, device=ape.device)
+    n = out.numel()
+    # an empty ape as a view of out: a real address, which an empty tensor may not have
+    src = ape.view(-1) if ape.numel() else out.view(-1)[:0]
+    fn(cu, cuc, src, out.view(-1), num_tokens, total_comp,
        max(1, min(GUARD_MAX_CTAS, -(-n // (4 * GUARD_THREADS)))))
     return out

@@ -73,6 +73,9 @@ class KernelSpec:
     # A backward that stores dscore in fp32, unrounded (kv and score of a narrower dtype):
     # for callers that reduce it themselves in another order (the transformers adapter).
     fp32_dscore: bool = False
+    # False: no position bias (ape=None). The kernels read the offsets guard's flag in its
+    # place (staging.WindowSlots.has_ape) and a backward writes no dape partials.
+    ape: bool = True
 
     def __hash__(self):
         # Hashed on every launch (the compile cache's key): once, not over the tuning's fields
@@ -80,7 +83,7 @@ class KernelSpec:
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash((self.direction, self.dtype, self.ratio, self.coff, self.head_dim, self.tuning,
-                      self.row_stride, self.batch, self.numerics, self.epilogue, self.fp32_dscore))
+                      self.row_stride, self.batch, self.numerics, self.epilogue, self.fp32_dscore, self.ape))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -90,6 +93,7 @@ class KernelSpec:
         rows += f", numerics={self.numerics!r}" if self.numerics != "fp32" else ""
         rows += f", {self.epilogue}" if self.epilogue is not None else ""
         rows += ", fp32 dscore" if self.fp32_dscore else ""
+        rows += ", no ape" if not self.ape else ""
         return (f"{self.direction} kernel for dtype={self.dtype}, ratio={self.ratio}, "
                 f"coff={self.coff}, head_dim={self.head_dim}{rows}")
 
@@ -110,7 +114,7 @@ _SPECS: dict = {}
 def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
          tuning: Tuning | None = None, row_stride: int = 0, batch: int = 0,
          numerics: str = "fp32", epilogue: EpilogueKey | None = None,
-         fp32_dscore: bool = False) -> KernelSpec:
+         fp32_dscore: bool = False, ape: bool = True) -> KernelSpec:
     """The spec of one specialisation under ``tuning`` (default: the current one).
 
     Asked on every launch, so the answer is kept: deriving the tuning's code-generating view
@@ -118,7 +122,7 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
     id cannot be reused."""
     t = tuning or current()
     key = (direction, dtype, ratio, coff, head_dim, id(t), row_stride, batch, numerics, epilogue,
-           fp32_dscore)
+           fp32_dscore, ape)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is t:
         return hit[1]
@@ -128,7 +132,7 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
         raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
     if direction in ("dape", "dape_wide"):
         # the partials are fp32 whatever the inputs are, in one layout
-        dtype, row_stride, batch, numerics, epilogue = torch.float32, 0, 0, "fp32", None
+        dtype, row_stride, batch, numerics, epilogue, ape = torch.float32, 0, 0, "fp32", None, True
     if direction in ("fwd", "dape", "dape_wide") or dtype == torch.float32:
         fp32_dscore = False  # no dscore, or one that is fp32 anyway
     if batch == 1:
@@ -139,7 +143,7 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
         raise ValueError("fp32_dscore: only for THD packs of separate kv and score tensors "
                          "without the epilogue")
     made = KernelSpec(direction, dtype, ratio, coff, head_dim, t.codegen(), row_stride, batch,
-                      numerics, epilogue, fp32_dscore)
+                      numerics, epilogue, fp32_dscore, ape)
     if len(_SPECS) > 4096:  # a sweep's many tunings: keep the memo small
         _SPECS.clear()
     _SPECS[key] = (t, made)
@@ -151,7 +155,7 @@ def family(s: KernelSpec) -> tuple:
     layouts) and a default backward's large-pack variant. kernel_for says which of them
     this specialisation has."""
     sums = tuple(replace(s, direction=d, dtype=torch.float32, row_stride=0, batch=0,
-                         numerics="fp32", epilogue=None, fp32_dscore=False)
+                         numerics="fp32", epilogue=None, fp32_dscore=False, ape=True)
                  for d in ("dape", "dape_wide"))
     if s.direction == "bwd":
         return (s,) + sums + (replace(s, direction="bwd_large"),)

@@ -169,8 +169,9 @@ class PoolBackward(BackwardGrid, WindowSlots):
                 off = self.slot_offset(kk)
                 cute.make_tensor(bS + off, vl).store(sf[kk, None].load().to(gDSc.element_type))
                 cute.make_tensor(bV + off, vl).store(vf[kk, None].load().to(self.dtype))
-                for e in cutlass.range_constexpr(self.vec):
-                    dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                if cutlass.const_expr(self.has_ape):
+                    for e in cutlass.range_constexpr(self.vec):
+                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -272,7 +273,7 @@ class PoolBackward(BackwardGrid, WindowSlots):
                             for k in cutlass.range_constexpr(CH):
                                 sf[k, e], vf[k, e] = softmax_grads(sf[k, e], vf[k, e], acc, g, self.rnd)
                         self.store_slots(gDKV, gDSc, sf, vf, dacc, t0, has_prev, chunk)
-                if cutlass.const_expr(self.row_lanes > 1):
+                if cutlass.const_expr(self.row_lanes > 1 and self.has_ape):
                     # Row lanes meet in shared memory; lane 0 sums them in a fixed order.
                     red = smem.allocate_tensor(
                         Float32, cute.make_layout((self.lanes, CH * vec, self.row_lanes)), 16)
@@ -283,10 +284,11 @@ class PoolBackward(BackwardGrid, WindowSlots):
                         for y in cutlass.range_constexpr(1, self.row_lanes):
                             for i in cutlass.range_constexpr(CH * vec):
                                 dacc[i // vec, i % vec] = dacc[i // vec, i % vec] + red[tid, i, y]
-                if ty == 0:
-                    for kk in cutlass.range_constexpr(CH):
-                        _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
-                        gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
+                if cutlass.const_expr(self.has_ape):  # else no dape: the partials stay unwritten
+                    if ty == 0:
+                        for kk in cutlass.range_constexpr(CH):
+                            _, colc, arow, _ = self.slot_coords(Int32(kk), Int32(0), True, chunk)
+                            gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
             else:
                 t = ((bx - num_row_ctas) * self.row_lanes + ty) * self.t.ZERO_TOKENS_PER_THREAD
                 self.zero_unread(Pack(mCu, mCuc, num_rows, num_tokens, num_seqs), gDKV, gDSc, t,

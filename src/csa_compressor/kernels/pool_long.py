@@ -278,7 +278,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                 self.copy_vec(tt.atom, tt.kv[(None, (tok, colc))].iterator,
                               tt.sV[(None, tt.thr, kk, 0)].iterator)
                 s32 = tt.score[(None, (tok, colc))].load().to(Float32)
-                a32 = tt.ape[(None, (arow, colc))].load()
+                a32 = self.ape_vec(tt, arow, colc)
                 for e in cutlass.range_constexpr(self.vec):
                     sf[kk, e] = s32[e] + a32[e]
         cute.arch.cp_async_commit_group()
@@ -319,7 +319,8 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                     for e in cutlass.range_constexpr(vec):
                         dsc[e], dkv[e] = softmax_grads(sf[kk, e], buf[self.col(tid, e), g * CH + kk],
                                                        S[e], gv[e], self.rnd)
-                        dacc[kk, e] = dacc[kk, e] + dsc[e]
+                        if cutlass.const_expr(self.has_ape):
+                            dacc[kk, e] = dacc[kk, e] + dsc[e]
                     gDSc[(None, (tok, colc))].store(dsc.load().to(gDSc.element_type))
                     gDKV[(None, (tok, colc))].store(dkv.load().to(self.dtype))
 
@@ -350,8 +351,9 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                 if valid:
                     gDSc[(None, (tok, colc))].store(sf[kk, None].load().to(gDSc.element_type))
                     gDKV[(None, (tok, colc))].store(vf[kk, None].load().to(self.dtype))
-                    for e in cutlass.range_constexpr(vec):
-                        dacc[kk, e] = dacc[kk, e] + sf[kk, e]
+                    if cutlass.const_expr(self.has_ape):
+                        for e in cutlass.range_constexpr(vec):
+                            dacc[kk, e] = dacc[kk, e] + sf[kk, e]
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -418,12 +420,13 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
                                                        has_prev)
                     # stat and buf are rewritten by the next row
                     cute.arch.barrier()
-            if active:
-                for kk in cutlass.range_constexpr(CH):
-                    # Empty-slot contributions are zero, so the partial of every owned entry
-                    # is just the register sum (has_prev=True: all slots own an entry).
-                    _, colc, arow, _ = self.slot_coords(g * CH + kk, Int32(0), True, chunk)
-                    gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
+            if cutlass.const_expr(self.has_ape):  # else no dape: the partials stay unwritten
+                if active:
+                    for kk in cutlass.range_constexpr(CH):
+                        # Empty-slot contributions are zero, so the partial of every owned entry
+                        # is just the register sum (has_prev=True: all slots own an entry).
+                        _, colc, arow, _ = self.slot_coords(g * CH + kk, Int32(0), True, chunk)
+                        gWork[(None, (bx * ratio + arow, colc))].store(dacc[kk, None].load())
         else:
             if active:
                 # Same token split as the short-window zero CTAs (backward_schedule counts

@@ -52,6 +52,10 @@ class WindowSlots:
     stage; otherwise each thread copies its own and ``cp.async.wait_group`` is all the
     synchronisation needed."""
 
+    # False: a pack with no position bias. ``ape`` is then the offsets guard's flag
+    # buffer (0, or NaN for malformed offsets) and a backward sums no dape partials.
+    has_ape = True
+
     coop = False  # warp-cooperative staging (coop_stageable), set by the kernels that use it
     row_stride = None  # elements between token rows of kv / score (and dkv / dscore): set_rows
     batch = 0  # SBHD sequences, one a grid.z index (0: a THD pack, no batch index): set_rows
@@ -350,12 +354,28 @@ class WindowSlots:
     @cute.jit
     def load_ape(self, tt: Tiles):
         """The thread's APE values of every slot into registers ``tt.apef`` (slots, vec):
-        they are the same for every row the thread walks."""
-        for k in cutlass.range_constexpr(self.slots):
-            _, colc, arow, _ = self.slot_coords(Int32(k), Int32(0), True, tt.chunk)
-            a32 = tt.ape[(None, (arow, colc))].load()
-            for e in cutlass.range_constexpr(self.vec):
-                tt.apef[k, e] = a32[e]
+        they are the same for every row the thread walks. Without an APE, one vector of
+        the offsets guard's flag (0, or NaN for a malformed pack) for every slot."""
+        if cutlass.const_expr(self.has_ape):
+            for k in cutlass.range_constexpr(self.slots):
+                _, colc, arow, _ = self.slot_coords(Int32(k), Int32(0), True, tt.chunk)
+                a32 = tt.ape[(None, (arow, colc))].load()
+                for e in cutlass.range_constexpr(self.vec):
+                    tt.apef[k, e] = a32[e]
+        else:
+            f32 = tt.ape[(None, (Int32(0), tt.chunk))].load()
+            for k in cutlass.range_constexpr(self.slots):
+                for e in cutlass.range_constexpr(self.vec):
+                    tt.apef[k, e] = f32[e]
+
+    @cute.jit
+    def ape_vec(self, tt: Tiles, arow, colc):
+        """Slot row ``arow``'s APE vector at column chunk ``colc``; without an APE the
+        guard's flag vector (row 0: every row holds the same flag)."""
+        row = arow
+        if cutlass.const_expr(not self.has_ape):
+            row = Int32(0)
+        return tt.ape[(None, (row, colc))].load()
 
     @cute.jit
     def read_staged(self, tt: Tiles, sf, vf, t0, has_prev, stage):
@@ -375,7 +395,7 @@ class WindowSlots:
         v32 = self.staged_vector(tt.sV, k, stage, tt.thr)
         apef = tt.apef
         if cutlass.const_expr(apef is None):
-            a32 = tt.ape[(None, (arow, colc))].load()
+            a32 = self.ape_vec(tt, arow, colc)
             for e in cutlass.range_constexpr(self.vec):
                 sf[k, e] = s32[e] + a32[e]
         else:
@@ -419,7 +439,7 @@ class WindowSlots:
             tok, colc, arow, valid = self.slot_coords(c0 + kk, t0, has_prev, tt.chunk)
             if valid:
                 s32 = tt.score[(None, (tok, colc))].load().to(Float32)
-                a32 = tt.ape[(None, (arow, colc))].load()
+                a32 = self.ape_vec(tt, arow, colc)
                 v32 = tt.kv[(None, (tok, colc))].load().to(Float32)
                 for e in cutlass.range_constexpr(self.vec):
                     sf[kk, e] = s32[e] + a32[e]
