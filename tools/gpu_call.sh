@@ -74,7 +74,7 @@
 #                        method; SETS=1 in the environment: every call on the same inputs)
 #   latency              tools/latency_probe.py (launch + k dependent loads against our kernels at 1x4)
 #   sweep<N>             tools/perf_probe.py sweep "$SWEEP_<N>" over $SWEEP_SHAPES_<N>, else
-#                        $SWEEP_SHAPES, else the 5 default shapes
+#                        $SWEEP_SHAPES, else the 5 default shapes; SWEEP_DTYPE=float32 (default bfloat16)
 #   ncu_<shape>          ncu of the forward, backward and dape reduction of one bench shape
 #                        (the probe runs 4 steps, the first two are skipped)
 #   ncustall_<shape>     the forward's and backward's stall reasons in full and their most

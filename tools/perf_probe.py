@@ -227,7 +227,8 @@ def sweep():
 
 def sweep_one():
     v, shapes = sys.argv[2], [testing.parse_shape(s) for s in sys.argv[3].split(",")]
-    r = bench.run(shapes, torch.bfloat16, ("fused",), progress=lambda m: None)
+    dtype = getattr(torch, os.environ.get("SWEEP_DTYPE", "bfloat16"))  # e.g. float32
+    r = bench.run(shapes, dtype, ("fused",), progress=lambda m: None)
     for row in r["rows"]:
         print(v, row["shape"], f"fwd {row.get('fwd_us', float('nan')):.1f} µs "
                   f"fwd+bwd {row.get('fwdbwd_us', float('nan')):.1f} µs", row.get("error", ""))

@@ -38,15 +38,27 @@ class PoolBackward(BackwardGrid, WindowSlots):
 
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  large: bool = False, tuning: Tuning | None = None, row_stride: int = 0,
-                 batch: int = 0, numerics: str = "fp32"):
+                 batch: int = 0, numerics: str = "fp32", vec_bytes: int | None = None):
         self.t = t = tuning or current()
+        if vec_bytes is None:
+            vec_bytes = t.BWD_VEC_BYTES
+            if dtype.width == 32 and t.BWD_FP32_VEC_BYTES != vec_bytes:
+                # fp32 takes bf16's two elements a thread where the wider staging keeps the
+                # design's CTAs an SM (at d=128 it would not: 3 -> 1)
+                kw = dict(tuning=t, row_stride=row_stride, batch=batch, numerics=numerics)
+                wide = PoolBackward(dtype, ratio, coff, head_dim, arch_major,
+                                    vec_bytes=t.BWD_FP32_VEC_BYTES, **kw)
+                narrow = PoolBackward(dtype, ratio, coff, head_dim, arch_major,
+                                      vec_bytes=vec_bytes, **kw)
+                if wide.target_ctas_per_sm >= narrow.target_ctas_per_sm:
+                    vec_bytes = t.BWD_FP32_VEC_BYTES
         self.dtype = dtype
         self.rnd = rounder(dtype, numerics)
         self.ratio = ratio
         self.coff = coff
         self.d = head_dim
         self.set_rows(row_stride, batch)
-        self.vec = t.vector_elems(head_dim, dtype.width // 8, self.t.BWD_VEC_BYTES)
+        self.vec = t.vector_elems(head_dim, dtype.width // 8, vec_bytes)
         self.cpr = head_dim // self.vec
         self.slots = coff * ratio
         assert self.slots <= self.t.MAX_REG_SLOTS, "long windows use pool_long.LongPoolBackward"
