@@ -230,3 +230,18 @@ def test_no_position_bias_is_its_own_kernel():
     assert s != none and "no ape" in str(none)
     assert disk_cache.entry_name(s, "sm_90a") != disk_cache.entry_name(none, "sm_90a")
     assert all(f.ape for f in plan.family(none)[1:3])  # the dape sums are the shared ones
+
+
+def test_an_fp32_backward_widens_its_vectors_only_where_the_ctas_an_sm_stay():
+    """BWD_FP32_VEC_BYTES: fp32 takes the wider vector where the design keeps its CTAs an
+    SM (d512 ratio 2 coff 1), not where the doubled staging would cost CTAs (d128 ratio 4
+    coff 2: 3 -> 1); bf16 never changes."""
+    from csa_compressor.kernels import tuning
+
+    t = tuning.replace(tuning.current(), BWD_FP32_VEC_BYTES=8)
+    f32, bf16 = cutlass.Float32, cutlass.BFloat16
+    assert PoolBackward(f32, 2, 1, 512, tuning=t).vec == 2
+    narrow = PoolBackward(f32, 4, 2, 128, tuning=t)
+    assert narrow.vec == 1 and narrow.target_ctas_per_sm == PoolBackward(f32, 4, 2, 128).target_ctas_per_sm
+    assert PoolBackward(bf16, 2, 1, 512, tuning=t).vec == PoolBackward(bf16, 2, 1, 512).vec
+    assert PoolBackward(f32, 2, 1, 512).vec == 1  # the default keeps 4 bytes
