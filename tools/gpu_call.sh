@@ -25,6 +25,8 @@
 #   hf_bench             tools/hf_bench.py (the adapter installed against not, training and generate)
 #   bench_fp32r2         the fused pooling of fp32 8x4096 d512 ratio 2 coff 1 against its floor
 #   csa2_bench           tools/csa2_bench.py: no APE against a zero APE, Megatron's CSA2Compressor step
+#   fp32_wide            the fp32 GPU suites and csa2_bench with BWD_FP32_VEC_BYTES=8 (the 8-byte
+#                        fp32 backward: its bits, then its time; needs MEGATRON_LM_PATH)
 #   csa2                 tests/test_megatron_csa2_gpu.py (needs MEGATRON_LM_PATH with the overlay)
 #   check                python -m csa_compressor check (the numerics gate)
 #   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
@@ -108,6 +110,7 @@ cmd_of() {
         hf_bench) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 tools/hf_bench.py" ;;
         bench_fp32r2) echo "python3 -m csa_compressor bench --impls fused --dtype fp32 --shapes 8x4096:512:2:1 --out $WORK/bench_fp32r2" ;;
         csa2_bench) echo "python3 tools/csa2_bench.py" ;;
+        fp32_wide) echo "export CSA_CONFIG=BWD_FP32_VEC_BYTES=8 && python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs && python3 tools/csa2_bench.py" ;;
         csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
         check) echo "python3 -m csa_compressor check" ;;
         pool_epilogue) echo "python3 -m pytest -q -m gpu tests/test_pool_epilogue_gpu.py -rs --durations=10" ;;
