@@ -19,7 +19,7 @@ numerics = sys.argv[8] if len(sys.argv) > 8 else "fp32"
 epilogue = sys.argv[9] if len(sys.argv) > 9 else ""
 fp32_dscore = len(sys.argv) > 10 and sys.argv[10] == "1"  # a backward's dscore stored in fp32
 ape = not (len(sys.argv) > 11 and sys.argv[11] == "noape")  # no position bias
-dump = tempfile.mkdtemp()
+dump = os.environ.get("PROBE_DUMP") or tempfile.mkdtemp()
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = dump
 os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"

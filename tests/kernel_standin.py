@@ -5,6 +5,7 @@ gradient of the fp32 logits before its rounding, as the kernels store it."""
 import torch
 
 from csa_compressor import reference, validation
+from csa_compressor.streaming.windows import min_rows
 
 
 def pool_forward(kv, score, ape, cu, cuc, out, *, ratio, coff, numerics="fp32", **_):
@@ -51,3 +52,54 @@ def _slot_targets(t0, i, ratio, coff, d, T):
     tok = torch.cat([prev, own], 1)[:, :, None].expand(-1, -1, d)
     col = torch.cat([cols.expand(ratio, d), (cols + d).expand(ratio, d)], 0)
     return tok.clamp(0, max(T - 1, 0)), col.expand(tok.shape[0], -1, -1)
+
+
+class DecodeStandin:
+    """kernels/pool_decode.PoolDecode's contract on the CPU, with its launch's arguments
+    (kernels.launch.launch_decode): per entry, malformed (slot out of range, repeated,
+    already bad, past the limit) -> the spare slot, NaN rows, no ring writes, the slot
+    marked bad; else the new tokens into the ring; each closed window pooled by the reference over the ring's
+    tokens as one pack starting at the sequence's block; the count advanced."""
+
+    def __init__(self, ratio, coff, numerics="fp32"):
+        self.ratio, self.coff, self.numerics = ratio, coff, numerics
+        self.calls = 0
+
+    def fn(self, ring_kv, ring_sc, kv, sc, ape, slots, count, last_n, bad, out, emit, pos,
+           n, H, limit):
+        self.calls += 1
+        r, coff = self.ratio, self.coff
+        B, spare, d = slots.shape[0], count.shape[0] - 1, out.shape[1]
+        R = -(-n // r)
+        raw = slots.tolist()
+        for b in range(B):
+            inside = 0 <= raw[b] < spare
+            slot = raw[b] if inside else spare
+            c = int(count[slot])
+            sane = 0 <= c and c + n <= 2**31 - 1
+            is_bad = (not inside or raw.count(raw[b]) > 1 or bool(bad[slot]) or not sane
+                      or c + n > limit)
+            c32 = c if sane else 0
+            for k in range(n if not is_bad else 0):
+                ring_kv[slot * H + (c + k) % H] = kv[b * n + k]
+                ring_sc[slot * H + (c + k) % H] = sc[b * n + k]
+            for j in range(R):
+                i, row = c32 // r + j, b * R + j
+                emitted = i < (c32 + n) // r
+                emit[row], pos[row] = int(emitted), i * r
+                out[row] = 0
+                if emitted and not is_bad:
+                    first = max(i - (coff - 1), 0)  # the pack starts at a block of the sequence
+                    toks = [slot * H + t % H for t in range(first * r, (i + 1) * r)]
+                    cu = torch.tensor([0, len(toks)], dtype=torch.int32)
+                    rows = i - first + 1
+                    got = reference.compress_thd(  # padded: torch's order of a training pack
+                        ring_kv[toks], ring_sc[toks], ape, cu, torch.tensor([0, rows], dtype=torch.int32),
+                        min_rows(rows, d), ratio=r, coff=coff,
+                        mode=reference.MODE_OF_NUMERICS[self.numerics])
+                    out[row] = got[rows - 1]
+                if is_bad:
+                    out[row] = float("nan")
+            count[slot], last_n[slot] = c + n, n
+            if is_bad:
+                bad[slot] = 1

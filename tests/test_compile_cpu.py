@@ -409,3 +409,25 @@ def test_the_pooling_kernels_with_the_epilogue_compile(arch, cfg, ep):
         assert fused["smem_asked"] == plain["smem_asked"], (fused["smem_asked"], plain["smem_asked"])
     assert fused["grid_ctas"] * fused["threads"] * (-(-max(fused["regs"]) // 8) * 8) <= 65536, fused
 
+
+
+DECODE_CONFIGS = [("decode", "bfloat16", 4, 2, 512), ("decode", "float32", 2, 1, 512),
+                  ("decode", "float16", 8, 1, 64), ("decode", "bfloat16", 4, 2, 128, 0, 0, "eager"),
+                  ("decode", "float32", 1, 1, 65)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["-".join(map(str, c)) for c in DECODE_CONFIGS])
+def test_the_decode_step_compiles_spill_free_with_one_cta_a_row(arch, cfg):
+    """pool_decode: no spills or stack (a 64-bit remainder or a pointer kept across the
+    division's slow-path calls brought a stack frame), the PDL wait first, the two CTA
+    barriers of the step (the repeated-slot flag, then the slot's state read), the
+    forward's vectors, and one thread a column chunk of the row."""
+    info = probe(arch, cfg)
+    assert info["spills"] == [0] and info["stack"] == [0] and info["local"] == 0, info
+    assert info["pdl_wait"] and info["pdl_wait_first"], info
+    assert info["bar_sync"] == 2, info
+    d = cfg[4]
+    assert info["vec"] == T.forward_vector_elems(d, info["elem_bytes"], cfg[2] * cfg[3])
+    assert info["threads"] == d // info["vec"]
+    assert info["mul_rn"] > 0  # the products' pinned rounding, as the forward's

@@ -157,9 +157,9 @@ def test_streaming_bench_floor_and_table():
 
     # ratio 4, coff 2, d 512, bf16: 256 x (4*1024*2 + 2*8*512*2 + 512*2) bytes
     assert sb.decode_floor_bytes(4, 2, 512, 2) == 256 * (8192 + 16384 + 1024)
-    text = sb.table([{"case": "decode x", "streaming fused": 12.5, "floor": 1.5}],
-                    {"copy_bandwidth_gbs": 4000.0, "launch_floor_us": 2.0})
-    assert "| decode x |  | 12.5 |  | 1.5 |" in text.splitlines()
+    text = sb.table([{"case": "decode x", "streaming ring": 3.5, "streaming fused": 12.5,
+                      "floor": 1.5}], {"copy_bandwidth_gbs": 4000.0, "launch_floor_us": 2.0})
+    assert "| decode x |  | 3.5 | 12.5 |  | 1.5 |" in text.splitlines()
     assert "launch floor (one captured elementwise kernel) 2.00 µs" in text
 
 

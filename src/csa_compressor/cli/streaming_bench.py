@@ -4,8 +4,9 @@ Prefill: 8 prompts of 4096 tokens into empty slots, against the training forward
 same tokens (compress_thd_fused) and the streaming plain-torch path; CUDA events around
 each call (prefill reads its offsets on the host, so it is timed outside graphs, and so
 is the training forward it is compared with). Decode: one step of 256 slots in a CUDA
-graph of 20 steps, with and without the epilogue, against the plain-torch path captured
-alike; the floor is the bytes a step must move (read the new tokens, write them into the
+graph of 20 steps, with and without the epilogue: the one-launch kernel (pooling="ring";
+with the epilogue or at ratio 128 it takes the gather path), the gather path ("fused")
+and the plain-torch path, captured alike; the floor is the bytes a step must move (read the new tokens, write them into the
 state, read every emitting slot's window, write its row) over the copy bandwidth, and the
 launch floor one captured elementwise kernel's time.
 """
@@ -72,7 +73,8 @@ def _decode_row(ratio, coff, d, dtype, dev, epilogue, bandwidth, progress):
     ep = Epilogue() if epilogue else None
     w = torch.rand(d, device=dev, generator=gen) + 0.5 if epilogue else None
     row = {"case": f"decode {B} slots d{d} r{ratio}" + (" +epilogue" if epilogue else "")}
-    for name, pooling in (("streaming fused", "fused"), ("streaming torch", "reference")):
+    for name, pooling in (("streaming ring", "ring"), ("streaming fused", "fused"),
+                          ("streaming torch", "reference")):
         st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
         progress(f"{row['case']} {name} ...")
         try:
@@ -100,7 +102,7 @@ def run(dtype=torch.bfloat16, d=512, progress=print):
 
 
 def table(rows, extra) -> str:
-    names = ["training forward", "streaming fused", "streaming torch", "floor"]
+    names = ["training forward", "streaming ring", "streaming fused", "streaming torch", "floor"]
     lines = ["| case | " + " | ".join(f"{n} µs" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for r in rows:

@@ -11,10 +11,12 @@ from cutlass import Int32
 
 from .dape_reduce import DapeReduce
 from .epilogue_rows import cos_sin_vec, dtypes, supported
-from .plan import EpilogueKey, KernelSpec, Tuning, Unit, _fake, current, cutlass_dtype, family
+from .plan import (EpilogueKey, KernelSpec, Tuning, Unit, _fake, current, cutlass_dtype,
+                   decode_designable, family)
 from .pool_bwd import PoolBackward
 from .pool_epilogue import (LongPoolEpilogueBackward, LongPoolEpilogueForward, PoolEpilogueBackward,
                             PoolEpilogueForward)
+from .pool_decode import PoolDecode
 from .pool_fwd import PoolForward
 from .pool_long import LongPoolBackward, LongPoolForward
 
@@ -56,6 +58,10 @@ def _kernel_for(direction, dtype, ratio, coff, head_dim, arch_major, tuning, row
         if direction == "dape_wide" and not wide:
             return None
         return DapeReduce(cols, wide=direction == "dape_wide", tuning=tuning)
+    if direction == "decode":
+        if not decode_designable(dtype, ratio, coff, head_dim, tuning):
+            return None
+        return PoolDecode(cdt, ratio, coff, head_dim, arch_major, tuning=tuning, numerics=numerics)
     kw = dict(tuning=tuning, row_stride=row_stride, batch=batch, numerics=numerics)
     forward, backward = PoolForward, PoolBackward
     if long:
@@ -139,6 +145,8 @@ def compile_args(direction: str, dtype: torch.dtype, ratio: int, coff: int, head
         return (_fake(cutlass.Float32, (P, ratio * W), 16),
                 _fake(cutlass.Float32, (1, ratio * W), 16), stream)
     cdt = cutlass_dtype(dtype)
+    if direction == "decode":
+        return _decode_args(cdt, ratio, W, head_dim, stream)
 
     def rows():  # kv, score, dkv, dscore
         if row_stride:
@@ -183,3 +191,17 @@ def _epilogue_args(direction, cdt, head_dim, epilogue, long: bool):
         return (flat(cdt),) + common + (flat(cdt),) + counts
     # output gradient, pooled rows, statistics, weight, cos, sin, rows gradient, products
     return (flat(cdt), flat(cdt)) + common + (flat(cdt), flat(cutlass.Float32))
+
+
+def _decode_args(cdt, ratio: int, W: int, head_dim: int, stream) -> tuple:
+    """A decode step's symbolic arguments (PoolDecode): the rings ``(slots * history, W)``,
+    the new tokens ``(entries * next_n, W)``, the APE, the entries' slots, the slots'
+    counts, last steps and bad flags, the rows, their emitted flags and positions; next_n,
+    history and the position limit."""
+    ring, new, entries, slots, rows = (cute.sym_int32() for _ in range(5))
+    return (_fake(cdt, (ring, W), 16), _fake(cdt, (ring, W), 16), _fake(cdt, (new, W), 16),
+            _fake(cdt, (new, W), 16), _fake(cutlass.Float32, (ratio, W), 16),
+            _fake(cutlass.Int64, (entries,), 8), _fake(cutlass.Int64, (slots,), 8),
+            _fake(cutlass.Int64, (slots,), 8), _fake(cutlass.Uint8, (slots,), 1),
+            _fake(cdt, (rows, head_dim), 16), _fake(cutlass.Uint8, (rows,), 1),
+            _fake(cutlass.Int64, (rows,), 8), Int32(1), Int32(1), Int32(1), stream)

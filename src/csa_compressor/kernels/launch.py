@@ -9,7 +9,7 @@ import math
 import torch
 
 from . import plan
-from .compile import compiled_for
+from .compile import compiled_for, is_compiled
 from .hardware import sm_count
 from .offsets import guarded_ape
 from .tuning import current
@@ -29,7 +29,8 @@ class _on_device:
     __slots__ = ("guard",)
 
     def __init__(self, dev):
-        self.guard = (None if _one_gpu() or dev.index == torch.cuda.current_device()
+        self.guard = (None if dev.type != "cuda" or _one_gpu()
+                      or dev.index == torch.cuda.current_device()
                       else torch.cuda.device(dev))
 
     def __enter__(self):
@@ -169,3 +170,24 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
         dape_sum(c, rows, p.tuning)(workspace.view(rows, C), grad_ape.view(1, C))
     return grad_kv, grad_score, grad_ape
 
+
+
+def decode_kernel(device, dtype, ratio, coff, head_dim, numerics="fp32", tuning=None):
+    """The compiled decode step (pool_decode) of this specialisation; None where it has
+    none, or where it is not compiled yet and a CUDA graph captures (the caller then takes
+    its torch ops, the same bits)."""
+    t = tuning or current()
+    if not plan.decode_designable(dtype, ratio, coff, head_dim, t):
+        return None
+    s = plan.spec("decode", dtype, ratio, coff, head_dim, t, numerics=numerics)
+    if torch.cuda.is_current_stream_capturing() and not is_compiled(s, device):
+        return None
+    return compiled_for(s, device)
+
+
+def launch_decode(c, rings, new, ape, slots, state, outs, next_n: int, history: int, limit: int):
+    """One decode step of compiled ``c`` (decode_kernel): ``rings`` (kv, score) ``(slots *
+    history, W)``, ``new`` (kv, score) ``(entries * next_n, W)``, ``state`` (counts, last
+    steps, bad flags as uint8), ``outs`` (rows, emitted as uint8, positions)."""
+    with _on_device(rings[0].device):
+        c.fn(*rings, *new, ape, slots, *state, *outs, next_n, history, limit)

@@ -15,7 +15,8 @@ import torch
 from ..checks import POOL_NUMERICS as NUMERICS
 from .tuning import Tuning, current
 
-DIRECTIONS = ("fwd", "bwd", "bwd_large", "dape", "dape_wide")
+# "decode": a streaming decode step (pool_decode), the forward's row math over slots' rings
+DIRECTIONS = ("fwd", "bwd", "bwd_large", "dape", "dape_wide", "decode")
 
 
 def cutlass_dtype(dtype: torch.dtype):
@@ -133,7 +134,10 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
     if direction in ("dape", "dape_wide"):
         # the partials are fp32 whatever the inputs are, in one layout
         dtype, row_stride, batch, numerics, epilogue, ape = torch.float32, 0, 0, "fp32", None, True
-    if direction in ("fwd", "dape", "dape_wide") or dtype == torch.float32:
+    if direction == "decode":
+        # the rings are packed, the epilogue runs by parts, no APE reads zeros
+        row_stride, batch, epilogue, ape = 0, 0, None, True
+    if direction in ("fwd", "dape", "dape_wide", "decode") or dtype == torch.float32:
         fp32_dscore = False  # no dscore, or one that is fp32 anyway
     if batch == 1:
         batch = 0  # one SBHD sequence is a one-segment pack
@@ -148,6 +152,18 @@ def spec(direction: str, dtype: torch.dtype, ratio: int, coff: int, head_dim: in
         _SPECS.clear()
     _SPECS[key] = (t, made)
     return made
+
+
+DECODE_MAX_THREADS = 1024  # a CTA's most threads: pool_decode's CTA holds a row's column chunks
+
+
+def decode_designable(dtype: torch.dtype, ratio: int, coff: int, head_dim: int, tuning) -> bool:
+    """Whether a decode step has its kernel (pool_decode): a register-resident window and
+    a row whose column chunks (the forward's) one CTA holds."""
+    if tuning.long_window(coff * ratio):
+        return False
+    vec = tuning.forward_vector_elems(head_dim, dtype.itemsize, coff * ratio)
+    return head_dim // vec <= DECODE_MAX_THREADS
 
 
 def family(s: KernelSpec) -> tuple:

@@ -14,7 +14,8 @@ from ..epilogue_op import apply_epilogue
 from ..fused_epilogue import EpilogueInside
 from ..ops import compress_thd_fused
 
-POOLING = ("auto", "fused", "reference")
+# "ring": "auto", and decode's one-launch kernel where it takes the step (streaming/ring.py)
+POOLING = ("auto", "fused", "reference", "ring")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
     elif not isinstance(norm_weight, torch.Tensor):
         raise TypeError("norm_weight: expected a torch.Tensor with epilogue=")
     fused = pooling == "fused"
-    if pooling == "auto":
+    if pooling in ("auto", "ring"):
         n = cu_probe.numel() - 1
         reason = dispatch.fused_unavailable_reason(
             kv, score, ape, cu_probe, None, 0 * n, ratio=state.ratio, coff=state.coff)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ..checks import check_int, check_tensor
+from . import ring
 from .rows import pool_rows, settings
 from .state import host_list, which
 from .windows import decode_geometry, min_rows
@@ -71,7 +72,8 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     slot, in order). Returns the step's rows with static shapes. Capturable in a CUDA
     graph (after one eager step of the same shapes has compiled the kernels); inside the
     capture, malformed slots cannot raise and make their rows NaN instead (state.bad).
-    The other arguments: prefill's."""
+    ``pooling="ring"``: one kernel for the step where it takes it (streaming/ring.py),
+    else "auto". Rows are meaningful where emitted. The other arguments: prefill's."""
     W = state.width
     for name, t in (("kv", kv), ("score", score)):
         check_tensor(name, t)
@@ -91,19 +93,28 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
         if last is None or last >= rows_in_table:
             raise ValueError(f"rope_table: decode needs StreamState(max_seqlen=...) whose last row "
                              f"position ({last}) lies inside the table's {rows_in_table} rows")
-    idx = _slots(state, slots, B)
-    count = state.count[idx]
-    capturing = _capturing(count)
-    if state.max_seqlen is not None:
-        _require(state, count + n <= state.position_limit, idx,
-                 lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
-                           f"{state.position_limit} tokens")
-    if not capturing and bool(state.bad[idx].any()):
-        raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
-                         "NaN); reset it before reuse")
+    capturing = _capturing(kv)
     c = _constants(state, B, n, epilogue is not None)
+    ring_asked = pooling == "ring"
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
                   norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
+    kernel = None
+    if ring_asked and epilogue is None:
+        kernel = ring.launcher(state, kv, score, ape, st)
+    if kernel is not None and capturing and slots is not None:
+        # unchecked: the kernel gives malformed entries NaN rows and marks their slots bad
+        idx = state.slot_index(slots)
+        if idx.numel() != B:
+            raise ValueError(f"slots: expected {B} slots (kv's first dimension), got {idx.numel()}")
+    else:
+        idx = _slots(state, slots, B)
+    if kernel is not None:
+        if not capturing:
+            _check_step(state, idx, n, False)
+        rows, emitted, positions = ring.step(kernel, state, kv, score, ape, idx)
+        state.follow(which(slots), lambda v: v + n, capturing)
+        return Step(rows, emitted, positions)
+    count = _check_step(state, idx, n, capturing)
     # the new tokens into the rings, then each slot's segment gathered from its ring
     base = idx[:, None] * H
     dst = (base + (count[:, None] + c["k"]) % H).view(-1)
@@ -130,6 +141,20 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     state.last_n.index_fill_(0, idx, n)
     state.follow(which(slots), lambda v: v + n, capturing)
     return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
+
+
+def _check_step(state, idx, n: int, capturing: bool) -> torch.Tensor:
+    """The entries' counts, checked: eager, the errors decode raises (one sync); under
+    capture, entries past the position limit make their slots bad."""
+    count = state.count[idx]
+    if state.max_seqlen is not None:
+        _require(state, count + n <= state.position_limit, idx,
+                 lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
+                           f"{state.position_limit} tokens")
+    if not capturing and bool(state.bad[idx].any()):
+        raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
+                         "NaN); reset it before reuse")
+    return count
 
 
 def _constants(state, B: int, n: int, epilogue: bool) -> dict:

@@ -1,0 +1,48 @@
+"""decode's one-launch path (``pooling="ring"``): kernels/pool_decode reads the slots'
+rings in place, so a step is one kernel where the gather path is some thirty small ones.
+The rows are the training forward's rows (the forward's row math, in its order)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.launch import decode_kernel, launch_decode
+
+
+def launcher(state, kv, score, ape, settings):
+    """The compiled step for this call, or None where it takes the gather path: not the
+    fused path (``settings``, rows.Settings), inputs not contiguous or not 16-byte
+    aligned, an APE the kernels cannot read, a window or row the kernel does not hold
+    (plan.decode_designable), or no compiled kernel while a CUDA graph captures."""
+    if not settings.fused or state.device.type != "cuda":
+        return None
+    for t in (kv, score) + (() if ape is None else (ape,)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return None
+    if ape is not None and (ape.dtype != torch.float32 or ape.device != state.device
+                            or tuple(ape.shape) != (state.ratio, state.width)):
+        return None
+    return decode_kernel(state.device, state.dtype, state.ratio, state.coff, state.head_dim,
+                         settings.numerics)
+
+
+def step(c, state, kv, score, ape, idx: torch.Tensor):
+    """Run compiled step ``c`` for entries ``idx`` (int64 slots on the device, unchecked:
+    the kernel makes malformed entries NaN and their slots bad). Returns (rows ``(B, R,
+    head_dim)``, emitted ``(B, R)``, positions ``(B, R)``)."""
+    B, n, W = kv.shape
+    R = -(-n // state.ratio)
+    if ape is None:  # a zero APE adds what the no-APE kernels add (the guard's flag, 0)
+        ape = state.constants.get("zero_ape")
+        if ape is None:
+            ape = state.constants["zero_ape"] = torch.zeros((state.ratio, W), dtype=torch.float32,
+                                                   device=state.device)
+    out = torch.empty((B * R, state.head_dim), dtype=state.dtype, device=state.device)
+    emitted = torch.empty(B * R, dtype=torch.uint8, device=state.device)
+    positions = torch.empty(B * R, dtype=torch.int64, device=state.device)
+    launch_decode(c, (state.kv.view(-1, W), state.score.view(-1, W)),
+                  (kv.view(B * n, W), score.view(B * n, W)), ape, idx,
+                  (state.count, state.last_n, state.bad.view(torch.uint8)),
+                  (out, emitted, positions), n, state.history, state.position_limit)
+    return (out.view(B, R, state.head_dim), emitted.view(torch.bool).view(B, R),
+            positions.view(B, R))

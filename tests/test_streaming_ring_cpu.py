@@ -1,0 +1,102 @@
+"""decode's one-launch path (pooling="ring") on the CPU: the glue around the kernel, with
+tests/kernel_standin.DecodeStandin (the kernel's contract) standing in for it, gives the
+training rows eager and under the capture branch; where the kernel cannot take a call,
+"ring" is the gather path."""
+
+import types
+
+import pytest
+import torch
+
+from csa_compressor import Epilogue, streaming
+from csa_compressor.kernels import plan, tuning
+from csa_compressor.streaming import ring
+from kernel_standin import DecodeStandin
+from stream_driver import Stream
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """ring.launcher answers with the stand-in wherever the kernel would run."""
+    made = []
+
+    def launcher(state, kv, score, ape, settings):
+        k = DecodeStandin(state.ratio, state.coff, settings.numerics)
+        made.append(k)
+        return types.SimpleNamespace(fn=k.fn)
+
+    monkeypatch.setattr(ring, "launcher", launcher)
+    return made
+
+
+def _lens(ratio, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(ratio, 3 * ratio + 20, (k,), generator=g)]
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (1, 1), (2, 1), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("numerics", ["fp32", "eager"])
+def test_ring_steps_give_the_training_rows(standin, ratio, coff, dtype, numerics):
+    st = streaming.StreamState(3, 64, ratio=ratio, coff=coff, dtype=dtype)
+    run = Stream(st, _lens(ratio, 5, ratio), seed=ratio + coff, numerics=numerics,
+                 pooling="ring", max_n=4)
+    run.run()
+    run.check()
+    assert standin and sum(k.calls for k in standin) > 0
+
+
+def test_ring_with_the_epilogue_takes_the_gather_path(standin):
+    st = streaming.StreamState(3, 64, ratio=4, coff=2)
+    run = Stream(st, _lens(4, 4, 2), seed=2, ep=Epilogue(rope_dim=16), pooling="ring", max_n=2)
+    run.run()
+    run.check()
+    assert not standin
+
+
+def test_ring_on_the_cpu_is_the_gather_path():
+    """No stand-in: on the CPU "ring" takes the plain-torch path, prefill included."""
+    st = streaming.StreamState(2, 32, ratio=4, coff=2, dtype=torch.float32)
+    run = Stream(st, _lens(4, 3, 5), seed=5, pooling="ring", max_n=3)
+    run.run()
+    run.check()
+
+
+def test_ring_capture_branch_marks_bad_slots(standin, monkeypatch):
+    """As test_the_capture_branch_poisons_instead_of_raising, through the ring path: the
+    same rows as the eager gather path; a take-back past the last step and a step past
+    max_seqlen make the slots bad and their rows NaN, and no eager check runs."""
+    import importlib
+
+    steps = importlib.import_module("csa_compressor.streaming.steps")
+    kv, ape = torch.randn(3, 2, 32), torch.randn(4, 32)
+    eager = streaming.StreamState(3, 16, ratio=4, coff=2, dtype=torch.float32, max_seqlen=9)
+    captured = streaming.StreamState(3, 16, ratio=4, coff=2, dtype=torch.float32, max_seqlen=9)
+    want = [streaming.decode(eager, kv, kv, ape) for _ in range(2)]
+    monkeypatch.setattr(steps, "_capturing", lambda t: True)
+    monkeypatch.setattr(steps, "_check_step", lambda *a: pytest.fail("checked under capture"))
+    got = [streaming.decode(captured, kv, kv, ape, pooling="ring") for _ in range(2)]
+    for a, b in zip(want, got):  # rows are meaningful where emitted
+        assert torch.equal(a.emitted, b.emitted)
+        assert torch.equal(a.rows[a.emitted], b.rows[b.emitted])
+        assert torch.equal(a.positions[a.emitted], b.positions[b.emitted])
+    assert want[1].emitted.all()
+    streaming.take_back(captured, torch.tensor([0, 3, 0]))  # more than slot 1's last 2
+    for _ in range(2):  # 9, 7, 9 tokens seen: within max_seqlen
+        step = streaming.decode(captured, kv, kv, ape, [0, 1, 2], pooling="ring")
+    assert captured.bad[:3].tolist() == [False, True, False]
+    assert step.rows[1].isnan().all() and not step.rows[0::2].isnan().any()
+    step = streaming.decode(captured, kv, kv, ape, pooling="ring")  # past max_seqlen
+    assert captured.bad[:3].tolist() == [True, True, True]
+    assert step.rows.isnan().all()
+    assert captured.count[:3].tolist() == [10, 8, 10]
+
+
+def test_decode_has_its_kernel_where_the_forward_holds_the_window_and_row():
+    t = tuning.current()
+    assert plan.decode_designable(torch.bfloat16, 4, 2, 512, t)
+    assert plan.decode_designable(torch.float32, 2, 1, 512, t)
+    assert not plan.decode_designable(torch.bfloat16, 128, 1, 512, t)  # slot-parallel window
+    assert not plan.decode_designable(torch.float32, 4, 2, 8192, t)  # wider than a CTA
+    s = plan.spec("decode", torch.bfloat16, 4, 2, 512, row_stride=2048, batch=3, ape=False)
+    assert (s.row_stride, s.batch, s.ape, s.epilogue) == (0, 0, True, None)

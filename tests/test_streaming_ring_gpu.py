@@ -1,0 +1,166 @@
+"""decode's one-launch kernel (pooling="ring", kernels/pool_decode) on the H200: every
+emitted row bitwise the fused training op's, eager and replayed in a CUDA graph; the same
+rows and state as the gather path; malformed entries NaN and their slots bad in a graph."""
+
+import pytest
+import torch
+
+from csa_compressor import streaming
+from csa_compressor.streaming import ring
+from csa_compressor.streaming.rows import settings
+from stream_driver import Stream, training_rows
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = [(4, 2), (1, 1), (2, 1), (8, 1)]
+
+
+def _lens(ratio, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(ratio, 4 * ratio + 40, (k,), generator=g)]
+
+
+def _takes_the_kernel(st, B=2, n=1, numerics="fp32"):
+    kv = torch.zeros(B, n, st.width, dtype=st.dtype, device=st.device)
+    ape = torch.zeros(st.ratio, st.width, device=st.device)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=st.device) * n
+    s = settings(st, kv.view(B * n, -1), kv.view(B * n, -1), ape, numerics, None, None, None,
+                 "ring", cu)
+    return ring.launcher(st, kv, kv, ape, s) is not None
+
+
+@pytest.mark.parametrize("ratio,coff", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
+def test_ring_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim):
+    st = streaming.StreamState(4, head_dim, ratio=ratio, coff=coff, dtype=dtype, device="cuda")
+    assert _takes_the_kernel(st)
+    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, pooling="ring", max_n=4,
+                 slot_tensor_on_device=head_dim == 128)
+    run.run()
+    run.check(fused=True)
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "eager"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ring_eager_numerics(numerics, dtype):
+    st = streaming.StreamState(3, 512, ratio=4, coff=2, dtype=dtype, device="cuda")
+    assert _takes_the_kernel(st, numerics=numerics)
+    run = Stream(st, _lens(4, 5, 1), seed=1, numerics=numerics, pooling="ring", max_n=3)
+    run.run()
+    run.check(fused=True)
+
+
+def _steps(pooling, ape, steps=12, B=5, n=3, ratio=4, coff=2, d=128, seed=0):
+    """``steps`` decode steps of ``n`` tokens into fresh states; the steps and the state."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    st = streaming.StreamState(B + 2, d, ratio=ratio, coff=coff, device=dev)
+    slots = torch.tensor([5, 0, 3, 6, 1][:B], device=dev)
+    out = []
+    for _ in range(steps):
+        kv = torch.randn(B, n, coff * d, device=dev, generator=g).bfloat16()
+        sc = torch.randn(B, n, coff * d, device=dev, generator=g).bfloat16()
+        out.append(streaming.decode(st, kv, sc, ape, slots, pooling=pooling))
+    return out, st
+
+
+@pytest.mark.parametrize("with_ape", [True, False])
+def test_ring_steps_and_state_are_the_gather_paths(with_ape):
+    ape = torch.randn(4, 256, device="cuda") if with_ape else None
+    ring_steps, ring_state = _steps("ring", ape)
+    gather_steps, gather_state = _steps("fused", ape)
+    emitted = 0
+    for a, b in zip(ring_steps, gather_steps):
+        assert torch.equal(a.emitted, b.emitted)
+        assert torch.equal(a.rows[a.emitted], b.rows[b.emitted])
+        assert torch.equal(a.positions[a.emitted], b.positions[b.emitted])
+        emitted += int(a.emitted.sum())
+    assert emitted > 0
+    for name in ("count", "last_n", "bad", "kv", "score"):
+        assert torch.equal(getattr(ring_state, name), getattr(gather_state, name)), name
+
+
+def test_ring_without_an_ape_is_a_zero_ape():
+    zero, _ = _steps("ring", torch.zeros(4, 256, device="cuda"))
+    none, _ = _steps("ring", None)
+    for a, b in zip(zero, none):
+        assert torch.equal(a.rows[a.emitted], b.rows[b.emitted])
+
+
+@pytest.mark.parametrize("ratio,coff,dtype", [(4, 2, torch.bfloat16), (2, 1, torch.float32)])
+def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype):
+    B, d, dev, steps = 8, 512, "cuda", 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    prompts = [int(x) for x in torch.randint(1, 3 * ratio, (B,))]
+    lens = [p + steps for p in prompts]
+    W = coff * d
+    kv = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
+    sc = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
+    ape = torch.randn(ratio, W, device=dev, generator=g)
+    start = [0] + torch.tensor(lens).cumsum(0).tolist()
+    st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+    assert _takes_the_kernel(st, B)
+    got = [dict() for _ in range(B)]
+    cu = [0] + torch.tensor(prompts).cumsum(0).tolist()
+    res = streaming.prefill(st, torch.cat([kv[start[b]:start[b] + prompts[b]] for b in range(B)]),
+                            torch.cat([sc[start[b]:start[b] + prompts[b]] for b in range(B)]),
+                            ape, cu, list(range(B)), pooling="ring")
+    for row, s, p in zip(res.rows, res.slots.tolist(), res.positions.tolist()):
+        got[s][p // ratio] = row.clone()
+    kv_buf = torch.empty(B, 1, W, device=dev, dtype=dtype)
+    sc_buf = torch.empty_like(kv_buf)
+    slots = torch.arange(B, device=dev)
+
+    def feed(k):
+        idx = torch.tensor([start[b] + prompts[b] + k for b in range(B)], device=dev)
+        kv_buf.copy_(kv[idx].view(B, 1, W))
+        sc_buf.copy_(sc[idx].view(B, 1, W))
+
+    def keep(step):
+        for b in range(B):
+            if bool(step.emitted[b, 0]):
+                got[b][int(step.positions[b, 0]) // ratio] = step.rows[b, 0].clone()
+
+    feed(0)
+    keep(streaming.decode(st, kv_buf, sc_buf, ape, slots, pooling="ring"))  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = streaming.decode(st, kv_buf, sc_buf, ape, slots, pooling="ring")
+    for k in range(1, steps):
+        feed(k)
+        graph.replay()
+        keep(out)
+    want = training_rows(kv, sc, ape, lens, ratio, coff, "fp32", None, None, fused=True)
+    for b in range(B):
+        assert sorted(got[b]) == list(range(want[b].shape[0]))
+        for i in range(want[b].shape[0]):
+            assert torch.equal(got[b][i], want[b][i]), (b, i)
+    assert st.count[:B].tolist() == lens
+
+
+def test_ring_captured_decode_poisons_malformed_entries():
+    dev = "cuda"
+    st = streaming.StreamState(4, 128, ratio=4, coff=2, device=dev, max_seqlen=12)
+    kv = torch.randn(4, 1, 256, device=dev).bfloat16()
+    ape = torch.randn(4, 256, device=dev)
+    slots = torch.arange(4, device=dev)
+    streaming.decode(st, kv, kv, ape, slots, pooling="ring")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = streaming.decode(st, kv, kv, ape, slots, pooling="ring")
+    slots.copy_(torch.tensor([0, 1, 9, 1], device=dev))  # 9: out of range; 1 twice
+    for _ in range(4):
+        graph.replay()
+    rows = out.rows.float()
+    assert rows[2].isnan().all() and rows[1].isnan().all() and rows[3].isnan().all()
+    assert not rows[0].isnan().any()
+    assert st.bad[:4].tolist() == [False, True, False, False] and bool(st.bad[4])  # spare
+    slots.copy_(torch.tensor([0, 2, 3, 1], device=dev))
+    for _ in range(8):  # slot 0 reaches 13 tokens: past max_seqlen
+        graph.replay()
+    assert st.bad[:4].tolist() == [True, True, False, False]
+    assert out.rows[0].float().isnan().all() and not out.rows[1:3].float().isnan().any()
+    # eager, the step raises (slots 0 and 1 are past max_seqlen as well as bad)
+    with pytest.raises(ValueError, match="reset it|capacity"):
+        streaming.decode(st, kv, kv, ape, torch.tensor([1, 0, 2, 3]), pooling="ring")
