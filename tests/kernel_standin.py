@@ -86,7 +86,7 @@ class DecodeStandin:
             for j in range(R):
                 i, row = c32 // r + j, b * R + j
                 emitted = i < (c32 + n) // r
-                emit[row], pos[row] = int(emitted), i * r
+                emit[row], pos[row] = int(emitted), i * r if emitted else 0
                 out[row] = 0
                 if emitted and not is_bad:
                     first = max(i - (coff - 1), 0)  # the pack starts at a block of the sequence

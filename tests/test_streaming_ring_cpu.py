@@ -1,7 +1,7 @@
 """decode's one-launch path (pooling="ring") on the CPU: the glue around the kernel, with
 tests/kernel_standin.DecodeStandin (the kernel's contract) standing in for it, gives the
-training rows eager and under the capture branch; where the kernel cannot take a call,
-"ring" is the gather path."""
+training rows, with and without the epilogue, eager and under the capture branch; where
+the kernel cannot take a call, "ring" is the gather path."""
 
 import types
 
@@ -46,12 +46,15 @@ def test_ring_steps_give_the_training_rows(standin, ratio, coff, dtype, numerics
     assert standin and sum(k.calls for k in standin) > 0
 
 
-def test_ring_with_the_epilogue_takes_the_gather_path(standin):
-    st = streaming.StreamState(3, 64, ratio=4, coff=2)
-    run = Stream(st, _lens(4, 4, 2), seed=2, ep=Epilogue(rope_dim=16), pooling="ring", max_n=2)
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_ring_steps_with_the_epilogue_give_the_training_rows(standin, ratio, coff, rotate):
+    st = streaming.StreamState(3, 64, ratio=ratio, coff=coff)
+    run = Stream(st, _lens(ratio, 4, 2), seed=2, ep=Epilogue(rope_dim=16, rotate=rotate),
+                 pooling="ring", max_n=4)
     run.run()
     run.check()
-    assert not standin
+    assert standin and sum(k.calls for k in standin) > 0
 
 
 def test_ring_on_the_cpu_is_the_gather_path():

@@ -5,7 +5,7 @@ rows and state as the gather path; malformed entries NaN and their slots bad in 
 import pytest
 import torch
 
-from csa_compressor import streaming
+from csa_compressor import Epilogue, streaming
 from csa_compressor.streaming import ring
 from csa_compressor.streaming.rows import settings
 from stream_driver import Stream, training_rows
@@ -32,11 +32,12 @@ def _takes_the_kernel(st, B=2, n=1, numerics="fp32"):
 @pytest.mark.parametrize("ratio,coff", CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 512])
-def test_ring_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim):
+@pytest.mark.parametrize("epilogue", [None, Epilogue(rope_dim=64)])
+def test_ring_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim, epilogue):
     st = streaming.StreamState(4, head_dim, ratio=ratio, coff=coff, dtype=dtype, device="cuda")
     assert _takes_the_kernel(st)
-    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, pooling="ring", max_n=4,
-                 slot_tensor_on_device=head_dim == 128)
+    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, ep=epilogue, pooling="ring",
+                 max_n=4, slot_tensor_on_device=head_dim == 128)
     run.run()
     run.check(fused=True)
 
@@ -88,8 +89,10 @@ def test_ring_without_an_ape_is_a_zero_ape():
         assert torch.equal(a.rows[a.emitted], b.rows[b.emitted])
 
 
-@pytest.mark.parametrize("ratio,coff,dtype", [(4, 2, torch.bfloat16), (2, 1, torch.float32)])
-def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype):
+@pytest.mark.parametrize("ratio,coff,dtype,ep", [(4, 2, torch.bfloat16, None),
+                                                 (4, 2, torch.bfloat16, Epilogue(rope_dim=64)),
+                                                 (2, 1, torch.float32, None)])
+def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype, ep):
     B, d, dev, steps = 8, 512, "cuda", 64
     g = torch.Generator(device=dev).manual_seed(0)
     prompts = [int(x) for x in torch.randint(1, 3 * ratio, (B,))]
@@ -98,6 +101,8 @@ def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype):
     kv = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
     sc = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
     ape = torch.randn(ratio, W, device=dev, generator=g)
+    w = torch.rand(d, device=dev, generator=g) + 0.5
+    kw = dict(epilogue=ep, norm_weight=w if ep else None, pooling="ring")
     start = [0] + torch.tensor(lens).cumsum(0).tolist()
     st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
     assert _takes_the_kernel(st, B)
@@ -105,7 +110,7 @@ def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype):
     cu = [0] + torch.tensor(prompts).cumsum(0).tolist()
     res = streaming.prefill(st, torch.cat([kv[start[b]:start[b] + prompts[b]] for b in range(B)]),
                             torch.cat([sc[start[b]:start[b] + prompts[b]] for b in range(B)]),
-                            ape, cu, list(range(B)), pooling="ring")
+                            ape, cu, list(range(B)), **kw)
     for row, s, p in zip(res.rows, res.slots.tolist(), res.positions.tolist()):
         got[s][p // ratio] = row.clone()
     kv_buf = torch.empty(B, 1, W, device=dev, dtype=dtype)
@@ -123,15 +128,15 @@ def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype):
                 got[b][int(step.positions[b, 0]) // ratio] = step.rows[b, 0].clone()
 
     feed(0)
-    keep(streaming.decode(st, kv_buf, sc_buf, ape, slots, pooling="ring"))  # compiles
+    keep(streaming.decode(st, kv_buf, sc_buf, ape, slots, **kw))  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = streaming.decode(st, kv_buf, sc_buf, ape, slots, pooling="ring")
+        out = streaming.decode(st, kv_buf, sc_buf, ape, slots, **kw)
     for k in range(1, steps):
         feed(k)
         graph.replay()
         keep(out)
-    want = training_rows(kv, sc, ape, lens, ratio, coff, "fp32", None, None, fused=True)
+    want = training_rows(kv, sc, ape, lens, ratio, coff, "fp32", ep, kw["norm_weight"], fused=True)
     for b in range(B):
         assert sorted(got[b]) == list(range(want[b].shape[0]))
         for i in range(want[b].shape[0]):

@@ -133,9 +133,12 @@ class PoolDecode(PoolForward):
             res.store(acc.load().to(self.dtype))
             row = b * rows + j
             gOut[(None, (row, chunk))].store(res.load())
-            if chunk == 0:
-                mEmit[row] = Uint8(1) if emitted else Uint8(0)
-                mPos[row] = Int64(i * r)
+            if chunk == 0:  # a row not emitted at position 0: inside any rotary table
+                mEmit[row] = Uint8(0)
+                mPos[row] = Int64(0)
+                if emitted:
+                    mEmit[row] = Uint8(1)
+                    mPos[row] = Int64(i * r)
 
     @cute.jit
     def load_ring_window(self, tt: Tiles, sf, vf, slot: Int32, t0: Int32, has_prev,

@@ -99,7 +99,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
                   norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
     kernel = None
-    if ring_asked and epilogue is None:
+    if ring_asked:
         kernel = ring.launcher(state, kv, score, ape, st)
     if kernel is not None and capturing and slots is not None:
         # unchecked: the kernel gives malformed entries NaN rows and marks their slots bad
@@ -111,7 +111,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     if kernel is not None:
         if not capturing:
             _check_step(state, idx, n, False)
-        rows, emitted, positions = ring.step(kernel, state, kv, score, ape, idx)
+        rows, emitted, positions = ring.step(kernel, state, kv, score, idx, st)
         state.follow(which(slots), lambda v: v + n, capturing)
         return Step(rows, emitted, positions)
     count = _check_step(state, idx, n, capturing)
