@@ -9,7 +9,7 @@ import torch
 from ..checks import check_tensor
 from ..validation import check_token_offsets
 from .rows import pool_rows, settings
-from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange, seg_list
+from .windows import HOST_INDEX_MAX, device_ints, min_rows, plan, seg_arange, seg_list
 
 
 class Rows(NamedTuple):
@@ -91,8 +91,9 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         _store(state, kv, score, slot_list, plan(counts, lens, state.ratio, state.coff))
         none = torch.empty(0, dtype=torch.int64, device=dev)
         return Rows(kv.new_empty((0, state.head_dim)), none, none)
+    probe = None if pooling in ("fused", "reference") else device_ints(cu, dev, torch.int32)
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
-                  torch.tensor(cu, dtype=torch.int32, device=dev), epilogue_inside)
+                  probe, epilogue_inside)
     r, d = state.ratio, state.head_dim
     wins = plan(counts, lens, r, state.coff)
     want_pos = epilogue is not None
@@ -130,9 +131,9 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
     _store(state, kv, score, slot_list, wins)
-    slots_t = torch.tensor(slot_list, dtype=torch.int64, device=dev)
-    return Rows(out, torch.repeat_interleave(slots_t, torch.tensor(m, dtype=torch.int64, device=dev),
-                                             output_size=total),
+    B = len(slot_list)
+    slots_m = device_ints(slot_list + m, dev)
+    return Rows(out, torch.repeat_interleave(slots_m[:B], slots_m[B:], output_size=total),
                 seg_arange([w.i0 for w in wins], m, dev) * r)
 
 
@@ -148,8 +149,8 @@ def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts):
     if want_pos:
         pos = seg_arange(first_blocks, block_counts, dev) * st.ratio
         pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
-    return pool_rows(st, kv, score, torch.tensor(cu, dtype=torch.int32, device=dev),
-                     torch.tensor(cuc, dtype=torch.int32, device=dev), n, pos)
+    offs = device_ints(cu + cuc, dev, torch.int32)
+    return pool_rows(st, kv, score, offs[:len(cu)], offs[len(cu):], n, pos)
 
 
 def _boundary_pack(state, kv, score, bnd, slot_list, wins):
@@ -166,9 +167,9 @@ def _boundary_pack(state, kv, score, bnd, slot_list, wins):
         chunk[0].append(cu[-1] + k_ring), chunk[1].append(k_chunk), chunk[2].append(w.start)
         cu.append(cu[-1] + t_hi - t_lo)
         rows.append(w.shift + w.bnd_rows)
+    base_k = device_ints(ring[3] + ring[1], dev)
     ring_src = seg_arange(ring[2], ring[1], dev) % H + torch.repeat_interleave(
-        torch.tensor(ring[3], dtype=torch.int64, device=dev),
-        torch.tensor(ring[1], dtype=torch.int64, device=dev), output_size=sum(ring[1]))
+        base_k[:len(bnd)], base_k[len(bnd):], output_size=sum(ring[1]))
     ring_dst = seg_arange(ring[0], ring[1], dev)
     chunk_src, chunk_dst = seg_arange(chunk[2], chunk[1], dev), seg_arange(chunk[0], chunk[1], dev)
     packs = []
@@ -190,15 +191,14 @@ def _store(state, kv, score, slot_list, wins):
         src = seg_list([w.start + w.n - k for w, k in zip(wins, keep)], keep)
         dst = [s * H + t % H for w, k, s in zip(wins, keep, slot_list)
                for t in range(w.c + w.n - k, w.c + w.n)]
-        ix = torch.tensor(src + dst + slot_list + new, dtype=torch.int64, device=dev)
+        ix = device_ints(src + dst + slot_list + new, dev)
         src, dst, idx, counts = ix[:m], ix[m:2 * m], ix[2 * m:2 * m + B], ix[2 * m + B:]
     else:
         src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev)
+        ix = device_ints(slot_list + new + [s * H for s in slot_list] + keep, dev)
+        idx, counts = ix[:B], ix[B:2 * B]
         dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev) % H + \
-            torch.repeat_interleave(torch.tensor([s * H for s in slot_list], dtype=torch.int64, device=dev),
-                                    torch.tensor(keep, dtype=torch.int64, device=dev), output_size=m)
-        ix = torch.tensor(slot_list + new, dtype=torch.int64, device=dev)
-        idx, counts = ix[:B], ix[B:]
+            torch.repeat_interleave(ix[2 * B:3 * B], ix[3 * B:], output_size=m)
     if m:
         state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
         state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))

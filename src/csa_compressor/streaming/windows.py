@@ -79,6 +79,16 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
 HOST_INDEX_MAX = 512
 
 
+def device_ints(values: list, device, dtype=torch.int64) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` without a host sync: a CUDA copy from pinned
+    memory in stream order (torch's copy from pageable memory synchronises the stream,
+    which left the host's work after a prefill's launches unoverlapped)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def seg_list(starts, counts) -> list:
     """seg_arange's indices as a host list."""
     return [i for s, k in zip(starts, counts) for i in range(s, s + k)]
@@ -91,14 +101,15 @@ def seg_arange(starts, counts, device) -> torch.Tensor:
     if not total:
         return torch.empty(0, dtype=torch.int64, device=device)
     if total <= HOST_INDEX_MAX:
-        return torch.tensor(seg_list(starts, counts), dtype=torch.int64, device=device)
+        return device_ints(seg_list(starts, counts), device)
     offs, first = [], 0
     for s, k in zip(starts, counts):
         offs.append(s - first)
         first += k
-    reps = torch.tensor(counts, dtype=torch.int64, device=device)
+    both = device_ints(list(counts) + offs, device)
+    n = len(offs)
     return torch.arange(total, device=device) + torch.repeat_interleave(
-        torch.tensor(offs, dtype=torch.int64, device=device), reps, output_size=total)
+        both[n:], both[:n], output_size=total)
 
 
 def decode_geometry(count: torch.Tensor, n: int, ratio: int, coff: int):
