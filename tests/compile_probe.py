@@ -98,6 +98,7 @@ print(json.dumps({"pdl_wait": wait_at >= 0, "pdl_wait_first": wait_first, "min_c
                   "ballots": ptx.count("vote.sync.ballot"), "arch": os.environ.get("CUTE_DSL_ARCH"), "regs": regs, "spills": spills, "stack": stack,
                   "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
                   "mul_rn": ptx.count("mul.rn.f32"), "loads_by_bytes": loads,
+                  "nc_loads": ptx.count("ld.global.nc"),
                   "stores_by_bytes": stores,
                   "shfl_bfly": ptx.count("shfl.sync.bfly"), "bar_sync": len(re.findall(r"\bbar(?:rier)?\.sync", ptx)),
                   "cvt_rn": len(re.findall(r"cvt\.rn\.(?:bf16|f16)\.f32", ptx)),

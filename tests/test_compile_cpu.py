@@ -422,8 +422,10 @@ def test_the_decode_step_compiles_spill_free_with_one_cta_a_row(arch, cfg):
     """pool_decode: no spills or stack (a 64-bit remainder or a pointer kept across the
     division's slow-path calls brought a stack frame), the PDL wait first, the two CTA
     barriers of the step (the repeated-slot flag, then the slot's state read), the
-    forward's vectors, and one thread a column chunk of the row."""
+    forward's vectors, one thread a column chunk of the row, and no non-coherent loads (a
+    thread reads back the ring entries it wrote)."""
     info = probe(arch, cfg)
+    assert info["nc_loads"] == 0, info
     assert info["spills"] == [0] and info["stack"] == [0] and info["local"] == 0, info
     assert info["pdl_wait"] and info["pdl_wait_first"], info
     assert info["bar_sync"] == 2, info

@@ -14,10 +14,10 @@ from .windows import min_rows
 
 def launcher(state, kv, score, ape, settings):
     """The compiled step for this call, or None where it takes the gather path: not the
-    fused path (``settings``, rows.Settings), inputs not contiguous or not 16-byte
-    aligned, an APE the kernels cannot read, a window or row the kernel does not hold
+    fused path (``settings``, rows.Settings), no entries, inputs not contiguous or not
+    16-byte aligned, an APE the kernels cannot read, a window or row the kernel does not hold
     (plan.decode_designable), or no compiled kernel while a CUDA graph captures."""
-    if not settings.fused or state.device.type != "cuda":
+    if not settings.fused or state.device.type != "cuda" or kv.shape[0] == 0:
         return None
     for t in (kv, score) + (() if ape is None else (ape,)):
         if not t.is_contiguous() or t.data_ptr() % 16:
@@ -54,7 +54,7 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
         positions = torch.empty(cap, dtype=torch.int64, device=dev)
     emitted = torch.empty(B * R, dtype=torch.uint8, device=dev)
     launch_decode(c, (state.kv.view(-1, W), state.score.view(-1, W)),
-                  (kv.view(B * n, W), score.view(B * n, W)), ape, idx,
+                  (kv.view(B * n, W), score.view(B * n, W)), ape, idx.contiguous(),
                   (state.count, state.last_n, state.bad.view(torch.uint8)),
                   (out, emitted, positions), n, state.history, state.position_limit)
     if ep is not None:
