@@ -103,3 +103,26 @@ class DecodeStandin:
             count[slot], last_n[slot] = c + n, n
             if is_bad:
                 bad[slot] = 1
+
+
+class PrefillTailStandin:
+    """kernels/prefill_tail.PrefillTail's contract on the CPU, with its launch's arguments
+    (streaming/ring.tail): per call slot ``(slot, start, n, c, row0)``, the chunk's last
+    ``min(n, history)`` tokens into the ring, count ``c + n`` and last step 0, and rows
+    ``row0 ..`` of slots and positions for the blocks that closed."""
+
+    def __init__(self, ratio):
+        self.ratio, self.calls = ratio, 0
+
+    def fn(self, kv, score, ring_kv, ring_sc, meta, count, last_n, slots, pos, H):
+        self.calls += 1
+        r = self.ratio
+        for slot, start, n, c, row0 in meta.tolist():
+            keep = min(n, H)
+            for t in range(c + n - keep, c + n):
+                ring_kv[slot * H + t % H] = kv[start + t - c]
+                ring_sc[slot * H + t % H] = score[start + t - c]
+            i0 = c // r
+            for j in range((c + n) // r - i0):
+                slots[row0 + j], pos[row0 + j] = slot, (i0 + j) * r
+            count[slot], last_n[slot] = c + n, 0

@@ -11,7 +11,7 @@ import torch
 from csa_compressor import Epilogue, streaming
 from csa_compressor.kernels import plan, tuning
 from csa_compressor.streaming import ring
-from kernel_standin import DecodeStandin
+from kernel_standin import DecodeStandin, PrefillTailStandin
 from stream_driver import Stream
 
 
@@ -26,6 +26,20 @@ def standin(monkeypatch):
         return types.SimpleNamespace(fn=k.fn)
 
     monkeypatch.setattr(ring, "launcher", launcher)
+    return made
+
+
+@pytest.fixture
+def tail_standin(monkeypatch):
+    """ring.tail_launcher answers with the prefill tail's stand-in."""
+    made = []
+
+    def tail_launcher(state, kv, score):
+        k = PrefillTailStandin(state.ratio)
+        made.append(k)
+        return k.fn
+
+    monkeypatch.setattr(ring, "tail_launcher", tail_launcher)
     return made
 
 
@@ -103,3 +117,16 @@ def test_decode_has_its_kernel_where_the_forward_holds_the_window_and_row():
     assert not plan.decode_designable(torch.float32, 4, 2, 8192, t)  # wider than a CTA
     s = plan.spec("decode", torch.bfloat16, 4, 2, 512, row_stride=2048, batch=3, ape=False)
     assert (s.row_stride, s.batch, s.ape, s.epilogue) == (0, 0, True, None)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (1, 1)])
+def test_ring_prefill_tail_gives_the_rows_and_state(fused_on_cpu, standin, tail_standin,
+                                                    ratio, coff):
+    """prefill(pooling="ring") on the fused path (the reference standing in for the
+    pooling kernels) with the tail kernel's stand-in: the same rows, slots, positions and
+    counts (Stream.check compares the host's counts with the device's)."""
+    st = streaming.StreamState(3, 32, ratio=ratio, coff=coff, dtype=torch.float32)
+    run = Stream(st, _lens(ratio, 5, 11), seed=11, pooling="ring", max_n=3)
+    run.run()
+    run.check()
+    assert sum(k.calls for k in tail_standin) > 0

@@ -169,3 +169,32 @@ def test_ring_captured_decode_poisons_malformed_entries():
     # eager, the step raises (slots 0 and 1 are past max_seqlen as well as bad)
     with pytest.raises(ValueError, match="reset it|capacity"):
         streaming.decode(st, kv, kv, ape, torch.tensor([1, 0, 2, 3]), pooling="ring")
+
+
+@pytest.mark.parametrize("ratio,coff,dtype", [(4, 2, torch.bfloat16), (128, 1, torch.float32),
+                                              (1, 1, torch.float16)])
+def test_ring_prefill_is_the_gather_prefill(ratio, coff, dtype):
+    """prefill(pooling="ring") (kernels/prefill_tail after the pooling) against
+    pooling="fused" (torch ops): the same rows, slots, positions and state, over chunks
+    that start and end mid-block, a slot that starts mid-call and one left out."""
+    dev, d, B = "cuda", 128, 4
+    g = torch.Generator(device=dev).manual_seed(ratio)
+    states = {p: streaming.StreamState(B + 1, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+              for p in ("ring", "fused")}
+    kv_probe = torch.zeros(1, coff * d, dtype=dtype, device=dev)
+    assert ring.tail_launcher(states["ring"], kv_probe, kv_probe) is not None
+    calls = [([3 * ratio + 1, ratio - 1, 0, 2 * ratio + 3], [0, 1, 2, 4]),
+             ([ratio + 2, 5, 7 * ratio], [4, 0, 1]),
+             ([1, 2 * ratio, ratio + 1, 9], [1, 2, 3, 0])]
+    for lens, slots in calls:
+        T, W = sum(lens), coff * d
+        kv = torch.randn(T, W, device=dev, generator=g).to(dtype)
+        sc = torch.randn(T, W, device=dev, generator=g).to(dtype)
+        ape = torch.randn(ratio, W, device=dev, generator=g)
+        cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+        got = {p: streaming.prefill(st, kv, sc, ape, cu, slots, pooling=p)
+               for p, st in states.items()}
+        for a, b in zip(got["ring"], got["fused"]):
+            assert torch.equal(a, b)
+    for name in ("count", "last_n", "bad", "kv", "score"):
+        assert torch.equal(getattr(states["ring"], name), getattr(states["fused"], name)), name

@@ -8,6 +8,7 @@ import torch
 
 from ..checks import check_tensor
 from ..validation import check_token_offsets
+from . import ring
 from .rows import pool_rows, settings
 from .windows import HOST_INDEX_MAX, device_ints, min_rows, plan, seg_arange, seg_list
 
@@ -130,6 +131,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
+    fn = ring.tail_launcher(state, kv, score) if pooling == "ring" and st.fused and slot_list \
+        else None
+    if fn is not None:
+        return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, m))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
     slots_m = device_ints(slot_list + m, dev)

@@ -1,7 +1,8 @@
-"""decode's one-launch path (``pooling="ring"``): kernels/pool_decode reads the slots'
-rings in place, so a step is one kernel (and the epilogue's) where the gather path is
-some thirty small ones. The rows are the training forward's rows (the forward's row math,
-in its order)."""
+"""The one-launch paths of ``pooling="ring"``: decode's kernels/pool_decode reads the
+slots' rings in place, so a step is one kernel (and the epilogue's) where the gather path
+is some thirty small ones, its rows the training forward's (the forward's row math, in
+its order); prefill's kernels/prefill_tail stores the chunks into the rings and writes
+the rows' slots and positions after its pooling, where torch ops took some fourteen."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from ..epilogue_op import apply_epilogue
 from ..kernels.launch import decode_kernel, launch_decode
-from .windows import min_rows
+from ..kernels.prefill_tail import prefill_tail
+from .windows import device_ints, min_rows
 
 
 def launcher(state, kv, score, ape, settings):
@@ -62,3 +64,36 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
                              rope_table=settings.rope_table)
     return (out[:B * R].view(B, R, d), emitted.view(torch.bool).view(B, R),
             positions[:B * R].view(B, R))
+
+
+def tail_launcher(state, kv, score):
+    """The prefill tail kernel for this call, or None where it cannot take it (then
+    chunks._store and torch ops): not on a GPU, inputs not contiguous and 16-byte aligned,
+    or no compiled kernel while a CUDA graph captures."""
+    if state.device.type != "cuda":
+        return None
+    for t in (kv, score):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return None
+    return prefill_tail(state.dtype, state.width, state.ratio, state.device)
+
+
+def tail(fn, state, kv, score, slot_list: list, wins: list, m: list):
+    """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
+    rings, the counts advanced; returns the rows' ``(slots, positions)`` (``m[b]`` rows
+    for call slot ``b``)."""
+    meta, row0 = [], 0
+    for s, w, k in zip(slot_list, wins, m):
+        meta += [s, w.start, w.n, w.c, row0]
+        row0 += k
+    dev, W = state.device, state.width
+    # never empty: an empty tensor may have no address to hand the kernel
+    slots = torch.empty(max(row0, 1), dtype=torch.int64, device=dev)
+    positions = torch.empty(max(row0, 1), dtype=torch.int64, device=dev)
+    fn(kv, score, state.kv.view(-1, W), state.score.view(-1, W),
+       device_ints(meta, dev, torch.int32).view(len(slot_list), 5), state.count, state.last_n,
+       slots, positions, state.history)
+    if state.host_counts is not None:
+        for s, w in zip(slot_list, wins):
+            state.host_counts[s] = w.c + w.n
+    return slots[:row0], positions[:row0]
