@@ -1,7 +1,8 @@
 """`csa-compressor bench --streaming`: prefill and decode of csa_compressor.streaming.
 
-Prefill: 8 prompts of 4096 tokens into empty slots, against the training forward over the
-same tokens (compress_thd_fused) and the streaming plain-torch path; CUDA events around
+Prefill: 8 prompts of 4096 tokens into empty slots (pooling "ring", with the tail kernel,
+and "fused", with torch ops), against the training forward over the same tokens
+(compress_thd_fused) and the streaming plain-torch path; CUDA events around
 each call (prefill reads its offsets on the host, so it is timed outside graphs, and so
 is the training forward it is compared with). Decode: one step of 256 slots in a CUDA
 graph of 20 steps, with and without the epilogue: the one-launch kernel (pooling="ring";
@@ -41,6 +42,8 @@ def _prefill_row(ratio, coff, d, dtype, dev, progress):
     ways = {
         "training forward": lambda: compress_thd_fused(kv, sc, ape, cu, cuc, B * (S // ratio),
                                                        ratio=ratio, coff=coff),
+        "streaming ring": lambda: (st.reset(), streaming.prefill(st, kv, sc, ape, cu_host, slots,
+                                                                 pooling="ring")),
         "streaming fused": lambda: (st.reset(), streaming.prefill(st, kv, sc, ape, cu_host, slots,
                                                                   pooling="fused")),
         "streaming torch": lambda: (st.reset(), streaming.prefill(st, kv, sc, ape, cu_host, slots,
