@@ -2,14 +2,14 @@
 
 Prefill: 8 prompts of 4096 tokens into empty slots (pooling "ring", with the tail kernel,
 and "fused", with torch ops), against the training forward over the same tokens
-(compress_thd_fused) and the streaming plain-torch path; CUDA events around
-each call (prefill reads its offsets on the host, so it is timed outside graphs, and so
-is the training forward it is compared with). Decode: one step of 256 slots in a CUDA
-graph of 20 steps, with and without the epilogue: the one-launch kernel (pooling="ring";
-with the epilogue or at ratio 128 it takes the gather path), the gather path ("fused")
-and the plain-torch path, captured alike; the floor is the bytes a step must move (read the new tokens, write them into the
-state, read every emitting slot's window, write its row) over the copy bandwidth, and the
-launch floor one captured elementwise kernel's time.
+(compress_thd_fused) and the streaming plain-torch path; CUDA events around each call
+(prefill reads its offsets on the host, so it is timed outside graphs, and so is the
+training forward it is compared with). Decode: one step of 256 slots in a CUDA graph of
+20 steps, with and without the epilogue: the one-launch kernel (pooling "ring"; at ratio
+128 it takes the gather path), the gather path ("fused") and the plain-torch path,
+captured alike; the floor is the bytes a step must move (read the new tokens, write them
+into the state, read every emitting slot's window, write its row) over the copy
+bandwidth, and the launch floor one captured elementwise kernel's time.
 """
 
 from __future__ import annotations
