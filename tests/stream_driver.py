@@ -143,3 +143,59 @@ class Stream:
             assert sorted(got) == list(range(rows.shape[0])), (seq, sorted(got), rows.shape[0])
             for i in range(rows.shape[0]):
                 assert torch.equal(got[i], rows[i]), (seq, i, (got[i] - rows[i]).abs().max())
+
+
+def captured_replay(ratio, coff, dtype, ep, pooling, B=8, d=512, steps=64):
+    """B prompts prefilled, then ``steps`` decode steps of one token: one eager (it
+    compiles), the rest replays of one captured step with new tokens copied into its
+    buffers. Every row kept is compared bit for bit with the fused training forward;
+    returns the state."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    prompts = [int(x) for x in torch.randint(1, 3 * ratio, (B,))]
+    lens = [p + steps for p in prompts]
+    W = coff * d
+    kv = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
+    sc = torch.randn(sum(lens), W, device=dev, generator=g).to(dtype)
+    ape = torch.randn(ratio, W, device=dev, generator=g)
+    w = torch.rand(d, device=dev, generator=g) + 0.5 if ep is not None else None
+    start = [0] + torch.tensor(lens).cumsum(0).tolist()
+    st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+    kw = dict(epilogue=ep, norm_weight=w, pooling=pooling)
+    got = [dict() for _ in range(B)]
+    cu = [0] + torch.tensor(prompts).cumsum(0).tolist()
+    res = streaming.prefill(st, torch.cat([kv[start[b]:start[b] + prompts[b]] for b in range(B)]),
+                            torch.cat([sc[start[b]:start[b] + prompts[b]] for b in range(B)]),
+                            ape, cu, list(range(B)), **kw)
+    for row, s, p in zip(res.rows, res.slots.tolist(), res.positions.tolist()):
+        got[s][p // ratio] = row.clone()
+    kv_buf = torch.empty(B, 1, W, device=dev, dtype=dtype)
+    sc_buf = torch.empty_like(kv_buf)
+    slots = torch.arange(B, device=dev)
+
+    def feed(k):
+        idx = torch.tensor([start[b] + prompts[b] + k for b in range(B)], device=dev)
+        kv_buf.copy_(kv[idx].view(B, 1, W))
+        sc_buf.copy_(sc[idx].view(B, 1, W))
+
+    def keep(step):
+        for b in range(B):
+            if bool(step.emitted[b, 0]):
+                got[b][int(step.positions[b, 0]) // ratio] = step.rows[b, 0].clone()
+
+    feed(0)
+    keep(streaming.decode(st, kv_buf, sc_buf, ape, slots, **kw))  # compiles, outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = streaming.decode(st, kv_buf, sc_buf, ape, slots, **kw)
+    for k in range(1, steps):
+        feed(k)
+        graph.replay()
+        keep(out)
+    want = training_rows(kv, sc, ape, lens, ratio, coff, "fp32", ep, w, fused=True)
+    for b in range(B):
+        assert sorted(got[b]) == list(range(want[b].shape[0]))
+        for i in range(want[b].shape[0]):
+            assert torch.equal(got[b][i], want[b][i]), (b, i)
+    assert st.count[:B].tolist() == lens
+    return st
