@@ -130,6 +130,9 @@ class StreamState:
                             f"{slots.dtype} {tuple(slots.shape)}")
         if slots.device.type == "cpu":
             self.check_slots_host(slots, name)
+            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                # in stream order, no sync (a copy from pageable memory synchronises)
+                return slots.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
         return slots.to(device=self.device, dtype=torch.int64)
 
     def check_slots_host(self, slots: torch.Tensor, name: str) -> None:

@@ -108,13 +108,15 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
             raise ValueError(f"slots: expected {B} slots (kv's first dimension), got {idx.numel()}")
     else:
         idx = _slots(state, slots, B)
+    host_slots = list(range(B)) if slots is None else host_list(slots)
     if kernel is not None:
         if not capturing:
-            _check_step(state, idx, n, False)
+            _check_step(state, idx, n, False, host_slots)
         rows, emitted, positions = ring.step(kernel, state, kv, score, idx, st)
         state.follow(which(slots), lambda v: v + n, capturing)
         return Step(rows, emitted, positions)
-    count = _check_step(state, idx, n, capturing)
+    _check_step(state, idx, n, capturing, host_slots)
+    count = state.count[idx]
     # the new tokens into the rings, then each slot's segment gathered from its ring
     base = idx[:, None] * H
     dst = (base + (count[:, None] + c["k"]) % H).view(-1)
@@ -143,18 +145,25 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
 
 
-def _check_step(state, idx, n: int, capturing: bool) -> torch.Tensor:
-    """The entries' counts, checked: eager, the errors decode raises (one sync); under
-    capture, entries past the position limit make their slots bad."""
-    count = state.count[idx]
+def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
+    """The entries checked: eager, the errors decode raises; under capture, entries past
+    the position limit make their slots bad. Eager with the slots and their counts on the
+    host (``host_slots``, StreamState.host_counts) nothing is read from the device;
+    otherwise one sync."""
+    if not capturing and host_slots is not None and state.host_counts is not None:
+        # a slot goes bad only in a captured step, after which the host keeps no counts
+        for j, s in enumerate(host_slots):
+            if state.host_counts[s] + n > state.position_limit:
+                raise ValueError(f"kv: {n} new tokens take slot at index {j} past its capacity "
+                                 f"of {state.position_limit} tokens")
+        return
     if state.max_seqlen is not None:
-        _require(state, count + n <= state.position_limit, idx,
+        _require(state, state.count[idx] + n <= state.position_limit, idx,
                  lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
                            f"{state.position_limit} tokens")
     if not capturing and bool(state.bad[idx].any()):
         raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
                          "NaN); reset it before reuse")
-    return count
 
 
 def _constants(state, B: int, n: int, epilogue: bool) -> dict:
