@@ -251,3 +251,19 @@ def test_packs_are_padded_past_the_row_counts_where_torch_reorders():
     assert min_rows(1, 512) == 1 and min_rows(1, 64) == 2 and min_rows(3, 32) == 4
     assert min_rows(1, 512, True) == ROWSUM_MIN_ROWS == 16
     assert min_rows(40, 64, True) == 40
+
+
+def test_decode_checks_with_and_without_the_host_record():
+    """The capacity check on the host's counts (host slots) and on the device's (after
+    load_state_dict the host keeps none): the same error either way."""
+    kv, ape = torch.randn(24, 32), torch.randn(4, 32)
+    for fresh in (False, True):
+        st = _state()
+        streaming.prefill(st, kv[:23], kv[:23], ape, [0, 23], [1])
+        if fresh:
+            other = _state()
+            other.load_state_dict(st.state_dict())
+            st = other
+            assert st.host_counts is None
+        with pytest.raises(ValueError, match="index 1 past its capacity"):
+            streaming.decode(st, kv[:4].view(2, 2, 32), kv[:4].view(2, 2, 32), ape, [0, 1])
