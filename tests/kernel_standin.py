@@ -103,6 +103,8 @@ class DecodeStandin:
             count[slot], last_n[slot] = c + n, n
             if is_bad:
                 bad[slot] = 1
+        out[B * R:] = 0  # the padding rows of a pack for the epilogue
+        pos[B * R:] = 0
 
 
 class PrefillTailStandin:

@@ -196,12 +196,12 @@ def _epilogue_args(direction, cdt, head_dim, epilogue, long: bool):
 def _decode_args(cdt, ratio: int, W: int, head_dim: int, stream) -> tuple:
     """A decode step's symbolic arguments (PoolDecode): the rings ``(slots * history, W)``,
     the new tokens ``(entries * next_n, W)``, the APE, the entries' slots, the slots'
-    counts, last steps and bad flags, the rows, their emitted flags and positions; next_n,
-    history and the position limit."""
-    ring, new, entries, slots, rows = (cute.sym_int32() for _ in range(5))
+    counts, last steps and bad flags, the rows (padded for the epilogue), their emitted
+    flags (the entries' rows only) and positions; next_n, history and the position limit."""
+    ring, new, entries, slots, rows, emitted = (cute.sym_int32() for _ in range(6))
     return (_fake(cdt, (ring, W), 16), _fake(cdt, (ring, W), 16), _fake(cdt, (new, W), 16),
             _fake(cdt, (new, W), 16), _fake(cutlass.Float32, (ratio, W), 16),
             _fake(cutlass.Int64, (entries,), 8), _fake(cutlass.Int64, (slots,), 8),
             _fake(cutlass.Int64, (slots,), 8), _fake(cutlass.Uint8, (slots,), 1),
-            _fake(cdt, (rows, head_dim), 16), _fake(cutlass.Uint8, (rows,), 1),
+            _fake(cdt, (rows, head_dim), 16), _fake(cutlass.Uint8, (emitted,), 1),
             _fake(cutlass.Int64, (rows,), 8), Int32(1), Int32(1), Int32(1), stream)

@@ -139,6 +139,14 @@ class PoolDecode(PoolForward):
                 if emitted:
                     mEmit[row] = Uint8(1)
                     mPos[row] = Int64(i * r)
+        # rows past the entries' (a pack padded for the epilogue's norm): zeros at position 0
+        if b == 0:
+            for pad in cutlass.range(entries * rows, mPos.shape[0], unroll=1):
+                for e in cutlass.range_constexpr(vec):
+                    res[e] = self.dtype(0.0)
+                gOut[(None, (pad, chunk))].store(res.load())
+                if chunk == 0:
+                    mPos[pad] = Int64(0)
 
     @cute.jit
     def load_ring_window(self, tt: Tiles, sf, vf, slot: Int32, t0: Int32, has_prev,

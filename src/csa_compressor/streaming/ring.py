@@ -48,12 +48,9 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
                                                             device=dev)
     ep = settings.epilogue
     cap = min_rows(B * R, d, True) if ep is not None else B * R
-    if ep is not None:  # padding rows stay zero: the kernel writes the first B * R
-        out = torch.zeros((cap, d), dtype=state.dtype, device=dev)
-        positions = torch.zeros(cap, dtype=torch.int64, device=dev)
-    else:
-        out = torch.empty((cap, d), dtype=state.dtype, device=dev)
-        positions = torch.empty(cap, dtype=torch.int64, device=dev)
+    # the kernel writes every row, the padding ones as zeros at position 0
+    out = torch.empty((cap, d), dtype=state.dtype, device=dev)
+    positions = torch.empty(cap, dtype=torch.int64, device=dev)
     emitted = torch.empty(B * R, dtype=torch.uint8, device=dev)
     launch_decode(c, (state.kv.view(-1, W), state.score.view(-1, W)),
                   (kv.view(B * n, W), score.view(B * n, W)), ape, idx.contiguous(),
