@@ -1,0 +1,83 @@
+"""Developer probe (H200): where a streaming call's time goes, for each pooling path.
+
+For prefill (8 prompts into empty slots, head_dim 512, ratio 4 and 128) and an eager
+decode step (256 slots, one token each): the host µs a call (perf_counter over back-to-back
+calls, one sync at the end), the wall µs (CUDA events around one call, as the bench), and
+the CUDA kernels a call launches (torch.profiler), beside the training forward over the
+same tokens.
+
+    python tools/streaming_host_probe.py [prompt_tokens]
+"""
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
+import sys
+import time
+
+import torch
+
+from csa_compressor import streaming
+from csa_compressor.cli.bench import wall_clock
+from csa_compressor.ops import compress_thd_fused
+
+D, B, SLOTS = 512, 8, 256
+
+
+def host_us(fn, calls=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def kernels(fn):
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memcpy") and not e.name.startswith("Memset"))
+
+
+def cases(S):
+    dev = torch.device("cuda")
+    for ratio, coff in ((4, 2), (128, 1)):
+        W = coff * D
+        g = torch.Generator(device=dev).manual_seed(0)
+        kv = torch.randn(B * S, W, device=dev, generator=g).bfloat16()
+        sc = torch.randn(B * S, W, device=dev, generator=g).bfloat16()
+        ape = torch.randn(ratio, W, device=dev, generator=g)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * S
+        cuc = torch.arange(B + 1, dtype=torch.int32, device=dev) * (S // ratio)
+        st = streaming.StreamState(B, D, ratio=ratio, coff=coff, device=dev)
+        cu_host, slots = cu.tolist(), list(range(B))
+        yield f"training forward {B}x{S} r{ratio}", lambda: compress_thd_fused(
+            kv, sc, ape, cu, cuc, B * (S // ratio), ratio=ratio, coff=coff)
+        for pooling in ("ring", "fused"):
+            yield f"prefill {pooling} {B}x{S} r{ratio}", (
+                lambda p=pooling, st=st: (st.reset(), streaming.prefill(
+                    st, kv, sc, ape, cu_host, slots, pooling=p)))
+        dst = streaming.StreamState(SLOTS, D, ratio=ratio, coff=coff, device=dev)
+        kv1 = torch.randn(SLOTS, 1, W, device=dev, generator=g).bfloat16()
+        for pooling in ("ring", "fused"):
+            yield f"decode eager {pooling} {SLOTS} slots r{ratio}", (
+                lambda p=pooling: streaming.decode(dst, kv1, kv1, ape, pooling=p))
+
+
+def main():
+    S = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    print(f"{'call':44s} {'host µs':>9s} {'wall µs':>9s} {'kernels':>8s}")
+    for name, fn in cases(S):
+        print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
+
+
+main()
