@@ -17,8 +17,9 @@ from .windows import decode_geometry, min_rows
 class Step(NamedTuple):
     """One decode step's rows, ``R = ceil(next_n / ratio)`` a slot: ``rows`` ``(B, R,
     head_dim)``, ``emitted`` ``(B, R)`` (whether the row's window closed in this step),
-    ``positions`` ``(B, R)`` (``block_index * ratio``; meaningful where emitted). Rows of
-    a slot a captured step found malformed input for are NaN."""
+    ``positions`` ``(B, R)`` (``block_index * ratio``); rows and positions are meaningful
+    where emitted (the paths differ elsewhere). Rows of a slot a captured step found
+    malformed input for are NaN."""
 
     rows: torch.Tensor
     emitted: torch.Tensor
@@ -73,7 +74,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     graph (after one eager step of the same shapes has compiled the kernels); inside the
     capture, malformed slots cannot raise and make their rows NaN instead (state.bad).
     ``pooling="ring"``: one kernel for the step where it takes it (streaming/ring.py),
-    else "auto". Rows are meaningful where emitted. The other arguments: prefill's."""
+    else "auto". The other arguments: prefill's."""
     W = state.width
     for name, t in (("kv", kv), ("score", score)):
         check_tensor(name, t)
