@@ -171,7 +171,6 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     return grad_kv, grad_score, grad_ape
 
 
-
 def decode_kernel(device, dtype, ratio, coff, head_dim, numerics="fp32", tuning=None):
     """The compiled decode step (pool_decode) of this specialisation; None where it has
     none, or where it is not compiled yet and a CUDA graph captures (the caller then takes

@@ -14,6 +14,11 @@ from ..kernels.prefill_tail import prefill_tail
 from .windows import device_ints, min_rows
 
 
+def _kernel_ready(*tensors) -> bool:
+    """The tensors as the one-launch kernels read them: contiguous, 16-byte aligned."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def launcher(state, kv, score, ape, settings):
     """The compiled step for this call, or None where it takes the gather path: not the
     fused path (``settings``, rows.Settings), no entries, inputs not contiguous or not
@@ -21,9 +26,8 @@ def launcher(state, kv, score, ape, settings):
     (plan.decode_designable), or no compiled kernel while a CUDA graph captures."""
     if not settings.fused or state.device.type != "cuda" or kv.shape[0] == 0:
         return None
-    for t in (kv, score) + (() if ape is None else (ape,)):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return None
+    if not _kernel_ready(kv, score, *(() if ape is None else (ape,))):
+        return None
     if ape is not None and (ape.dtype != torch.float32 or ape.device != state.device
                             or tuple(ape.shape) != (state.ratio, state.width)):
         return None
@@ -67,11 +71,8 @@ def tail_launcher(state, kv, score):
     """The prefill tail kernel for this call, or None where it cannot take it (then
     chunks._store and torch ops): not on a GPU, inputs not contiguous and 16-byte aligned,
     or no compiled kernel while a CUDA graph captures."""
-    if state.device.type != "cuda":
+    if state.device.type != "cuda" or not _kernel_ready(kv, score):
         return None
-    for t in (kv, score):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return None
     return prefill_tail(state.dtype, state.width, state.ratio, state.device)
 
 

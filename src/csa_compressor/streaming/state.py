@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import SUPPORTED_DTYPES, check_int, check_ratio_coff, check_tensor
+from .windows import device_ints
 
 _CONFIG = ("num_slots", "head_dim", "ratio", "coff", "max_next_n", "max_seqlen")
 _TENSORS = ("kv", "score", "count", "last_n", "bad")
@@ -130,9 +131,7 @@ class StreamState:
                             f"{slots.dtype} {tuple(slots.shape)}")
         if slots.device.type == "cpu":
             self.check_slots_host(slots, name)
-            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-                # in stream order, no sync (a copy from pageable memory synchronises)
-                return slots.to(torch.int64).pin_memory().to(self.device, non_blocking=True)
+            return device_ints(slots, self.device)
         return slots.to(device=self.device, dtype=torch.int64)
 
     def check_slots_host(self, slots: torch.Tensor, name: str) -> None:

@@ -151,17 +151,18 @@ def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
     the position limit make their slots bad. Eager with the slots and their counts on the
     host (``host_slots``, StreamState.host_counts) nothing is read from the device;
     otherwise one sync."""
+    def past(j):
+        return (f"kv: {n} new tokens take slot at index {j} past its capacity of "
+                f"{state.position_limit} tokens")
+
     if not capturing and host_slots is not None and state.host_counts is not None:
         # a slot goes bad only in a captured step, after which the host keeps no counts
         for j, s in enumerate(host_slots):
             if state.host_counts[s] + n > state.position_limit:
-                raise ValueError(f"kv: {n} new tokens take slot at index {j} past its capacity "
-                                 f"of {state.position_limit} tokens")
+                raise ValueError(past(j))
         return
     if state.max_seqlen is not None:
-        _require(state, state.count[idx] + n <= state.position_limit, idx,
-                 lambda j: f"kv: {n} new tokens take slot at index {j} past its capacity of "
-                           f"{state.position_limit} tokens")
+        _require(state, state.count[idx] + n <= state.position_limit, idx, past)
     if not capturing and bool(state.bad[idx].any()):
         raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
                          "NaN); reset it before reuse")

@@ -79,11 +79,12 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
 HOST_INDEX_MAX = 512
 
 
-def device_ints(values: list, device, dtype=torch.int64) -> torch.Tensor:
-    """``values`` as a tensor on ``device`` without a host sync: a CUDA copy from pinned
-    memory in stream order (torch's copy from pageable memory synchronises the stream,
-    which left the host's work after a prefill's launches unoverlapped)."""
-    t = torch.tensor(values, dtype=dtype)
+def device_ints(values, device, dtype=torch.int64) -> torch.Tensor:
+    """``values`` (a host list or a CPU tensor) as a tensor on ``device`` without a host
+    sync: a CUDA copy from pinned memory in stream order (torch's copy from pageable memory
+    synchronises the stream, which left the host's work after a prefill's launches
+    unoverlapped)."""
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
