@@ -10,9 +10,27 @@ import random
 import torch
 
 from csa_compressor import reference, streaming
+from csa_compressor.streaming import ring
+from csa_compressor.streaming.rows import settings
 from csa_compressor.epilogue_op import apply_epilogue
 from csa_compressor.layout import compressed_cu_seqlens
 from csa_compressor.ops import compress_thd_fused
+
+
+def takes_the_ring_kernel(st, B=2, n=1, numerics="fp32"):
+    """Whether decode(pooling="ring") on ``st`` takes its one-launch kernel."""
+    kv = torch.zeros(B, n, st.width, dtype=st.dtype, device=st.device)
+    ape = torch.zeros(st.ratio, st.width, device=st.device)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=st.device) * n
+    s = settings(st, kv.view(B * n, -1), kv.view(B * n, -1), ape, numerics, None, None, None,
+                 "ring", cu)
+    return ring.launcher(st, kv, kv, ape, s) is not None
+
+
+def random_lens(ratio, k, seed, longest):
+    """``k`` sequence lengths in ``[ratio, longest)``, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(ratio, longest, (k,), generator=g)]
 
 
 def training_rows(kv, score, ape, lens, ratio, coff, numerics, ep, w, fused):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from csa_compressor import Epilogue, streaming
-from stream_driver import Stream
+from stream_driver import Stream, random_lens
 
 # (ratio, coff) the issue names: ratio 4 with overlap, 128 without, and 1, 2, 8
 CONFIGS = [(4, 2), (128, 1), (1, 1), (2, 1), (8, 1)]
@@ -14,8 +14,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def _lens(ratio, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(ratio, 3 * ratio + 20, (k,), generator=g)]
+    return random_lens(ratio, k, seed, 3 * ratio + 20)
 
 
 @pytest.mark.parametrize("ratio,coff", CONFIGS)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from csa_compressor import Epilogue, streaming
-from stream_driver import Stream, captured_replay
+from stream_driver import Stream, captured_replay, random_lens, takes_the_ring_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -13,17 +13,22 @@ CONFIGS = [(4, 2), (128, 1), (1, 1), (2, 1), (8, 1)]
 
 
 def _lens(ratio, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(ratio, 4 * ratio + 40, (k,), generator=g)]
+    return random_lens(ratio, k, seed, 4 * ratio + 40)
 
 
 @pytest.mark.parametrize("ratio,coff", CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 512])
 @pytest.mark.parametrize("epilogue", [None, Epilogue(rope_dim=64)])
-def test_fused_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim, epilogue):
+@pytest.mark.parametrize("pooling", ["fused", "ring"])
+def test_fused_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim, epilogue,
+                                                           pooling):
+    """Both decode paths; "ring" takes its kernel wherever the window fits it (ratio 128
+    takes the gather path)."""
     st = streaming.StreamState(4, head_dim, ratio=ratio, coff=coff, dtype=dtype, device="cuda")
-    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, ep=epilogue, pooling="fused",
+    if pooling == "ring":
+        assert takes_the_ring_kernel(st) == (ratio * coff <= 16)
+    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, ep=epilogue, pooling=pooling,
                  max_n=4, slot_tensor_on_device=head_dim == 128)
     run.run()
     run.check(fused=True)

@@ -12,7 +12,7 @@ from csa_compressor import Epilogue, streaming
 from csa_compressor.kernels import plan, tuning
 from csa_compressor.streaming import ring
 from kernel_standin import DecodeStandin, PrefillTailStandin
-from stream_driver import Stream
+from stream_driver import Stream, random_lens
 
 
 @pytest.fixture
@@ -44,8 +44,7 @@ def tail_standin(monkeypatch):
 
 
 def _lens(ratio, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(ratio, 3 * ratio + 20, (k,), generator=g)]
+    return random_lens(ratio, k, seed, 3 * ratio + 20)
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (1, 1), (2, 1), (8, 1)])

@@ -1,52 +1,27 @@
-"""decode's one-launch kernel (pooling="ring", kernels/pool_decode) on the H200: every
-emitted row bitwise the fused training op's, eager and replayed in a CUDA graph; the same
-rows and state as the gather path; malformed entries NaN and their slots bad in a graph."""
+"""The one-launch kernels of pooling="ring" (kernels/pool_decode, kernels/prefill_tail) on
+the H200: every emitted row bitwise the fused training op's, in eager numerics and
+replayed in a CUDA graph; the same rows and state as the gather path; malformed entries
+NaN and their slots bad in a graph (both paths). The generation loop over both paths is
+tests/test_streaming_gpu.py's."""
 
 import pytest
 import torch
 
 from csa_compressor import Epilogue, streaming
 from csa_compressor.streaming import ring
-from csa_compressor.streaming.rows import settings
-from stream_driver import Stream, captured_replay
+from stream_driver import Stream, captured_replay, random_lens, takes_the_ring_kernel
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = [(4, 2), (1, 1), (2, 1), (8, 1)]
-
-
 def _lens(ratio, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(ratio, 4 * ratio + 40, (k,), generator=g)]
-
-
-def _takes_the_kernel(st, B=2, n=1, numerics="fp32"):
-    kv = torch.zeros(B, n, st.width, dtype=st.dtype, device=st.device)
-    ape = torch.zeros(st.ratio, st.width, device=st.device)
-    cu = torch.arange(B + 1, dtype=torch.int32, device=st.device) * n
-    s = settings(st, kv.view(B * n, -1), kv.view(B * n, -1), ape, numerics, None, None, None,
-                 "ring", cu)
-    return ring.launcher(st, kv, kv, ape, s) is not None
-
-
-@pytest.mark.parametrize("ratio,coff", CONFIGS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("head_dim", [64, 128, 512])
-@pytest.mark.parametrize("epilogue", [None, Epilogue(rope_dim=64)])
-def test_ring_generation_rows_are_the_fused_training_rows(ratio, coff, dtype, head_dim, epilogue):
-    st = streaming.StreamState(4, head_dim, ratio=ratio, coff=coff, dtype=dtype, device="cuda")
-    assert _takes_the_kernel(st)
-    run = Stream(st, _lens(ratio, 6, head_dim + ratio), seed=ratio, ep=epilogue, pooling="ring",
-                 max_n=4, slot_tensor_on_device=head_dim == 128)
-    run.run()
-    run.check(fused=True)
+    return random_lens(ratio, k, seed, 4 * ratio + 40)
 
 
 @pytest.mark.parametrize("numerics", ["fp32", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ring_eager_numerics(numerics, dtype):
     st = streaming.StreamState(3, 512, ratio=4, coff=2, dtype=dtype, device="cuda")
-    assert _takes_the_kernel(st, numerics=numerics)
+    assert takes_the_ring_kernel(st, numerics=numerics)
     run = Stream(st, _lens(4, 5, 1), seed=1, numerics=numerics, pooling="ring", max_n=3)
     run.run()
     run.check(fused=True)
@@ -94,7 +69,7 @@ def test_ring_without_an_ape_is_a_zero_ape():
                                                  (2, 1, torch.float32, None)])
 def test_ring_captured_decode_replays_64_steps(ratio, coff, dtype, ep):
     st = streaming.StreamState(8, 512, ratio=ratio, coff=coff, dtype=dtype, device="cuda")
-    assert _takes_the_kernel(st, 8)
+    assert takes_the_ring_kernel(st, 8)
     captured_replay(ratio, coff, dtype, ep, "ring")
 
 
