@@ -62,6 +62,7 @@ def cases(S):
         cu_host, slots = cu.tolist(), list(range(B))
         yield f"training forward {B}x{S} r{ratio}", lambda: compress_thd_fused(
             kv, sc, ape, cu, cuc, B * (S // ratio), ratio=ratio, coff=coff)
+        yield f"reset {B} slots r{ratio} (inside each prefill row)", st.reset
         for pooling in ("ring", "fused"):
             yield f"prefill {pooling} {B}x{S} r{ratio}", (
                 lambda p=pooling, st=st: (st.reset(), streaming.prefill(

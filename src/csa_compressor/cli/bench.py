@@ -137,13 +137,18 @@ def sm_clock_mhz(index: int = 0):
     return mhz.value if lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) == 0 else None
 
 
-def wall_clock(call, reps: int = 30) -> float:
-    """µs per call outside graphs: CUDA events around the Python call."""
+def wall_clock(call, reps: int = 30, setup=None) -> float:
+    """µs per call outside graphs: CUDA events around the Python call; ``setup`` runs
+    before each call, outside the events, its GPU work finished first."""
     for _ in range(3):
+        setup and setup()
         call()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
+            torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         call()
