@@ -47,7 +47,13 @@ def test_training_step_is_bitwise_transformers(hf_clean, fused_on_cpu, padded):
         assert torch.equal(g, got[1][name]), name
 
 
-def test_greedy_generation_is_bitwise_transformers(hf_clean, fused_on_cpu):
+def test_greedy_generation_is_bitwise_transformers(hf_clean, fused_on_cpu, monkeypatch):
+    from csa_compressor import streaming
+
+    steps = []
+    decode = streaming.decode
+    monkeypatch.setattr(streaming, "decode", lambda st, kv, *a, **k: steps.append(
+        kv.shape[1]) or decode(st, kv, *a, **k))
     model = tiny_model(hca=16)
     ids = _ids(seq=23)
     with torch.no_grad():
@@ -55,6 +61,8 @@ def test_greedy_generation_is_bitwise_transformers(hf_clean, fused_on_cpu):
         csa_hf.install()
         got = greedy(model, ids, new=40)
     assert fused_on_cpu and not csa_hf.fallback_reasons(), csa_hf.fallback_reasons()
+    # each generated token is a one-token decode step of every compressor's stream
+    assert steps and set(steps) == {1}, steps
     assert torch.equal(want[0], got[0])
     assert torch.equal(want[1], got[1])
 

@@ -127,8 +127,16 @@ def absorb(st, kv, gate) -> None:
 
 
 def streamed(st, kv, gate, bias):
-    """(rows (B, n, d), positions (n,)): the rows whose windows this call's tokens closed."""
+    """(rows (B, n, d), positions (n,)): the rows whose windows this call's tokens closed.
+    A generation step (at most the state's max_next_n tokens, no gradient asked) is a
+    decode step: static shapes and no host planning, the same rows as prefill's."""
     B, S, W = kv.shape
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (kv, gate, bias))
+    if S <= st.max_next_n and not grads:
+        seen = st.counts_of([0])[0]  # every slot has seen as many tokens
+        n = (seen + S) // st.ratio - seen // st.ratio
+        step = streaming.decode(st, kv, gate, bias, numerics=options().numerics)
+        return step.rows[:, :n], step.positions[0, :n]
     out = streaming.prefill(st, kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
                             [S * b for b in range(B + 1)], list(range(B)),
                             numerics=options().numerics, pooling="fused")
