@@ -141,7 +141,8 @@ def wall_clock(call, reps: int = 30, setup=None) -> float:
     """µs per call outside graphs: CUDA events around the Python call; ``setup`` runs
     before each call, outside the events, its GPU work finished first."""
     for _ in range(3):
-        setup and setup()
+        if setup is not None:
+            setup()
         call()
     torch.cuda.synchronize()
     times = []

@@ -1,9 +1,9 @@
 """`csa-compressor bench --streaming`: prefill and decode of csa_compressor.streaming.
 
 Prefill: 8 prompts of 4096 tokens into empty slots, emptied before each call outside its
-timing (pooling "ring", with the tail kernel,
-and "fused", with torch ops), against the training forward over the same tokens
-(compress_thd_fused) and the streaming plain-torch path; CUDA events around each call
+timing (pooling "ring", with the tail kernel, and "fused", with torch ops), against the
+training forward over the same tokens (compress_thd_fused) and the streaming plain-torch
+path; CUDA events around each call
 (prefill reads its offsets on the host, so it is timed outside graphs, and so is the
 training forward it is compared with). Decode: one step of 256 slots in a CUDA graph of
 20 steps, with and without the epilogue: the one-launch kernel (pooling "ring"; at ratio

@@ -135,7 +135,8 @@ def streamed(st, kv, gate, bias):
     if S <= st.max_next_n and not grads:
         seen = st.counts_of([0])[0]  # every slot has seen as many tokens
         n = (seen + S) // st.ratio - seen // st.ratio
-        step = streaming.decode(st, kv, gate, bias, numerics=options().numerics)
+        step = streaming.decode(st, kv, gate, bias, numerics=options().numerics,
+                                pooling="fused")
         return step.rows[:, :n], step.positions[0, :n]
     out = streaming.prefill(st, kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
                             [S * b for b in range(B + 1)], list(range(B)),
