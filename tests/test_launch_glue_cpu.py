@@ -245,3 +245,28 @@ def test_an_fp32_backward_widens_its_vectors_only_where_the_ctas_an_sm_stay():
     assert narrow.vec == 1 and narrow.target_ctas_per_sm == PoolBackward(f32, 4, 2, 128).target_ctas_per_sm
     assert PoolBackward(bf16, 2, 1, 512, tuning=t).vec == PoolBackward(bf16, 2, 1, 512).vec
     assert PoolBackward(f32, 2, 1, 512).vec == 1  # the default keeps 4 bytes
+
+
+def test_offsets_the_package_built_skip_the_device_check(fake_compile, monkeypatch):
+    """Problem.offsets_built (streaming's packs, built from lengths checked on the host):
+    the kernels read the APE itself (or zeros without one), no guard runs; a caller's
+    offsets still go through the guard."""
+    guarded = []
+    guard = launch.guarded_ape
+    monkeypatch.setattr(launch, "guarded_ape", lambda *a, **k: guarded.append(1) or guard(*a, **k))
+    kv, score, ape, cu, cuc, N = make_pack([37, 20, 64], 128, 4, 2, dtype=torch.bfloat16)
+    for built in (False, True):
+        p = validate(kv, score, ape, cu, cuc, N, ratio=4, coff=2)
+        p.offsets_built = built
+        launch.launch_forward(p, torch.empty(N, 128, dtype=torch.bfloat16))
+        assert (fake_compile["fwd"].calls[-1][2] is ape) == built
+        assert len(guarded) == 1  # the caller's offsets only
+    p = validate(kv, score, None, cu, cuc, N, ratio=4, coff=2)
+    p.offsets_built = True
+    launch.launch_forward(p, torch.empty(N, 128, dtype=torch.bfloat16))
+    launch.launch_backward(p, torch.randn(N, 128).to(torch.bfloat16), torch.empty_like(kv),
+                           torch.empty_like(score), p.ape)
+    flag = fake_compile["fwd"].calls[-1][2]
+    assert flag.shape == (4, 256) and (flag == 0).all() and len(guarded) == 1
+    bwd = [c for k in ("bwd", "bwd_large") if k in fake_compile for c in fake_compile[k].calls]
+    assert bwd[-1][8].shape == (1, 256)  # no dape partials: a one-row workspace stands in

@@ -169,9 +169,15 @@ def test_the_submodule_resolves_from_the_package():
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (2, 1)])
-def test_the_fused_path_plumbing(fused_on_cpu, ratio, coff):
+def test_the_fused_path_plumbing(fused_on_cpu, monkeypatch, ratio, coff):
     """pooling="fused" down to the launch (the reference standing in for the kernels):
-    the packs, their offsets, capacities and positions as the kernels would get them."""
+    the packs, their offsets, capacities and positions as the kernels would get them, each
+    pack's problem marked as offsets the stream built (no device-side check)."""
+    from csa_compressor import ops
+
+    built, launch = [], ops.fused_from_problem
+    monkeypatch.setattr(ops, "fused_from_problem",
+                        lambda p, finish=None: built.append(p.offsets_built) or launch(p, finish))
     st = streaming.StreamState(3, 64, ratio=ratio, coff=coff)
     run = Stream(st, _lens(ratio, 4, 7), seed=3, ep=Epilogue(rope_dim=16), pooling="fused",
                  max_n=3)
@@ -179,6 +185,7 @@ def test_the_fused_path_plumbing(fused_on_cpu, ratio, coff):
     run.run()
     run.check()
     assert fused_on_cpu and min(fused_on_cpu) >= 2  # packs padded past the few-row orders
+    assert len(built) == len(fused_on_cpu) and all(built)
 
 
 def test_the_capture_branch_poisons_instead_of_raising(monkeypatch):

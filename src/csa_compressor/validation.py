@@ -51,6 +51,9 @@ class Problem:
     numerics: str = "fp32"
     # the kernels' tuning (kernels.tuning.Tuning); None: the process's (tuning.current())
     tuning: object = None
+    # offsets this package built from lengths it checked on the host (streaming's packs):
+    # the device-side offsets check is skipped (kernels.launch.ape_read)
+    offsets_built: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -47,9 +47,10 @@ def ape_read(p):
     offsets are malformed (offsets.OffsetsGuard; SBHD packs have no caller offsets), so
     bad offsets give NaN rows and gradients by default, with no host sync. Without an APE
     (p.has_ape False) the same guard's flag, 0 or NaN in every element, which the
-    kernels read in its place."""
+    kernels read in its place. SBHD packs and packs whose offsets the package built
+    (p.offsets_built) have nothing to check: the APE as it is, or zeros."""
     shape = (p.ratio, p.kv.shape[1])
-    if p.batch:
+    if p.batch or p.offsets_built:
         return p.ape if p.has_ape else torch.zeros(shape, dtype=torch.float32, device=p.kv.device)
     return guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp, p.ratio,
                        shape)
@@ -142,7 +143,7 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
     if N == 0 or T == 0:
         # no rows or no tokens: zeros, or NaN where the offsets are malformed
         fill = None
-        if p.batch == 0:
+        if p.batch == 0 and not p.offsets_built:
             with _on_device(dev):
                 fill = ape_read(p).view(-1)[:1] * 0
         for g in (grad_kv, grad_score, grad_ape):
@@ -156,7 +157,9 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
                                                                       p.tuning, fp32_dscore,
                                                                       p.has_ape)
         if workspace is None:
-            workspace = torch.empty(shape, dtype=torch.float32, device=dev)
+            # no position bias: the kernels write no dape partials, one row stands in
+            workspace = torch.empty(shape if p.has_ape else (1, shape[1]), dtype=torch.float32,
+                                    device=dev)
         elif tuple(workspace.shape) != shape:
             raise ValueError(f"workspace: expected shape {shape}, got {tuple(workspace.shape)}")
         c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, grad_out, grad_kv,

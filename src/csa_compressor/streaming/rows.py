@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import dispatch, reference
+from .. import dispatch, ops, reference
 from ..checks import check_pool_numerics
 from ..epilogue import Epilogue
 from ..epilogue_op import apply_epilogue
-from ..fused_epilogue import EpilogueInside
-from ..ops import compress_thd_fused
+from ..fused_epilogue import EpilogueInside, Finish
+from ..pooling import with_numerics
 
 # "ring": "auto", and decode's one-launch kernel where it takes the step (streaming/ring.py)
 POOLING = ("auto", "fused", "reference", "ring")
@@ -37,7 +37,8 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
              cu_probe, epilogue_inside=None) -> Settings:
     """The call's settings, the pooling path chosen once for all its packs from the
     caller's inputs (``auto``: fused where the kernels take them), so that body and
-    boundary rows come from one implementation."""
+    boundary rows come from one implementation. ``cu_probe``: any int32 tensor on the
+    inputs' device (its contents are not read)."""
     check_pool_numerics(numerics)
     if pooling not in POOLING:
         raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
@@ -51,22 +52,29 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
         raise TypeError("norm_weight: expected a torch.Tensor with epilogue=")
     fused = pooling == "fused"
     if pooling in ("auto", "ring"):
-        n = cu_probe.numel() - 1
+        # the probe stands for both offsets: their contents are not read here, and a None
+        # cu_seqlens_comp would be derived on the device at every call
         reason = dispatch.fused_unavailable_reason(
-            kv, score, ape, cu_probe, None, 0 * n, ratio=state.ratio, coff=state.coff)
+            kv, score, ape, cu_probe, cu_probe, 0, ratio=state.ratio, coff=state.coff)
         fused = reason is None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
                     fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside))
 
 
 def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.Tensor:
-    """``(n_rows, head_dim)``: the pack's rows, through the epilogue where set."""
+    """``(n_rows, head_dim)``: the pack's rows, through the epilogue where set. ``cu`` /
+    ``cuc``: offsets the stream built from lengths it checked on the host, so the fused
+    path skips the device-side offsets check (Problem.offsets_built)."""
     if s.fused:
-        return compress_thd_fused(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
-                                  numerics=s.numerics, epilogue=s.epilogue,
-                                  norm_weight=s.norm_weight,
-                                  positions=positions if s.epilogue is not None else None,
-                                  rope_table=s.rope_table, epilogue_inside=s.inside)
+        why, p = dispatch.unavailable(kv, score, s.ape, cu, cuc, n_rows, s.ratio, s.coff, True)
+        if why is not None:  # settings chose the fused path for the caller's inputs
+            raise ValueError(f"the streaming pack cannot take the fused pooling: {why}")
+        p.offsets_built = True
+        finish = None
+        if s.epilogue is not None:
+            finish = Finish(s.epilogue, s.norm_weight, positions, rope_table=s.rope_table,
+                            inside=s.inside)
+        return ops.fused_from_problem(with_numerics(p, s.numerics), finish)
     out = reference.compress_thd(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
                                  mode=reference.MODE_OF_NUMERICS[s.numerics])
     if s.epilogue is None:
