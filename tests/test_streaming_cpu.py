@@ -273,3 +273,19 @@ def test_decode_checks_with_and_without_the_host_record():
             assert st.host_counts is None
         with pytest.raises(ValueError, match="index 1 past its capacity"):
             streaming.decode(st, kv[:4].view(2, 2, 32), kv[:4].view(2, 2, 32), ape, [0, 1])
+
+
+def test_prefill_reads_its_slots_on_the_host_only(monkeypatch):
+    """prefill checks a host list of slots there and never builds a device copy of them
+    (reading one back would sync the host with the GPU at every call)."""
+    st = streaming.StreamState(3, 16, ratio=4, coff=2, dtype=torch.float32)
+    kv, ape = torch.randn(9, 32), torch.randn(4, 32)
+
+    def no_device_copy(*a, **k):
+        raise AssertionError("prefill built a device tensor of its slots")
+
+    monkeypatch.setattr(streaming.StreamState, "slot_index", no_device_copy)
+    rows = streaming.prefill(st, kv, kv, ape, [0, 4, 9], [2, 0])
+    assert rows.slots.tolist() == [2, 0] and st.counts_of([0, 1, 2]) == [5, 0, 4]
+    with pytest.raises(ValueError, match="slot 3 at index 1 is out of range"):
+        streaming.prefill(st, kv, kv, ape, [0, 4, 9], [2, 3])

@@ -48,11 +48,11 @@ def _inputs(state, kv, score, cu_seqlens, slots):
     cu = c.tolist()
     if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
         slots = slots.cpu()  # prefill reads its slots: one sync where they live on the GPU
-    idx = state.slot_index(slots)  # type, range and duplicates, on the host
-    if idx.numel() != len(cu) - 1:
+    got = state.host_slots(slots)  # type, range and duplicates, on the host
+    if len(got) != len(cu) - 1:
         raise ValueError(f"slots: expected one slot per sequence of cu_seqlens ({len(cu) - 1}), "
-                         f"got {idx.numel()}")
-    return cu, idx.tolist()
+                         f"got {len(got)}")
+    return cu, got
 
 
 def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32", epilogue=None,

@@ -117,33 +117,40 @@ class StreamState:
             return [counts[s] for s in slots]
         return [self.host_counts[s] for s in slots]
 
-    def slot_index(self, slots, name: str = "slots") -> torch.Tensor:
-        """``slots`` (ints, a list or a 1-D integer tensor) as an int64 tensor on the state's
-        device, checked on the host where they live there."""
+    def host_slots(self, slots, name: str = "slots") -> list | None:
+        """``slots`` (ints, a list or a 1-D integer tensor) checked for type, and for range
+        and duplicates where they live on the host: a host list of ints, or None for a
+        tensor on the device (checked by its users there)."""
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         if isinstance(slots, (list, tuple)):
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in slots):
                 raise TypeError(f"{name}: expected slot indices as ints, got {list(slots)!r}")
-            slots = torch.tensor(slots, dtype=torch.int64)
-        check_tensor(name, slots)
-        if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
-            raise TypeError(f"{name}: expected a 1-D integer tensor of slot indices, got "
-                            f"{slots.dtype} {tuple(slots.shape)}")
-        if slots.device.type == "cpu":
-            self.check_slots_host(slots, name)
-            return device_ints(slots, self.device)
-        return slots.to(device=self.device, dtype=torch.int64)
-
-    def check_slots_host(self, slots: torch.Tensor, name: str) -> None:
-        s = slots.tolist()
-        for j, v in enumerate(s):
+            got = list(slots)
+        else:
+            check_tensor(name, slots)
+            if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
+                raise TypeError(f"{name}: expected a 1-D integer tensor of slot indices, got "
+                                f"{slots.dtype} {tuple(slots.shape)}")
+            if slots.device.type != "cpu":
+                return None
+            got = slots.tolist()
+        for j, v in enumerate(got):
             if not 0 <= v < self.num_slots:
                 raise ValueError(f"{name}: slot {v} at index {j} is out of range "
                                  f"[0, {self.num_slots})")
-        if len(set(s)) != len(s):
-            dup = next(v for v in s if s.count(v) > 1)
+        if len(set(got)) != len(got):
+            dup = next(v for v in got if got.count(v) > 1)
             raise ValueError(f"{name}: slot {dup} appears more than once in one call")
+        return got
+
+    def slot_index(self, slots, name: str = "slots") -> torch.Tensor:
+        """``slots`` as an int64 tensor on the state's device, checked on the host where
+        they live there (host_slots)."""
+        got = self.host_slots(slots, name)
+        if got is None:
+            return slots.to(device=self.device, dtype=torch.int64)
+        return device_ints(got, self.device)
 
     def state_dict(self) -> dict:
         """Tensors and settings; load_state_dict of a state built alike restores it."""
