@@ -169,23 +169,35 @@ def test_the_submodule_resolves_from_the_package():
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (2, 1)])
-def test_the_fused_path_plumbing(fused_on_cpu, monkeypatch, ratio, coff):
-    """pooling="fused" down to the launch (the reference standing in for the kernels):
+@pytest.mark.parametrize("pooling", ["fused", "auto"])
+def test_the_fused_path_plumbing(fused_on_cpu, monkeypatch, ratio, coff, pooling):
+    """The fused path down to the launch (the reference standing in for the kernels):
     the packs, their offsets, capacities and positions as the kernels would get them, each
-    pack's problem marked as offsets the stream built (no device-side check)."""
-    from csa_compressor import ops
+    pack's problem marked as offsets the stream built (no device-side check); with "auto",
+    a pack of the caller's own tensors is not validated a second time."""
+    from csa_compressor import dispatch, ops
 
     built, launch = [], ops.fused_from_problem
     monkeypatch.setattr(ops, "fused_from_problem",
                         lambda p, finish=None: built.append(p.offsets_built) or launch(p, finish))
+    checks, check = [], dispatch.validate
+    monkeypatch.setattr(dispatch, "validate", lambda *a, **k: checks.append(1) or check(*a, **k))
+    calls = []
+    for name in ("prefill", "decode"):
+        monkeypatch.setattr(streaming, name, lambda *a, _f=getattr(streaming, name), **k:
+                            calls.append(1) or _f(*a, **k))
     st = streaming.StreamState(3, 64, ratio=ratio, coff=coff)
-    run = Stream(st, _lens(ratio, 4, 7), seed=3, ep=Epilogue(rope_dim=16), pooling="fused",
+    run = Stream(st, _lens(ratio, 4, 7), seed=3, ep=Epilogue(rope_dim=16), pooling=pooling,
                  max_n=3)
     run.kw["epilogue_inside"] = ("fwd", "bwd")  # passed on to the op
     run.run()
     run.check()
     assert fused_on_cpu and min(fused_on_cpu) >= 2  # packs padded past the few-row orders
     assert len(built) == len(fused_on_cpu) and all(built)
+    if pooling == "auto":  # one check a call for the path, one a pack not the caller's
+        assert len(checks) - len(calls) <= len(built)
+        if ratio < 128:  # these streams pool body packs of the caller's tensors
+            assert len(checks) - len(calls) < len(built)
 
 
 def test_the_capture_branch_poisons_instead_of_raising(monkeypatch):

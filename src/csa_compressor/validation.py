@@ -95,14 +95,18 @@ def offsets_check_requested(check_offsets) -> bool:
 _skipped_warned = []
 
 
-def check_token_offsets(c: torch.Tensor, num_tokens: int) -> None:
-    """``cu_seqlens``'s rules on its values ``c`` (a 1-D int64 CPU tensor): it starts at 0,
+def check_token_offsets(c, num_tokens: int) -> None:
+    """``cu_seqlens``'s rules on its values ``c`` (a 1-D int64 CPU tensor, or a list of
+    ints: a few Python compares where torch ops cost microseconds each): it starts at 0,
     never decreases and ends within the ``num_tokens`` tokens of kv."""
     if c[0] != 0:
         raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(c[0])}")
-    step = c[1:] - c[:-1]
-    if (step < 0).any():
-        s = int(torch.nonzero(step < 0)[0])
+    if isinstance(c, list):
+        s = next((k for k in range(len(c) - 1) if c[k + 1] < c[k]), None)
+    else:
+        step = c[1:] - c[:-1]
+        s = int(torch.nonzero(step < 0)[0]) if (step < 0).any() else None
+    if s is not None:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s}] = "
                          f"{int(c[s])} > cu_seqlens[{s + 1}] = {int(c[s + 1])}")
     if c[-1] > num_tokens:

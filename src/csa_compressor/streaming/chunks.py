@@ -35,17 +35,20 @@ def _inputs(state, kv, score, cu_seqlens, slots):
             raise ValueError(f"{name}: expected the state's device {state.device}, got {t.device}")
     if score.shape != kv.shape:
         raise ValueError(f"score: expected kv's shape {tuple(kv.shape)}, got {tuple(score.shape)}")
-    if isinstance(cu_seqlens, (list, tuple)):
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    check_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
-            or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected a 1-D int32/int64 tensor of B+1 offsets, got "
-                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    # prefill reads its offsets: one sync where they live on the GPU
-    c = cu_seqlens.to(device="cpu", dtype=torch.int64)
-    check_token_offsets(c, kv.shape[0])
-    cu = c.tolist()
+    if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens):
+        cu = list(cu_seqlens)
+    else:
+        if isinstance(cu_seqlens, (list, tuple)):
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+        check_tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens: expected a 1-D int32/int64 tensor of B+1 offsets, "
+                             f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        # prefill reads its offsets: one sync where they live on the GPU
+        cu = cu_seqlens.to(device="cpu", dtype=torch.int64).tolist()
+    check_token_offsets(cu, kv.shape[0])
     if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
         slots = slots.cpu()  # prefill reads its slots: one sync where they live on the GPU
     got = state.host_slots(slots)  # type, range and duplicates, on the host

@@ -3,12 +3,12 @@ reference) and the same epilogue, at positions the stream gives."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import dispatch, ops, reference
-from ..checks import check_pool_numerics
+from ..checks import INT32_MAX, check_pool_numerics
 from ..epilogue import Epilogue
 from ..epilogue_op import apply_epilogue
 from ..fused_epilogue import EpilogueInside, Finish
@@ -31,6 +31,9 @@ class Settings:
     rope_table: tuple | None
     fused: bool
     inside: object = None  # the fused path's EpilogueInside (None: its default)
+    # the caller's kv / score / ape as validated for the kernels (dispatch.unavailable), so
+    # a pack of those tensors takes its problem without validating them again
+    problem: object = None
 
 
 def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
@@ -50,15 +53,16 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
         raise TypeError(f"epilogue: expected a csa_compressor.Epilogue, got {type(epilogue).__name__}")
     elif not isinstance(norm_weight, torch.Tensor):
         raise TypeError("norm_weight: expected a torch.Tensor with epilogue=")
-    fused = pooling == "fused"
+    fused, problem = pooling == "fused", None
     if pooling in ("auto", "ring"):
         # the probe stands for both offsets: their contents are not read here, and a None
         # cu_seqlens_comp would be derived on the device at every call
-        reason = dispatch.fused_unavailable_reason(
-            kv, score, ape, cu_probe, cu_probe, 0, ratio=state.ratio, coff=state.coff)
+        reason, problem = dispatch.unavailable(kv, score, ape, cu_probe, cu_probe, 0,
+                                               state.ratio, state.coff, True)
         fused = reason is None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
-                    fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside))
+                    fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside),
+                    problem)
 
 
 def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.Tensor:
@@ -66,9 +70,16 @@ def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.
     ``cuc``: offsets the stream built from lengths it checked on the host, so the fused
     path skips the device-side offsets check (Problem.offsets_built)."""
     if s.fused:
-        why, p = dispatch.unavailable(kv, score, s.ape, cu, cuc, n_rows, s.ratio, s.coff, True)
-        if why is not None:  # settings chose the fused path for the caller's inputs
-            raise ValueError(f"the streaming pack cannot take the fused pooling: {why}")
+        base = s.problem
+        if base is not None and kv is base.kv and score is base.score:
+            if n_rows * base.head_dim > INT32_MAX:
+                raise ValueError(f"kv: {n_rows} rows of {base.head_dim} overflow int32 offsets")
+            p = replace(base, cu_seqlens=cu, cu_seqlens_comp=cuc, total_comp=n_rows)
+        else:
+            why, p = dispatch.unavailable(kv, score, s.ape, cu, cuc, n_rows, s.ratio, s.coff,
+                                          True)
+            if why is not None:  # settings chose the fused path for the caller's inputs
+                raise ValueError(f"the streaming pack cannot take the fused pooling: {why}")
         p.offsets_built = True
         finish = None
         if s.epilogue is not None:
