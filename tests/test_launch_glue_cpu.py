@@ -235,7 +235,7 @@ def test_no_position_bias_is_its_own_kernel():
 def test_an_fp32_backward_widens_its_vectors_only_where_the_ctas_an_sm_stay():
     """BWD_FP32_VEC_BYTES: fp32 takes the wider vector where the design keeps its CTAs an
     SM (d512 ratio 2 coff 1), not where the doubled staging would cost CTAs (d128 ratio 4
-    coff 2: 3 -> 1); bf16 never changes."""
+    coff 2: 3 -> 1) or where it fits no CTA; bf16 never changes."""
     from csa_compressor.kernels import tuning
 
     t = tuning.replace(tuning.current(), BWD_FP32_VEC_BYTES=8)
@@ -244,7 +244,15 @@ def test_an_fp32_backward_widens_its_vectors_only_where_the_ctas_an_sm_stay():
     narrow = PoolBackward(f32, 4, 2, 128, tuning=t)
     assert narrow.vec == 1 and narrow.target_ctas_per_sm == PoolBackward(f32, 4, 2, 128).target_ctas_per_sm
     assert PoolBackward(bf16, 2, 1, 512, tuning=t).vec == PoolBackward(bf16, 2, 1, 512).vec
-    assert PoolBackward(f32, 2, 1, 512).vec == 1  # the default keeps 4 bytes
+    # nor where the wider staging fits no CTA (d64 ratio 8 coff 2 failed to launch)
+    assert PoolBackward(f32, 8, 2, 64, tuning=t).vec == 1
+    four = tuning.replace(tuning.current(), BWD_FP32_VEC_BYTES=4)
+    assert PoolBackward(f32, 2, 1, 512, tuning=four).vec == 1
+    for r, c, d in ((8, 2, 64), (4, 2, 512), (2, 1, 512), (16, 1, 64), (4, 2, 128)):
+        for large in (False, True):
+            k = PoolBackward(f32, r, c, d, tuning=t, large=large and PoolBackward(
+                f32, r, c, d, tuning=t).has_large_variant)
+            assert k.ctas_fitting_smem() >= 1, (r, c, d, large, k.smem_bytes)
 
 
 def test_offsets_the_package_built_skip_the_device_check(fake_compile, monkeypatch):

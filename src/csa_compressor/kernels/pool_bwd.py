@@ -50,7 +50,10 @@ class PoolBackward(BackwardGrid, WindowSlots):
                                     vec_bytes=t.BWD_FP32_VEC_BYTES, **kw)
                 narrow = PoolBackward(dtype, ratio, coff, head_dim, arch_major,
                                       vec_bytes=vec_bytes, **kw)
-                if wide.target_ctas_per_sm >= narrow.target_ctas_per_sm:
+                # and only where the wider staging fits a CTA at all (d=64 ratio 8 coff 2
+                # asked 230 KB, past the 227 KB a CTA may have, and failed to launch)
+                if (wide.ctas_fitting_smem() >= 1
+                        and wide.target_ctas_per_sm >= narrow.target_ctas_per_sm):
                     vec_bytes = t.BWD_FP32_VEC_BYTES
         self.dtype = dtype
         self.rnd = rounder(dtype, numerics)
