@@ -66,8 +66,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     return every row whose window closed. A slot may already hold part of a window from
     an earlier call; a prompt cut anywhere, in any number of calls, gives the same rows.
     ``ape``, ``numerics``, ``epilogue``, ``norm_weight``, ``rope_table``,
-    ``epilogue_inside``: as compress_thd_fused's; ``pooling``: "fused", "reference" (plain torch, any device) or
-    "auto" (fused where the kernels take the inputs). Reads the offsets and slots on the
+    ``epilogue_inside``: as compress_thd_fused's; ``pooling``: "fused" (the kernels, the
+    rings stored by torch ops), "reference" (plain torch, any device) or "auto" (fused
+    where the kernels take the inputs, the rings stored by one kernel; "ring" is the
+    same). Reads the offsets and slots on the
     host, the counts from the state's host record where it has one (StreamState.counts_of;
     else one sync). ``emit=False`` only takes the
     tokens into the state (for a caller that computed these rows another way, e.g. the
@@ -138,8 +140,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
-    fn = ring.tail_launcher(state, kv, score) if pooling == "ring" and st.fused and slot_list \
-        else None
+    fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
+        and slot_list else None
     if fn is not None:
         return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, m))
     _store(state, kv, score, slot_list, wins)

@@ -14,7 +14,9 @@ from ..epilogue_op import apply_epilogue
 from ..fused_epilogue import EpilogueInside, Finish
 from ..pooling import with_numerics
 
-# "ring": "auto", and decode's one-launch kernel where it takes the step (streaming/ring.py)
+# "auto" takes the one-launch kernels where they take the call (streaming/ring.py); "ring"
+# is the same, the name it had while "auto" did not
+
 POOLING = ("auto", "fused", "reference", "ring")
 
 

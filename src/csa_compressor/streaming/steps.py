@@ -73,8 +73,8 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     slot, in order). Returns the step's rows with static shapes. Capturable in a CUDA
     graph (after one eager step of the same shapes has compiled the kernels); inside the
     capture, malformed slots cannot raise and make their rows NaN instead (state.bad).
-    ``pooling="ring"``: one kernel for the step where it takes it (streaming/ring.py),
-    else "auto". The other arguments: prefill's."""
+    ``pooling="auto"`` (or "ring"): one kernel for the step where it takes it
+    (streaming/ring.py), else the gather path. The other arguments: prefill's."""
     W = state.width
     for name, t in (("kv", kv), ("score", score)):
         check_tensor(name, t)
@@ -96,7 +96,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
                              f"position ({last}) lies inside the table's {rows_in_table} rows")
     capturing = _capturing(kv)
     c = _constants(state, B, n, epilogue is not None)
-    ring_asked = pooling == "ring"
+    ring_asked = pooling in ("auto", "ring")
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
                   norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
     kernel = None
