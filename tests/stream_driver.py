@@ -21,9 +21,8 @@ def takes_the_ring_kernel(st, B=2, n=1, numerics="fp32"):
     """Whether decode(pooling="ring") on ``st`` takes its one-launch kernel."""
     kv = torch.zeros(B, n, st.width, dtype=st.dtype, device=st.device)
     ape = torch.zeros(st.ratio, st.width, device=st.device)
-    cu = torch.arange(B + 1, dtype=torch.int32, device=st.device) * n
     s = settings(st, kv.view(B * n, -1), kv.view(B * n, -1), ape, numerics, None, None, None,
-                 "ring", cu)
+                 "ring")
     return ring.launcher(st, kv, kv, ape, s) is not None
 
 

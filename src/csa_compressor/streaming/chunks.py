@@ -97,13 +97,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         _store(state, kv, score, slot_list, plan(counts, lens, state.ratio, state.coff))
         none = torch.empty(0, dtype=torch.int64, device=dev)
         return Rows(kv.new_empty((0, state.head_dim)), none, none)
-    probe = None
-    if pooling not in ("fused", "reference"):
-        probe = state.constants.get("probe")
-        if probe is None:
-            probe = state.constants["probe"] = torch.zeros(2, dtype=torch.int32, device=dev)
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
-                  probe, epilogue_inside)
+                  epilogue_inside)
     r, d = state.ratio, state.head_dim
     wins = plan(counts, lens, r, state.coff)
     want_pos = epilogue is not None

@@ -16,7 +16,6 @@ from ..pooling import with_numerics
 
 # "auto" takes the one-launch kernels where they take the call (streaming/ring.py); "ring"
 # is the same, the name it had while "auto" did not
-
 POOLING = ("auto", "fused", "reference", "ring")
 
 
@@ -38,12 +37,20 @@ class Settings:
     problem: object = None
 
 
+def _probe(state) -> torch.Tensor:
+    """An int32 tensor on the state's device, made once: the offsets of the fused path's
+    check, whose contents it does not read."""
+    probe = state.constants.get("probe")
+    if probe is None:
+        probe = state.constants["probe"] = torch.zeros(2, dtype=torch.int32, device=state.device)
+    return probe
+
+
 def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
-             cu_probe, epilogue_inside=None) -> Settings:
+             epilogue_inside=None) -> Settings:
     """The call's settings, the pooling path chosen once for all its packs from the
     caller's inputs (``auto``: fused where the kernels take them), so that body and
-    boundary rows come from one implementation. ``cu_probe``: any int32 tensor on the
-    inputs' device (its contents are not read)."""
+    boundary rows come from one implementation."""
     check_pool_numerics(numerics)
     if pooling not in POOLING:
         raise ValueError(f"pooling: expected one of {POOLING}, got {pooling!r}")
@@ -59,8 +66,9 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
     if pooling in ("auto", "ring"):
         # the probe stands for both offsets: their contents are not read here, and a None
         # cu_seqlens_comp would be derived on the device at every call
-        reason, problem = dispatch.unavailable(kv, score, ape, cu_probe, cu_probe, 0,
-                                               state.ratio, state.coff, True)
+        cu = _probe(state)
+        reason, problem = dispatch.unavailable(kv, score, ape, cu, cu, 0, state.ratio,
+                                               state.coff, True)
         fused = reason is None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
                     fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside),

@@ -49,7 +49,8 @@ class StreamState:
         self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
-        # shape-only tensors: decode's by (batch, next_n, epilogue), the fused-path probe, the zero APE
+        # shape-only tensors: decode's by (batch, next_n, epilogue), the fused path's probe
+        # (rows._probe), the ring's zero APE
         self.constants: dict = {}
         # The counts as the host knows them, while every change went through calls that
         # saw their slots on the host: prefill then reads nothing from the device. A

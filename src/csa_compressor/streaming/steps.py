@@ -98,7 +98,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     c = _constants(state, B, n, epilogue is not None)
     ring_asked = pooling in ("auto", "ring")
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
-                  norm_weight, rope_table, pooling, c["probe_cu"], epilogue_inside)
+                  norm_weight, rope_table, pooling, epilogue_inside)
     kernel = None
     if ring_asked:
         kernel = ring.launcher(state, kv, score, ape, st)
@@ -180,7 +180,7 @@ def _constants(state, B: int, n: int, epilogue: bool) -> dict:
         seg = torch.arange(B + 1, dtype=torch.int32, device=dev)
         got = {"k": torch.arange(n, device=dev), "L": torch.arange(Rs * r, device=dev),
                "j": torch.arange(Rs, device=dev), "R": torch.arange(R, device=dev),
-               "cu": seg * (Rs * r), "cuc": seg * Rs, "probe_cu": seg * n, "cap": cap,
+               "cu": seg * (Rs * r), "cuc": seg * Rs, "cap": cap,
                "pad": torch.zeros(cap - B * Rs, dtype=torch.int64, device=dev)}
         state.constants[key] = got
     return got
