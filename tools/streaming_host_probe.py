@@ -74,11 +74,33 @@ def cases(S):
                 lambda p=pooling: streaming.decode(dst, kv1, kv1, ape, pooling=p))
 
 
+def profile(name, fn, calls=50):
+    """The Python functions a call spends its host time in (cProfile, tottime order)."""
+    import cProfile
+    import pstats
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"\n--- cProfile of {calls} x {name} ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main():
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     print(f"{'call':44s} {'host µs':>9s} {'wall µs':>9s} {'kernels':>8s}")
+    chosen = []
     for name, fn in cases(S):
         print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
+        if name.startswith(("prefill ring", "reset")) and name.endswith("r4"):
+            chosen.append((name, fn))
+    for name, fn in chosen:
+        profile(name, fn)
 
 
 main()
