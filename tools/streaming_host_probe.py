@@ -91,13 +91,33 @@ def profile(name, fn, calls=50):
     pstats.Stats(prof).sort_stats("tottime").print_stats(40)
 
 
+def timeline(name, fn):
+    """One call's CPU ops (torch.profiler, top level only) and CUDA kernels in time order,
+    µs from the call's first op: where the host spends a call and when the GPU runs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted(prof.events(), key=lambda e: e.time_range.start)
+    t0 = evs[0].time_range.start
+    print(f"\n--- timeline of one {name} (µs from its first op) ---")
+    for e in evs:
+        cuda = e.device_type == torch.autograd.DeviceType.CUDA
+        if not cuda and e.cpu_parent is not None:
+            continue
+        print(f"{'GPU' if cuda else 'cpu'} {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:90]}")
+
+
 def main():
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     print(f"{'call':44s} {'host µs':>9s} {'wall µs':>9s} {'kernels':>8s}")
     for name, fn in cases(S):
         print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
-        if name.startswith("prefill ring") and " r4" in name:
-            profile(name, fn)  # now: the cases' closures see the loop's latest tensors
+        if name.startswith(("prefill ring", "training forward")) and " r4" in name:
+            timeline(name, fn)  # now: the cases' closures see the loop's latest tensors
 
 
 main()
