@@ -129,3 +129,22 @@ def test_ring_prefill_tail_gives_the_rows_and_state(fused_on_cpu, standin, tail_
     run.run()
     run.check()
     assert sum(k.calls for k in tail_standin) > 0
+
+
+def test_ring_prefill_uploads_its_ints_once(fused_on_cpu, standin, tail_standin, monkeypatch):
+    """Prompts into empty slots on the fused path with the tail kernel: the pooling's
+    offsets and the tail's per-slot ints reach the device in one host-to-device copy
+    (each copy costs tens of µs of host time, a prefill's whole budget being about the
+    training forward's); the rows are still the training rows."""
+    from csa_compressor.streaming import chunks
+
+    uploads = []
+    real = chunks.device_ints
+    for module in (chunks, ring):
+        monkeypatch.setattr(module, "device_ints",
+                            lambda *a, **k: uploads.append(a) or real(*a, **k), raising=False)
+    st = streaming.StreamState(4, 32, ratio=4, coff=2, dtype=torch.float32)
+    run = Stream(st, [37, 8, 0, 19], seed=3, pooling="ring")
+    run.prefill([(s, s, n) for s, n in enumerate(run.lens)])
+    run.check()
+    assert len(uploads) == 1 and sum(k.calls for k in tail_standin) == 1

@@ -101,6 +101,12 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
                   epilogue_inside)
     r, d = state.ratio, state.head_dim
     wins = plan(counts, lens, r, state.coff)
+    m = [w.i1 - w.i0 for w in wins]
+    fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
+        and slot_list else None
+    # the tail kernel's per-slot ints ride with the body pass's offsets: one upload a call
+    meta = ring.tail_meta(slot_list, wins, m) if fn is not None else []
+    meta_dev = None
     want_pos = epilogue is not None
     parts, cap = [], 0  # pooled rows of the body pass then the boundary pass
     body_base = bnd_base = 0
@@ -109,16 +115,16 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         for w in wins:  # [head][blocks a .. i1-1][tail]: rows only in the middle
             cu_b += [cu_b[-1] + w.head, cu_b[-1] + w.head + w.body_rows * r, w.start + w.n]
             rows_b += [0, w.body_rows, 0]
-        parts.append(_pool(st, kv, score, cu_b, rows_b, d, want_pos,
-                           [w.a for w in wins], [w.body_rows for w in wins]))
+        pooled, meta_dev = _pool(st, kv, score, cu_b, rows_b, d, want_pos,
+                                 [w.a for w in wins], [w.body_rows for w in wins], meta)
+        parts.append(pooled)
         cap = parts[-1].shape[0]
     bnd = [w for w in wins if w.bnd_rows]
     if bnd:
         pk, ps, cu_d, rows_d = _boundary_pack(state, kv, score, bnd, slot_list, wins)
         parts.append(_pool(st, pk, ps, cu_d, rows_d, d, want_pos,
-                           [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd]))
+                           [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd])[0])
         bnd_base = cap
-    m = [w.i1 - w.i0 for w in wins]
     total = sum(m)
     if not bnd and not any(w.junk for w in wins):
         out = parts[0][:total] if parts else kv.new_empty((0, d))  # in call order already
@@ -135,10 +141,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
-    fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
-        and slot_list else None
     if fn is not None:
-        return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, m))
+        if meta_dev is None:
+            meta_dev = device_ints(meta, dev, torch.int32)
+        return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, meta_dev, total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
     slots_m = device_ints(slot_list + m, dev)
@@ -146,9 +152,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
                 seg_arange([w.i0 for w in wins], m, dev) * r)
 
 
-def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts):
+def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=()):
     """The rows of a pack (offsets ``cu``, ``rows`` a segment), its capacity padded
-    (windows.min_rows); the rotary positions where the epilogue takes them."""
+    (windows.min_rows); the rotary positions where the epilogue takes them. ``extra``:
+    int32 values uploaded with the offsets, returned on the device (None where empty)."""
     dev = kv.device
     cuc = [0]
     for k in rows:
@@ -158,8 +165,10 @@ def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts):
     if want_pos:
         pos = seg_arange(first_blocks, block_counts, dev) * st.ratio
         pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
-    offs = device_ints(cu + cuc, dev, torch.int32)
-    return pool_rows(st, kv, score, offs[:len(cu)], offs[len(cu):], n, pos)
+    k = len(cu)
+    offs = device_ints(cu + cuc + list(extra), dev, torch.int32)
+    rows_out = pool_rows(st, kv, score, offs[:k], offs[k:2 * k], n, pos)
+    return rows_out, (offs[2 * k:] if extra else None)
 
 
 def _boundary_pack(state, kv, score, bnd, slot_list, wins):

@@ -11,7 +11,7 @@ import torch
 from ..epilogue_op import apply_epilogue
 from ..kernels.launch import decode_kernel, launch_decode
 from ..kernels.prefill_tail import prefill_tail
-from .windows import device_ints, min_rows
+from .windows import min_rows
 
 
 def _kernel_ready(*tensors) -> bool:
@@ -76,22 +76,27 @@ def tail_launcher(state, kv, score):
     return prefill_tail(state.dtype, state.width, state.ratio, state.device)
 
 
-def tail(fn, state, kv, score, slot_list: list, wins: list, m: list):
-    """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
-    rings, the counts advanced; returns the rows' ``(slots, positions)`` (``m[b]`` rows
-    for call slot ``b``)."""
+def tail_meta(slot_list: list, wins: list, m: list) -> list:
+    """The tail kernel's int32 per call slot: (slot, first chunk row, new tokens, tokens
+    before, first output row), flat; ``m[b]`` rows for call slot ``b``."""
     meta, row0 = [], 0
     for s, w, k in zip(slot_list, wins, m):
         meta += [s, w.start, w.n, w.c, row0]
         row0 += k
+    return meta
+
+
+def tail(fn, state, kv, score, slot_list: list, wins: list, meta: torch.Tensor, rows: int):
+    """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
+    rings, the counts advanced; returns the ``rows`` rows' ``(slots, positions)``.
+    ``meta``: tail_meta's values on the device."""
     dev, W = state.device, state.width
     # never empty: an empty tensor may have no address to hand the kernel
-    slots = torch.empty(max(row0, 1), dtype=torch.int64, device=dev)
-    positions = torch.empty(max(row0, 1), dtype=torch.int64, device=dev)
+    slots = torch.empty(max(rows, 1), dtype=torch.int64, device=dev)
+    positions = torch.empty(max(rows, 1), dtype=torch.int64, device=dev)
     fn(kv, score, state.kv.view(-1, W), state.score.view(-1, W),
-       device_ints(meta, dev, torch.int32).view(len(slot_list), 5), state.count, state.last_n,
-       slots, positions, state.history)
+       meta.view(len(slot_list), 5), state.count, state.last_n, slots, positions, state.history)
     if state.host_counts is not None:
         for s, w in zip(slot_list, wins):
             state.host_counts[s] = w.c + w.n
-    return slots[:row0], positions[:row0]
+    return slots[:rows], positions[:rows]
