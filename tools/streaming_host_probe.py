@@ -63,6 +63,8 @@ def cases(S):
         yield f"training forward {B}x{S} r{ratio}", lambda: compress_thd_fused(
             kv, sc, ape, cu, cuc, B * (S // ratio), ratio=ratio, coff=coff)
         yield f"reset {B} slots r{ratio} (inside each prefill row)", st.reset
+        yield f"prefill phases {B}x{S} r{ratio}", (st, lambda st=st: streaming.prefill(
+            st, kv, sc, ape, cu_host, slots, pooling="ring"))
         for pooling in ("ring", "fused"):
             yield f"prefill {pooling} {B}x{S} r{ratio}", (
                 lambda p=pooling, st=st: (st.reset(), streaming.prefill(
@@ -111,10 +113,60 @@ def timeline(name, fn):
         print(f"{'GPU' if cuda else 'cpu'} {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:90]}")
 
 
+def phases(name, st, fn, calls=100):
+    """Host µs a call spends in each piece of prefill (inclusive, perf_counter, no syncs
+    inside), each call after the slots' reset and a sync, as the bench times it."""
+    from csa_compressor import ops
+    from csa_compressor.kernels import launch
+    from csa_compressor.streaming import chunks, ring, rows, state as state_mod
+
+    spent = {}
+
+    def timed(key, f):
+        def w(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return w
+
+    patches = [(chunks, n) for n in ("_inputs", "plan", "settings", "_pool", "pool_rows",
+                                     "device_ints")]
+    patches += [(ring, "tail"), (ring, "tail_launcher"), (rows, "pool_rows"),
+                (ops, "fused_from_problem"), (launch, "launch_forward"),
+                (state_mod.StreamState, "counts_of"), (state_mod.StreamState, "host_slots")]
+    saved = [(m, n, getattr(m, n)) for m, n in patches if hasattr(m, n)]
+    for m, n, f in saved:
+        setattr(m, n, timed(f"{getattr(m, '__name__', m)}.{n}", f))
+    total = 0.0
+    try:
+        for i in range(calls + 5):
+            st.reset()
+            torch.cuda.synchronize()
+            if i == 5:
+                spent.clear()
+                total = 0.0
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
+    print(f"\n--- host µs a call in each piece of {name} (inclusive; {calls} calls) ---")
+    print(f"{'the whole call':60s} {total / calls * 1e6:8.1f}")
+    for key, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"{key:60s} {v / calls * 1e6:8.1f}")
+
+
 def main():
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     print(f"{'call':44s} {'host µs':>9s} {'wall µs':>9s} {'kernels':>8s}")
     for name, fn in cases(S):
+        if name.startswith("prefill phases"):
+            phases(name, *fn)
+            continue
         print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
         if name.startswith(("prefill ring", "training forward")) and " r4" in name:
             timeline(name, fn)  # now: the cases' closures see the loop's latest tensors
