@@ -116,8 +116,7 @@ def timeline(name, fn):
 def phases(name, st, fn, calls=100):
     """Host µs a call spends in each piece of prefill (inclusive, perf_counter, no syncs
     inside), each call after the slots' reset and a sync, as the bench times it."""
-    from csa_compressor import ops
-    from csa_compressor.kernels import launch
+    from csa_compressor import ops, pooling
     from csa_compressor.streaming import chunks, ring, rows, state as state_mod
 
     spent = {}
@@ -134,7 +133,7 @@ def phases(name, st, fn, calls=100):
     patches = [(chunks, n) for n in ("_inputs", "plan", "settings", "_pool", "pool_rows",
                                      "device_ints")]
     patches += [(ring, "tail"), (ring, "tail_launcher"), (rows, "pool_rows"),
-                (ops, "fused_from_problem"), (launch, "launch_forward"),
+                (ops, "fused_from_problem"), (pooling, "launch_forward"),
                 (state_mod.StreamState, "counts_of"), (state_mod.StreamState, "host_slots")]
     saved = [(m, n, getattr(m, n)) for m, n in patches if hasattr(m, n)]
     for m, n, f in saved:
