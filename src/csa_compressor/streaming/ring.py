@@ -91,9 +91,8 @@ def tail(fn, state, kv, score, slot_list: list, wins: list, meta: torch.Tensor, 
     rings, the counts advanced; returns the ``rows`` rows' ``(slots, positions)``.
     ``meta``: tail_meta's values on the device."""
     dev, W = state.device, state.width
-    # never empty: an empty tensor may have no address to hand the kernel
-    slots = torch.empty(max(rows, 1), dtype=torch.int64, device=dev)
-    positions = torch.empty(max(rows, 1), dtype=torch.int64, device=dev)
+    # never empty: an empty tensor may have no address to hand the kernel; one allocation
+    slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev)
     fn(kv, score, state.kv.view(-1, W), state.score.view(-1, W),
        meta.view(len(slot_list), 5), state.count, state.last_n, slots, positions, state.history)
     if state.host_counts is not None:

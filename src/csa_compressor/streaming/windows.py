@@ -80,14 +80,14 @@ HOST_INDEX_MAX = 512
 
 
 def device_ints(values, device, dtype=torch.int64) -> torch.Tensor:
-    """``values`` (a host list or a CPU tensor) as a tensor on ``device`` without a host
+    """``values`` (a host list) as a tensor on ``device`` without a host
     sync: a CUDA copy from pinned memory in stream order (torch's copy from pageable memory
     synchronises the stream, which left the host's work after a prefill's launches
     unoverlapped)."""
-    t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.as_tensor(values, dtype=dtype).to(device)
+    # made pinned in one op (as_tensor then pin_memory was two host copies and allocations)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def seg_list(starts, counts) -> list:

@@ -136,11 +136,11 @@ def streamed(st, kv, gate, bias):
         seen = st.counts_of([0])[0]  # every slot has seen as many tokens
         n = (seen + S) // st.ratio - seen // st.ratio
         step = streaming.decode(st, kv, gate, bias, numerics=options().numerics,
-                                pooling="fused")
+                                pooling="auto")
         return step.rows[:, :n], step.positions[0, :n]
     out = streaming.prefill(st, kv.reshape(B * S, W), gate.reshape(B * S, W), bias,
                             [S * b for b in range(B + 1)], list(range(B)),
-                            numerics=options().numerics, pooling="fused")
+                            numerics=options().numerics, pooling="auto")
     n = out.rows.shape[0] // B  # every slot has seen as many tokens: as many rows each
     return out.rows.view(B, n, st.head_dim), out.positions[:n]
 
