@@ -28,6 +28,7 @@
 #   fp32_wide            the fp32 GPU suites and csa2_bench with BWD_FP32_VEC_BYTES=8 (the 8-byte
 #                        fp32 backward: its bits, then its time; needs MEGATRON_LM_PATH)
 #   csa2                 tests/test_megatron_csa2_gpu.py (needs MEGATRON_LM_PATH with the overlay)
+#   v41_tests            that, the no-APE and fp32-dscore GPU tests and test_fused_gpu -k float32
 #   check                python -m csa_compressor check (the numerics gate)
 #   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
 #   pool_epilogue_probe  tools/pool_epilogue_probe.py: each direction inside vs by parts
@@ -115,6 +116,7 @@ cmd_of() {
         csa2_bench) echo "python3 tools/csa2_bench.py" ;;
         fp32_wide) echo "$(cmd_of fp32_wide_tests) && $(cmd_of fp32_wide_bench)" ;;
         fp32_wide_tests) echo "export CSA_CONFIG=BWD_FP32_VEC_BYTES=8 && python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
+        v41_tests) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
         fp32_wide_bench) echo "CSA_CONFIG=BWD_FP32_VEC_BYTES=8 python3 tools/csa2_bench.py && python3 tools/csa2_bench.py" ;;
         csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
         check) echo "python3 -m csa_compressor check" ;;
