@@ -76,23 +76,6 @@ def cases(S):
                 lambda p=pooling: streaming.decode(dst, kv1, kv1, ape, pooling=p))
 
 
-def profile(name, fn, calls=50):
-    """The Python functions a call spends its host time in (cProfile, tottime order)."""
-    import cProfile
-    import pstats
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
-    print(f"\n--- cProfile of {calls} x {name} ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(40)
-
-
 def timeline(name, fn):
     """One call's CPU ops (torch.profiler, top level only) and CUDA kernels in time order,
     µs from the call's first op: where the host spends a call and when the GPU runs."""
