@@ -104,7 +104,7 @@ cmd_of() {
         tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py --ignore=tests/test_streaming_gpu.py --ignore=tests/test_streaming_ring_gpu.py --ignore=tests/test_transformers_gpu.py --ignore=tests/test_megatron_csa2_gpu.py -rs --durations=10" ;;
         unpack) echo "mkdir -p \${MEGATRON_LM_PATH:?} /tmp/hf; for t in .megatron/megatron-lm-dev-*.tar.xz .megatron/megatron-csa2-*.tar.xz; do tar -C \$MEGATRON_LM_PATH -xJf \$t || exit 1; done; for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
-        streaming) echo "python3 -m pytest -q -m gpu tests/test_streaming_gpu.py tests/test_streaming_ring_gpu.py -rs --durations=10 && python3 examples/streaming_generation.py" ;;
+        streaming) echo "python3 -m pytest -q -m gpu tests/test_uploads_gpu.py tests/test_streaming_gpu.py tests/test_streaming_ring_gpu.py -rs --durations=10 && python3 examples/streaming_generation.py" ;;
         streaming_ring) echo "python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -rs --durations=10" ;;
         streaming_ring_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k 'gather or poisons or zero_ape' -p no:cacheprovider" ;;
         streaming_bench) echo "python3 -m csa_compressor bench --streaming" ;;

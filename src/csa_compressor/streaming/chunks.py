@@ -10,7 +10,8 @@ from ..checks import check_tensor
 from ..validation import check_token_offsets
 from . import ring
 from .rows import pool_rows, settings
-from .windows import HOST_INDEX_MAX, device_ints, min_rows, plan, seg_arange, seg_list
+from .uploads import device_ints
+from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange, seg_list
 
 
 class Rows(NamedTuple):
@@ -116,7 +117,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             cu_b += [cu_b[-1] + w.head, cu_b[-1] + w.head + w.body_rows * r, w.start + w.n]
             rows_b += [0, w.body_rows, 0]
         pooled, meta_dev = _pool(st, kv, score, cu_b, rows_b, d, want_pos,
-                                 [w.a for w in wins], [w.body_rows for w in wins], meta)
+                                 [w.a for w in wins], [w.body_rows for w in wins], meta,
+                                 state.staging())
         parts.append(pooled)
         cap = parts[-1].shape[0]
     bnd = [w for w in wins if w.bnd_rows]
@@ -143,7 +145,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         out = pooled.index_select(0, seg_arange(starts, counts, dev))
     if fn is not None:
         if meta_dev is None:
-            meta_dev = device_ints(meta, dev, torch.int32)
+            meta_dev = device_ints(meta, dev, torch.int32, state.staging())
         return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, meta_dev, total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
@@ -152,10 +154,12 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
                 seg_arange([w.i0 for w in wins], m, dev) * r)
 
 
-def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=()):
+def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=(),
+          staging=None):
     """The rows of a pack (offsets ``cu``, ``rows`` a segment), its capacity padded
     (windows.min_rows); the rotary positions where the epilogue takes them. ``extra``:
-    int32 values uploaded with the offsets, returned on the device (None where empty)."""
+    int32 values uploaded with the offsets (through ``staging``, uploads.Staging), returned
+    on the device (None where empty)."""
     dev = kv.device
     cuc = [0]
     for k in rows:
@@ -166,7 +170,7 @@ def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extr
         pos = seg_arange(first_blocks, block_counts, dev) * st.ratio
         pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
     k = len(cu)
-    offs = device_ints(cu + cuc + list(extra), dev, torch.int32)
+    offs = device_ints(cu + cuc + list(extra), dev, torch.int32, staging)
     rows_out = pool_rows(st, kv, score, offs[:k], offs[k:2 * k], n, pos)
     return rows_out, (offs[2 * k:] if extra else None)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import SUPPORTED_DTYPES, check_int, check_ratio_coff, check_tensor
-from .windows import device_ints
+from .uploads import Staging, device_ints
 
 _CONFIG = ("num_slots", "head_dim", "ratio", "coff", "max_next_n", "max_seqlen")
 _TENSORS = ("kv", "score", "count", "last_n", "bad")
@@ -50,13 +50,23 @@ class StreamState:
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
         # shape-only tensors: decode's by (batch, next_n, epilogue), the fused path's probe
-        # (rows._probe), the ring's zero APE
+        # (rows._probe), the ring's zero APE; the host lists' pinned buffers (staging)
         self.constants: dict = {}
         # The counts as the host knows them, while every change went through calls that
         # saw their slots on the host: prefill then reads nothing from the device. A
         # captured step may replay unseen, so after a capture the device's are read.
         self.host_counts: list | None = [0] * num_slots
         self.captured = False
+
+    def staging(self):
+        """The pinned buffers this state's host lists go through to its GPU (made at first
+        use; None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        got = self.constants.get("staging")
+        if got is None:
+            got = self.constants["staging"] = Staging(self.device)
+        return got
 
     @property
     def width(self) -> int:

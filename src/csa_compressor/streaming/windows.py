@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..softmax_order import ROWSUM_MIN_ROWS
+from .uploads import device_ints
 
 # torch's reduce order over a window depends on the row count for packs of fewer than 128
 # output values (softmax_order.torch_sum_lanes_by_rows), and the epilogue's row sums below
@@ -77,17 +78,6 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
 
 # below this many indices a host list and one copy beat three device ops
 HOST_INDEX_MAX = 512
-
-
-def device_ints(values, device, dtype=torch.int64) -> torch.Tensor:
-    """``values`` (a host list) as a tensor on ``device`` without a host
-    sync: a CUDA copy from pinned memory in stream order (torch's copy from pageable memory
-    synchronises the stream, which left the host's work after a prefill's launches
-    unoverlapped)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.as_tensor(values, dtype=dtype).to(device)
-    # made pinned in one op (as_tensor then pin_memory was two host copies and allocations)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def seg_list(starts, counts) -> list:

@@ -1,0 +1,74 @@
+"""streaming/uploads.Staging on the CPU (plain buffers and a stand-in event): the values
+arrive in the dtype asked, the buffers are used in turn, and a buffer whose copy may
+still be in flight, a list too large or an unsupported dtype is declined (the caller
+then copies the unstaged way), never waited for or overwritten."""
+
+import pytest
+import torch
+
+from csa_compressor.streaming.uploads import Staging, device_ints
+
+
+class Event:
+    def __init__(self):
+        self.done, self.records = True, 0
+
+    def query(self):
+        return self.done
+
+    def record(self):
+        self.records += 1
+
+
+def staging(**kw):
+    return Staging(torch.device("cpu"), pinned=False, event=Event, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_values_arrive_in_the_dtype_asked(dtype):
+    s = staging()
+    vals = [0, 7, -3, 2**31 - 1, 5]
+    got = s.upload(vals, dtype)
+    assert got.dtype == dtype and got.tolist() == vals
+
+
+def test_buffers_are_used_in_turn_and_each_copy_is_recorded():
+    s = staging(buffers=2)
+    a = s.upload([1, 2, 3], torch.int64)
+    b = s.upload([4, 5], torch.int64)
+    c = s.upload([6], torch.int64)  # the first buffer again, its copy done
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2, 3], [4, 5], [6])
+    assert [e.records for e in s.events] == [2, 1]
+
+
+def test_a_buffer_in_flight_is_declined_not_overwritten():
+    s = staging(buffers=2)
+    s.upload([1, 2], torch.int32)
+    s.upload([3, 4], torch.int32)
+    s.events[0].done = False  # its copy has not run yet
+    before = s.bufs[0].clone()
+    assert s.upload([9, 9], torch.int32) is None
+    assert torch.equal(s.bufs[0], before)
+    s.events[0].done = True
+    assert s.upload([9, 9], torch.int32).tolist() == [9, 9]
+
+
+def test_too_large_empty_or_other_dtypes_are_declined():
+    s = staging(nbytes=16)
+    assert s.upload(list(range(5)), torch.int32) is None  # 20 bytes
+    assert s.upload(list(range(4)), torch.int32).tolist() == [0, 1, 2, 3]
+    assert s.upload([], torch.int64) is None
+    assert s.upload([1], torch.int16) is None
+
+
+def test_off_cuda_device_ints_copies_plainly():
+    s = staging()
+    got = device_ints([3, 1], torch.device("cpu"), torch.int32, s)
+    assert got.tolist() == [3, 1] and got.dtype == torch.int32
+    assert all(e.records == 0 for e in s.events)  # staging is for CUDA copies only
+
+
+def test_a_state_off_cuda_has_no_staging():
+    from csa_compressor import streaming
+
+    assert streaming.StreamState(2, 16, ratio=4, coff=2).staging() is None
