@@ -16,12 +16,14 @@ class Event:
     def query(self):
         return self.done
 
-    def record(self):
+    def record(self, stream):
+        assert stream == "the device's stream"
         self.records += 1
 
 
 def staging(**kw):
-    return Staging(torch.device("cpu"), pinned=False, event=Event, **kw)
+    return Staging(torch.device("cpu"), pinned=False, event=Event,
+                   stream=lambda: "the device's stream", **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -34,16 +34,18 @@ def device_ints(values, device, dtype=torch.int64, staging=None) -> torch.Tensor
 class Staging:
     """``buffers`` pinned host buffers of ``nbytes`` each, used in turn; each is reused only
     once the event recorded after the copy that read it has completed (never a wait: a
-    buffer still in flight sends the list the unstaged way). ``pinned`` and ``event`` are
-    seams for the CPU tests (a CUDA build pins and records CUDA events)."""
+    buffer still in flight sends the list the unstaged way). ``pinned``, ``event`` and
+    ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
+    the device's current stream, where the copy runs, whichever device is current)."""
 
     def __init__(self, device, *, buffers: int = 4, nbytes: int = 1 << 15, pinned: bool = True,
-                 event=None):
+                 event=None, stream=None):
         self.device, self.nbytes = device, nbytes
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
                      for _ in range(buffers)]
         make = event or (lambda: torch.cuda.Event())
         self.events = [make() for _ in range(buffers)]
+        self.stream = stream or (lambda: torch.cuda.current_stream(device))
         self.next = 0
 
     def upload(self, values, dtype) -> torch.Tensor | None:
@@ -60,6 +62,6 @@ class Staging:
         ctypes.memmove(buf.data_ptr(), arr.buffer_info()[0], n)
         out = torch.empty(len(arr), dtype=dtype, device=self.device)
         out.copy_(buf[:n].view(dtype), non_blocking=True)
-        self.events[k].record()
+        self.events[k].record(self.stream())
         self.next = (k + 1) % len(self.bufs)
         return out
