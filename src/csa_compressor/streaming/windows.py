@@ -51,14 +51,10 @@ class SlotWindows:  # (slots, not frozen: a frozen one took 2 µs to build)
     j0: int
     last: int
     shift: int
-
-    @property
-    def body_rows(self) -> int:
-        return max(self.i1 - self.a, 0)
-
-    @property
-    def bnd_rows(self) -> int:
-        return max(self.last - self.j0 + 1, 0)
+    # rows of the body and the boundary (fields, not properties: prefill reads them some
+    # thirty times a call)
+    body_rows: int
+    bnd_rows: int
 
 
 def plan(counts, lens, ratio: int, coff: int) -> list:
@@ -71,7 +67,7 @@ def plan(counts, lens, ratio: int, coff: int) -> list:
         last = min(a if coff == 2 and c > 0 else a - 1, i1 - 1)
         shift = 1 if coff == 2 and i0 > 0 else 0
         out.append(SlotWindows(c, n, start, i0, i1, a, min(a * ratio - c, n), junk, i0, last,
-                               shift))
+                               shift, max(i1 - a, 0), max(last - i0 + 1, 0)))
         start += n
     return out
 
