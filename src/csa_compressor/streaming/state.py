@@ -161,7 +161,7 @@ class StreamState:
         got = self.host_slots(slots, name)
         if got is None:
             return slots.to(device=self.device, dtype=torch.int64)
-        return device_ints(got, self.device)
+        return device_ints(got, self.device, staging=self.staging())
 
     def state_dict(self) -> dict:
         """Tensors and settings; load_state_dict of a state built alike restores it."""
