@@ -117,3 +117,23 @@ def hf_clean():
     csa_hf.clear_fallback_reasons()
     yield
     csa_hf.uninstall()
+
+
+@pytest.fixture
+def stub_csa(monkeypatch):
+    """A stand-in for Megatron's csa module: just the names the adapter needs."""
+    import types
+
+    from csa_compressor import megatron
+
+    mod = types.ModuleType(megatron.hooks.CSA_MODULE)
+    original = lambda *a, **k: None  # noqa: E731
+
+    class Compressor:
+        def _forward_sbhd(self, x):
+            return "eager"
+
+    mod.maybe_compress_thd_fused, mod.Compressor = original, Compressor
+    monkeypatch.setitem(sys.modules, megatron.hooks.CSA_MODULE, mod)
+    yield mod, original
+    megatron.uninstall()

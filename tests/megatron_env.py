@@ -208,3 +208,32 @@ def bf16_ulps(a, b):
     rms = b.pow(2).mean(-1, keepdim=True).sqrt()
     ref = torch.maximum(b.abs(), rms).clamp_min(torch.finfo(torch.float32).tiny)
     return (a - b).abs() / (ref * 2.0 ** -7)
+
+
+def sbhd_step(comp, x):
+    """One SBHD forward + backward of a Compressor: (output, input gradient, {name:
+    parameter gradient}), the incoming gradient random and the same for every call."""
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = comp(x)
+    out = out[0] if isinstance(out, tuple) else out
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(g)
+    return (out.detach().float(), x.grad.float(),
+            {n: p.grad.float() for n, p in comp.named_parameters()})
+
+
+def grouped_step(comp, x, ids, max_seqlen, skip_row0):
+    """One pre-grouped (context-parallel) forward + backward of Megatron's Compressor. Row 0
+    takes no gradient where it is the previous rank's halo (ids[0] != 0), as downstream."""
+    comp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    cu = torch.tensor([0, x.shape[0]], dtype=torch.int32)
+    out, second = comp._forward_thd(x, cu, max_seqlen_q=max_seqlen, compressed_group_ids=ids)
+    assert second is None
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    if skip_row0:
+        g[0] = 0
+    out.backward(g)
+    return (out.detach().float(), x.grad.float(),
+            {n: p.grad.float() for n, p in comp.named_parameters()})
