@@ -39,7 +39,7 @@ class Tuning:
     FWD_BOUND_SPILLS: tuple = ((9, ((6, 1, 2),)), (10, ((8, 1, 2),)))
     # --- backward (pool_bwd) ---
     BWD_VEC_BYTES: int = 4  # three window-sized register arrays: narrower vectors, more threads
-    BWD_FP32_VEC_BYTES: int = 8  # fp32 fwd+bwd 151.3 -> 139.3 µs (8x4096 d512 r2, no APE)
+    BWD_FP32_VEC_BYTES: int = 8  # a bf16 thread's bytes a slot; kept to 4 where the staging fits no CTA
     BWD_CTA_THREADS: int = 256  # row lanes stacked up to this; their dape sums meet in shared memory
     BWD_TARGET_CTAS_PER_SM: int = 6  # what 80 registers x 128 threads leave resident at d=512
     BWD_STAGES: int = 3  # rows in flight; 3 beat 2, 4, 5 and 6

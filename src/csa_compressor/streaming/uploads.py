@@ -43,8 +43,7 @@ class Staging:
         self.device, self.nbytes = device, nbytes
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
                      for _ in range(buffers)]
-        make = event or (lambda: torch.cuda.Event())
-        self.events = [make() for _ in range(buffers)]
+        self.events = [(event or torch.cuda.Event)() for _ in range(buffers)]
         self.stream = stream or (lambda: torch.cuda.current_stream(device))
         self.next = 0
 
