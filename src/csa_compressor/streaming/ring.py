@@ -56,7 +56,7 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
     out = torch.empty((cap, d), dtype=state.dtype, device=dev)
     positions = torch.empty(cap, dtype=torch.int64, device=dev)
     emitted = torch.empty(B * R, dtype=torch.uint8, device=dev)
-    launch_decode(c, (state.kv.view(-1, W), state.score.view(-1, W)),
+    launch_decode(c, state.flat_rings(),
                   (kv.view(B * n, W), score.view(B * n, W)), ape, idx.contiguous(),
                   (state.count, state.last_n, state.bad.view(torch.uint8)),
                   (out, emitted, positions), n, state.history, state.position_limit)
@@ -73,7 +73,12 @@ def tail_launcher(state, kv, score):
     or no compiled kernel while a CUDA graph captures."""
     if state.device.type != "cuda" or not _kernel_ready(kv, score):
         return None
-    return prefill_tail(state.dtype, state.width, state.ratio, state.device)
+    fn = state.constants.get("prefill_tail")
+    if fn is None:  # the compile cache's lookup cost some 10 µs of host time a call
+        fn = prefill_tail(state.dtype, state.width, state.ratio, state.device)
+        if fn is not None:
+            state.constants["prefill_tail"] = fn
+    return fn
 
 
 def tail_meta(slot_list: list, wins: list, m: list) -> list:
@@ -90,11 +95,11 @@ def tail(fn, state, kv, score, slot_list: list, wins: list, meta: torch.Tensor, 
     """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
     rings, the counts advanced; returns the ``rows`` rows' ``(slots, positions)``.
     ``meta``: tail_meta's values on the device."""
-    dev, W = state.device, state.width
+    dev = state.device
     # never empty: an empty tensor may have no address to hand the kernel; one allocation
     slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev)
-    fn(kv, score, state.kv.view(-1, W), state.score.view(-1, W),
-       meta.view(len(slot_list), 5), state.count, state.last_n, slots, positions, state.history)
+    fn(kv, score, *state.flat_rings(), meta.view(len(slot_list), 5), state.count, state.last_n,
+       slots, positions, state.history)
     if state.host_counts is not None:
         for s, w in zip(slot_list, wins):
             state.host_counts[s] = w.c + w.n

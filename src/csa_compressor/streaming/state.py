@@ -68,6 +68,14 @@ class StreamState:
             got = self.constants["staging"] = Staging(self.device)
         return got
 
+    def flat_rings(self) -> tuple:
+        """``(kv, score)`` rings as ``(slots * history, width)`` views, made once."""
+        got = self.constants.get("flat_rings")
+        if got is None:
+            got = self.constants["flat_rings"] = (self.kv.view(-1, self.width),
+                                                  self.score.view(-1, self.width))
+        return got
+
     @property
     def width(self) -> int:
         return self.coff * self.head_dim
