@@ -162,6 +162,16 @@ def test_streaming_bench_floor_and_table():
     assert "launch floor (one captured elementwise kernel) 2.00 µs" in text
 
 
+def test_streaming_bench_table_has_the_prefill_gpu_time():
+    from csa_compressor.cli import streaming_bench as sb
+
+    text = sb.table([{"case": "prefill x", "training forward": 84.0, "streaming ring": 120.0,
+                      "training forward GPU": 59.0, "streaming ring GPU": 63.5}],
+                    {"copy_bandwidth_gbs": 4000.0, "launch_floor_us": 2.0})
+    assert "| prefill x | 59.0 | 63.5 |  |" in text.splitlines()
+    assert "| prefill x | 84.0 | 120.0 |  |  |  |" in text.splitlines()
+
+
 def test_the_submodule_resolves_from_the_package():
     import csa_compressor
 
