@@ -148,3 +148,30 @@ def test_ring_prefill_uploads_its_ints_once(fused_on_cpu, standin, tail_standin,
     run.prefill([(s, s, n) for s, n in enumerate(run.lens)])
     run.check()
     assert len(uploads) == 1 and sum(k.calls for k in tail_standin) == 1
+
+
+@pytest.mark.parametrize("pooling", ["fused", "ring"])
+def test_prefill_sends_every_host_list_through_the_staging(fused_on_cpu, standin, tail_standin,
+                                                           monkeypatch, pooling):
+    """Every index list a prefill uploads, on either path and with boundary rows (chunks
+    cut mid-window), goes through the state's pinned staging: an unstaged copy allocates
+    pinned memory, which waited for the GPU whenever earlier copies were still queued
+    (bench --streaming's GPU time caught the fused path doing so)."""
+    from csa_compressor.streaming import chunks, state as state_mod, uploads, windows
+
+    marker, seen = object(), []
+    monkeypatch.setattr(state_mod.StreamState, "staging", lambda self: marker)
+    real = uploads.device_ints
+
+    def spy(values, device, dtype=torch.int64, staging=None):
+        seen.append(staging)
+        return real(values, device, dtype)
+
+    for module in (chunks, windows, state_mod):
+        monkeypatch.setattr(module, "device_ints", spy)
+    st = streaming.StreamState(4, 32, ratio=4, coff=2, dtype=torch.float32)
+    run = Stream(st, [35, 9, 700, 19], seed=5, pooling=pooling)
+    run.prefill([(0, 0, 5), (1, 1, 3), (2, 2, 300)])
+    run.prefill([(0, 0, 30), (1, 1, 6), (2, 2, 400), (3, 3, 19)])
+    run.check()
+    assert seen and all(s is marker for s in seen)

@@ -125,7 +125,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     if bnd:
         pk, ps, cu_d, rows_d = _boundary_pack(state, kv, score, bnd, slot_list, wins)
         parts.append(_pool(st, pk, ps, cu_d, rows_d, d, want_pos,
-                           [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd])[0])
+                           [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd],
+                           staging=state.staging())[0])
         bnd_base = cap
     total = sum(m)
     if not bnd and not any(w.junk for w in wins):
@@ -142,16 +143,17 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             counts.append(w.body_rows - w.junk)
             b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = pooled.index_select(0, seg_arange(starts, counts, dev))
+        out = pooled.index_select(0, seg_arange(starts, counts, dev, state.staging()))
     if fn is not None:
         if meta_dev is None:
             meta_dev = device_ints(meta, dev, torch.int32, state.staging())
         return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, meta_dev, total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
-    slots_m = device_ints(slot_list + m, dev)
+    staging = state.staging()
+    slots_m = device_ints(slot_list + m, dev, staging=staging)
     return Rows(out, torch.repeat_interleave(slots_m[:B], slots_m[B:], output_size=total),
-                seg_arange([w.i0 for w in wins], m, dev) * r)
+                seg_arange([w.i0 for w in wins], m, dev, staging) * r)
 
 
 def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=(),
@@ -167,7 +169,7 @@ def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extr
     n = min_rows(cuc[-1], d, want_pos)
     pos = None
     if want_pos:
-        pos = seg_arange(first_blocks, block_counts, dev) * st.ratio
+        pos = seg_arange(first_blocks, block_counts, dev, staging) * st.ratio
         pos = torch.cat([pos, pos.new_zeros(n - pos.shape[0])])
     k = len(cu)
     offs = device_ints(cu + cuc + list(extra), dev, torch.int32, staging)
@@ -189,11 +191,13 @@ def _boundary_pack(state, kv, score, bnd, slot_list, wins):
         chunk[0].append(cu[-1] + k_ring), chunk[1].append(k_chunk), chunk[2].append(w.start)
         cu.append(cu[-1] + t_hi - t_lo)
         rows.append(w.shift + w.bnd_rows)
-    base_k = device_ints(ring[3] + ring[1], dev)
-    ring_src = seg_arange(ring[2], ring[1], dev) % H + torch.repeat_interleave(
+    staging = state.staging()
+    base_k = device_ints(ring[3] + ring[1], dev, staging=staging)
+    ring_src = seg_arange(ring[2], ring[1], dev, staging) % H + torch.repeat_interleave(
         base_k[:len(bnd)], base_k[len(bnd):], output_size=sum(ring[1]))
-    ring_dst = seg_arange(ring[0], ring[1], dev)
-    chunk_src, chunk_dst = seg_arange(chunk[2], chunk[1], dev), seg_arange(chunk[0], chunk[1], dev)
+    ring_dst = seg_arange(ring[0], ring[1], dev, staging)
+    chunk_src = seg_arange(chunk[2], chunk[1], dev, staging)
+    chunk_dst = seg_arange(chunk[0], chunk[1], dev, staging)
     packs = []
     for held, new in ((state.kv, kv), (state.score, score)):
         pack = new.new_empty((cu[-1], W))
@@ -213,13 +217,14 @@ def _store(state, kv, score, slot_list, wins):
         src = seg_list([w.start + w.n - k for w, k in zip(wins, keep)], keep)
         dst = [s * H + t % H for w, k, s in zip(wins, keep, slot_list)
                for t in range(w.c + w.n - k, w.c + w.n)]
-        ix = device_ints(src + dst + slot_list + new, dev)
+        ix = device_ints(src + dst + slot_list + new, dev, staging=state.staging())
         src, dst, idx, counts = ix[:m], ix[m:2 * m], ix[2 * m:2 * m + B], ix[2 * m + B:]
     else:
-        src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev)
-        ix = device_ints(slot_list + new + [s * H for s in slot_list] + keep, dev)
+        staging = state.staging()
+        src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev, staging)
+        ix = device_ints(slot_list + new + [s * H for s in slot_list] + keep, dev, staging=staging)
         idx, counts = ix[:B], ix[B:2 * B]
-        dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev) % H + \
+        dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev, staging) % H + \
             torch.repeat_interleave(ix[2 * B:3 * B], ix[3 * B:], output_size=m)
     if m:
         state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))

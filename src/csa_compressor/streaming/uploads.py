@@ -38,7 +38,7 @@ class Staging:
     ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
     the device's current stream, where the copy runs, whichever device is current)."""
 
-    def __init__(self, device, *, buffers: int = 4, nbytes: int = 1 << 15, pinned: bool = True,
+    def __init__(self, device, *, buffers: int = 8, nbytes: int = 1 << 15, pinned: bool = True,
                  event=None, stream=None):
         self.device, self.nbytes = device, nbytes
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)

@@ -81,19 +81,20 @@ def seg_list(starts, counts) -> list:
     return [i for s, k in zip(starts, counts) for i in range(s, s + k)]
 
 
-def seg_arange(starts, counts, device) -> torch.Tensor:
+def seg_arange(starts, counts, device, staging=None) -> torch.Tensor:
     """``cat([arange(s, s + k) for s, k in zip(starts, counts)])`` from two small host
-    lists, with no sync: built on the host where short, else on the device."""
+    lists, with no sync: built on the host where short, else on the device; the host list
+    through ``staging`` (uploads.Staging) where given."""
     total = sum(counts)
     if not total:
         return torch.empty(0, dtype=torch.int64, device=device)
     if total <= HOST_INDEX_MAX:
-        return device_ints(seg_list(starts, counts), device)
+        return device_ints(seg_list(starts, counts), device, staging=staging)
     offs, first = [], 0
     for s, k in zip(starts, counts):
         offs.append(s - first)
         first += k
-    both = device_ints(list(counts) + offs, device)
+    both = device_ints(list(counts) + offs, device, staging=staging)
     n = len(offs)
     return torch.arange(total, device=device) + torch.repeat_interleave(
         both[n:], both[:n], output_size=total)
