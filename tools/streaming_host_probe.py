@@ -150,7 +150,7 @@ def main():
             phases(name, *fn)
             continue
         print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
-        if name.startswith(("prefill ring", "training forward")) and " r4" in name:
+        if name.startswith(("prefill ring", "training forward")):
             timeline(name, fn)  # now: the cases' closures see the loop's latest tensors
 
 
