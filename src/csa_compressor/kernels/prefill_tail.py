@@ -3,9 +3,13 @@
 slots and positions written. The torch ops it stands in for were some fourteen small
 launches and two host copies a call (streaming/chunks.py).
 
-One CTA a call slot. Per slot the host passes (slot, first chunk row, new tokens, tokens
-seen before, first output row) as int32 (prefill has checked them: slots in range, counts
-within int32, chunks inside the pack).
+A column of CTAs a call slot, each thread COPIES_IN_FLIGHT 16-byte copies with their loads
+issued before their stores: one CTA a slot, one copy at a time, took some 30 µs at ratio
+128 (a ring of 132 tokens a slot: each thread's chain of dependent loads and stores) where
+the pooling before it took 37. Per slot the host passes (slot, first chunk row, new
+tokens, tokens seen before, first output row) as int32 (prefill has checked them: slots
+in range, counts within int32, chunks inside the pack). The CTA at y 0 writes the rows'
+slots and positions and the count.
 """
 
 import cutlass
@@ -15,6 +19,8 @@ from cutlass import Int32, Int64
 from .jit import small_kernel
 
 THREADS = 256
+COPIES_IN_FLIGHT = 4  # a thread's loads issued before its stores
+PER_CTA = THREADS * COPIES_IN_FLIGHT
 META = 5  # slot, chunk start, new tokens, tokens before, first row
 
 
@@ -32,34 +38,45 @@ class PrefillTail:
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mRingKV, tiler), cute.zipped_divide(mRingSc, tiler),
                     mMeta, mCount, mLastN, mSlots, mPos, history).launch(
-            grid=[mMeta.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[mMeta.shape[0], (history * self.chunks + PER_CTA - 1) // PER_CTA, 1],
+            block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gRingKV: cute.Tensor,
                gRingSc: cute.Tensor, mMeta: cute.Tensor, mCount: cute.Tensor,
                mLastN: cute.Tensor, mSlots: cute.Tensor, mPos: cute.Tensor, history: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        b, _, _ = cute.arch.block_idx()
+        b, y, _ = cute.arch.block_idx()
         r = self.ratio
         slot, start, n, c, row0 = (mMeta[b, k] for k in range(META))
         keep = cutlass.min(n, history)
         first = c + n - keep
-        for e in cutlass.range(tid, keep * self.chunks, THREADS, unroll=1):
-            k = e // self.chunks
-            ch = e - k * self.chunks
-            t = first + k
-            dst = slot * history + t % history
-            src = start + (t - c)
-            gRingKV[(None, (dst, ch))].store(gKV[(None, (src, ch))].load())
-            gRingSc[(None, (dst, ch))].store(gSc[(None, (src, ch))].load())
-        i0 = c // r
-        rows = (c + n) // r - i0
-        for j in cutlass.range(tid, rows, THREADS, unroll=1):
-            mSlots[row0 + j] = Int64(slot)
-            mPos[row0 + j] = Int64(i0 + j) * Int64(r)
-        if tid == 0:
-            mCount[slot] = Int64(c + n)
-            mLastN[slot] = Int64(0)
+        total = keep * self.chunks
+        base = y * PER_CTA + tid
+        if base < total:
+            # past the end a thread copies the slot's last vector again: the same bytes to
+            # the same place as its owner, so every load and store can be unconditional
+            kv, sc, at = [], [], []
+            for i in cutlass.range_constexpr(COPIES_IN_FLIGHT):
+                e = cutlass.min(base + i * THREADS, total - 1)
+                k = e // self.chunks
+                ch = e - k * self.chunks
+                t = first + k
+                at.append((slot * history + t % history, ch))
+                kv.append(gKV[(None, (start + (t - c), ch))].load())
+                sc.append(gSc[(None, (start + (t - c), ch))].load())
+            for i in cutlass.range_constexpr(COPIES_IN_FLIGHT):
+                gRingKV[(None, at[i])].store(kv[i])
+                gRingSc[(None, at[i])].store(sc[i])
+        if y == 0:
+            i0 = c // r
+            rows = (c + n) // r - i0
+            for j in cutlass.range(tid, rows, THREADS, unroll=1):
+                mSlots[row0 + j] = Int64(slot)
+                mPos[row0 + j] = Int64(i0 + j) * Int64(r)
+            if tid == 0:
+                mCount[slot] = Int64(c + n)
+                mLastN[slot] = Int64(0)
 
 
 def tail_vector(width: int, elem_bytes: int) -> int:
