@@ -113,6 +113,7 @@ cmd_of() {
         streaming_ring_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k 'gather or poisons or zero_ape' -p no:cacheprovider" ;;
         streaming_bench) echo "python3 -m csa_compressor bench --streaming" ;;
         streaming_host) echo "python3 tools/streaming_host_probe.py && python3 tools/streaming_host_probe.py 64" ;;
+        streaming_sync) echo "python3 tools/streaming_sync_probe.py" ;;
         streaming_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/streaming_host_probe.py" ;;
         streaming_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 examples/streaming_generation.py" ;;
         hf) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 -m pytest -q -m gpu tests/test_transformers_gpu.py -rs" ;;
