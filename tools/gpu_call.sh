@@ -122,9 +122,10 @@ cmd_of() {
         csa2_bench) echo "python3 tools/csa2_bench.py" ;;
         fp32_wide) echo "$(cmd_of fp32_wide_tests) && $(cmd_of fp32_wide_bench)" ;;
         fp32_wide_tests) echo "export CSA_CONFIG=BWD_FP32_VEC_BYTES=8 && python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
-        v41_tests) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
+        v41_tests) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_module_v41_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
         fp32_wide_bench) echo "CSA_CONFIG=BWD_FP32_VEC_BYTES=8 python3 tools/csa2_bench.py && python3 tools/csa2_bench.py" ;;
         csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
+        v41_module) echo "python3 -m pytest -q -m gpu tests/test_module_v41_gpu.py -rs" ;;
         check) echo "python3 -m csa_compressor check" ;;
         pool_epilogue) echo "python3 -m pytest -q -m gpu tests/test_pool_epilogue_gpu.py -rs --durations=10" ;;
         pool_epilogue_probe) echo "python3 tools/pool_epilogue_probe.py" ;;
