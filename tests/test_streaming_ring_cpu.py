@@ -175,3 +175,26 @@ def test_prefill_sends_every_host_list_through_the_staging(fused_on_cpu, standin
     run.prefill([(0, 0, 30), (1, 1, 6), (2, 2, 400), (3, 3, 19)])
     run.check()
     assert seen and all(s is marker for s in seen)
+
+
+@pytest.mark.parametrize("pooling", ["fused", "ring"])
+def test_no_number_is_assigned_through_a_tensor_index(fused_on_cpu, standin, tail_standin,
+                                                      monkeypatch, pooling):
+    """``t[idx] = 0`` with ``idx`` a tensor copies the 0 to the device and synchronises
+    (tools/streaming_sync_probe.py found the fused prefill waiting there on an H200); no
+    prefill path and no reset of given slots does it."""
+    real, hits = torch.Tensor.__setitem__, []
+
+    def spy(self, index, value):
+        if isinstance(index, torch.Tensor) and isinstance(value, (bool, int, float)):
+            hits.append((tuple(self.shape), value))
+        return real(self, index, value)
+
+    st = streaming.StreamState(4, 32, ratio=4, coff=2, dtype=torch.float32)
+    run = Stream(st, [35, 9, 70, 19], seed=5, pooling=pooling)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+    run.prefill([(0, 0, 5), (1, 1, 3), (2, 2, 30)])
+    run.prefill([(0, 0, 30), (1, 1, 6), (2, 2, 40), (3, 3, 19)])
+    st.reset(torch.tensor([1, 3]))
+    st.reset([0])
+    assert hits == []

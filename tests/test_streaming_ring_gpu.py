@@ -130,3 +130,42 @@ def test_ring_prefill_is_the_gather_prefill(ratio, coff, dtype):
             assert torch.equal(a, b)
     for name in ("count", "last_n", "bad", "kv", "score"):
         assert torch.equal(getattr(states["ring"], name), getattr(states["fused"], name)), name
+
+
+@pytest.mark.parametrize("pooling", ["fused", "ring"])
+def test_prefill_into_known_slots_never_waits_for_the_gpu(pooling):
+    """With offsets and slots as host lists and the counts in the host's record, a prefill
+    reads nothing from the device (torch's sync debug mode raises on a synchronising op;
+    the fused path once copied a number to the device for ``last_n[idx] = 0``)."""
+    dev = torch.device("cuda")
+    st = streaming.StreamState(4, 128, ratio=4, coff=2, dtype=torch.bfloat16, device=dev)
+    kv = torch.randn(300, 256, device=dev).bfloat16()
+    ape = torch.randn(4, 256, device=dev)
+    streaming.prefill(st, kv, kv, ape, [0, 100, 300], [0, 2], pooling=pooling)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = streaming.prefill(st, kv, kv, ape, [0, 37, 300], [1, 2], pooling=pooling)
+        st.reset([0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert got.rows.shape[0] == 37 // 4 + (200 + 263) // 4 - 200 // 4
+
+
+def test_reset_of_device_slots_is_captured_and_replayed():
+    """reset(slots) with the slots on the device inside a CUDA graph: replays empty those
+    slots and leave the others."""
+    dev = torch.device("cuda")
+    st = streaming.StreamState(4, 128, ratio=4, coff=2, dtype=torch.bfloat16, device=dev)
+    kv = torch.randn(40, 256, device=dev).bfloat16()
+    ape = torch.randn(4, 256, device=dev)
+    which = torch.tensor([1, 3], device=dev)
+    st.reset(which)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        st.reset(which)
+    streaming.prefill(st, kv, kv, ape, [0, 10, 20, 30, 40], [0, 1, 2, 3])
+    g.replay()
+    torch.cuda.synchronize()
+    assert st.count[:4].tolist() == [10, 0, 10, 0]

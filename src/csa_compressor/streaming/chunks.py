@@ -230,7 +230,7 @@ def _store(state, kv, score, slot_list, wins):
         state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
         state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))
     state.count[idx] = counts
-    state.last_n[idx] = 0
+    state.last_n.index_fill_(0, idx, 0)  # t[idx] = 0 would copy the 0 to the device, a sync
     if state.host_counts is not None:
         for sl, c in zip(slot_list, new):
             state.host_counts[sl] = c

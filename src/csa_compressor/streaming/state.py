@@ -90,11 +90,16 @@ class StreamState:
         return 2**31 - 1 if self.max_seqlen is None else self.max_seqlen
 
     def reset(self, slots=None) -> None:
-        """Empty ``slots`` (all where None) for new sequences; in place, capture-safe."""
-        idx = slice(None) if slots is None else self.slot_index(slots, "slots")
-        for t in (self.count, self.last_n):
-            t[idx] = 0
-        self.bad[idx] = False
+        """Empty ``slots`` (all where None) for new sequences; in place, capture-safe with
+        ``slots`` None or on the device."""
+        if slots is None:
+            for t in (self.count, self.last_n, self.bad):
+                t.zero_()
+        else:
+            # index_fill_, not t[idx] = 0: that copies the number to the device, a sync
+            idx = self.slot_index(slots, "slots")
+            for t in (self.count, self.last_n, self.bad):
+                t.index_fill_(0, idx, 0)
         self.follow(which(slots), lambda c: 0, self.capturing())
 
     def reorder(self, index) -> None:
