@@ -1,6 +1,6 @@
 """Developer probe (runs on a CPU machine): compile one kernel and count its SASS
 instructions, whole kernel and by opcode, optionally with kernel-shaping constants
-overridden. The counts in docs/lab/tuning-log.md and docs/lab/ceilings.md come from here.
+overridden. The counts in docs/lab/tuning-*.md and docs/lab/ceilings.md come from here.
 
     CUTE_DSL_ARCH=sm_90a python tools/sass_probe.py fwd bfloat16 4 2 512 [K=V ...] [--dump DIR]
 

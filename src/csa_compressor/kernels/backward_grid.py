@@ -81,7 +81,7 @@ class BackwardGrid:
         own_col = chunk + (cpr if cutlass.const_expr(self.coff == 2) else 0)
         s = self.search(pk.cu, cutlass.min(t0, pk.num_tokens), pk.num_seqs)
         start, end, nb, rowb = self.segment_span(pk, s)
-        # The walk starts at the segment's first unread block (tuning log, "Zero-fill walks
+        # The walk starts at the segment's first unread block (lab tuning-long.md, "Zero-fill walks
         # from the first unread block"); a thread whose tokens are all read (almost every
         # zero CTA in a pack of full sequences) walks none.
         j0 = self.first_unread(t0, self.t.ZERO_TOKENS_PER_THREAD, start, end, nb, rowb,

@@ -70,7 +70,7 @@ class LongWindow:
         # banks) and, with ``pad``, slot and group strides padded so the slot groups that
         # share a warp land in other banks (bank_stride). The forward takes neither where
         # two slot groups share a warp (coff 2: 16 lanes): there both took it from 80
-        # registers to 86, 2 CTAs an SM instead of 3 (tuning log, "Adopted at v22").
+        # registers to 86, 2 CTAs an SM instead of 3 (lab tuning-long.md, "Adopted at v22").
         self.split = pad or self.lanes >= 32
         self.slot_stride = self.group_stride = self.cols
         if pad:
@@ -161,11 +161,12 @@ class LongPoolForward(LongWindow, WindowSlots):
         self.rnd = rounder(dtype, numerics)
         most = self.t.LONG_SLOTS_PER_THREAD
         if coff * ratio < self.t.LONG_WIDE_MIN_SLOTS:
-            most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # tuning log, "LONG_WIDE_MIN_SLOTS"
+            most = self.t.LONG_NARROW_SLOTS_PER_THREAD  # lab tuning-long.md, "LONG_WIDE_MIN_SLOTS"
         self._setup(dtype, ratio, coff, head_dim, self.t.LONG_CTA_THREADS, self.t.LONG_VEC_BYTES,
                     most, pad=False, row_stride=row_stride, batch=batch)
-        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (self.t.LONG_*). Its values
-        # in shared memory took it to 64 and ran slower (tuning log, "LONG_FWD_SHARED_VALUES").
+        # Unbounded: 80 registers at d=512 bf16, 3 CTAs an SM (self.t.LONG_*). Its values in
+        # shared memory took it to 64 and ran slower (lab tuning-long.md,
+        # "LONG_FWD_SHARED_VALUES").
         self.hold_to(0)
 
     def rows_per_thread(self, num_rows: int, sms: int, ctas_per_sm: int | None = None,
@@ -186,8 +187,9 @@ class LongPoolForward(LongWindow, WindowSlots):
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
-        # A programmatic dependent as pool_fwd (tuning log, "The long kernels as programmatic
-        # dependents"): nothing is read or written before the previous kernel completed.
+        # A programmatic dependent as pool_fwd (lab tuning-long.md, "The long forward and
+        # backward as programmatic dependents"): nothing is read or written before the
+        # previous kernel completed.
         cute.arch.griddepcontrol_wait()
         self.pool_row(gKV, gSc, gApe, mCu, mCuc, mOut, num_tokens)
 
@@ -286,7 +288,7 @@ class LongPoolBackward(LongWindow, BackwardGrid, WindowSlots):
     @cute.jit
     def gradients_shared_values(self, tt: Tiles, sg: "SlotGroup", gDKV, gDSc, sf, gv, dacc, t0,
                                 has_prev):
-        """A row's gradients with its window's values in shared memory (tuning log, "The
+        """A row's gradients with its window's values in shared memory (lab tuning-long.md, "The
         long backward's values in shared memory"): each slot's values read at its
         products, p*dp kept only in ``buf`` (where the serial sum reads it), dscore and dkv
         computed and stored a slot at a time. gradients_register_values' operations in its

@@ -5,7 +5,8 @@ Every kernel is built from a ``Tuning`` and the compile cache keys on it, so a v
 process) compiles its own kernels and can never reuse a stale one. The few values that
 only steer launches (LAUNCH_ONLY) are read at launch from the current tuning and left out
 of the key, so changing them recompiles nothing. Each value carries one line of why; the
-measurements behind it are in docs/lab/tuning-log.md under its name.
+measurements behind it are in docs/lab/tuning-log.md (the forward and shared values),
+tuning-backward.md or tuning-long.md under its name.
 """
 
 from __future__ import annotations
