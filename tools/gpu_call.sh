@@ -105,7 +105,7 @@ cmd_of() {
         tests_fused) echo "python3 -m pytest -q -m gpu tests/test_fused_gpu.py -rs --durations=10" ;;
         tests_torch) echo "python3 -m pytest -q -m gpu tests/test_torch_region_gpu.py -rs --durations=10" ;;
         tests_rest) echo "python3 -m pytest -q -m gpu tests --ignore=tests/test_bounds_gpu.py --ignore=tests/test_fused_gpu.py --ignore=tests/test_torch_region_gpu.py --ignore=tests/test_fuzz_gpu.py --ignore=tests/test_streaming_gpu.py --ignore=tests/test_streaming_ring_gpu.py --ignore=tests/test_transformers_gpu.py --ignore=tests/test_megatron_csa2_gpu.py -rs --durations=10" ;;
-        tests_rest_a) echo "python3 -m pytest -q -m gpu tests/test_megatron_gpu.py tests/test_epilogue_gpu.py tests/test_pool_epilogue_gpu.py tests/test_integration_gpu.py tests/test_eager_numerics_gpu.py tests/test_grouped_gpu.py tests/test_disk_cache_gpu.py tests/test_uploads_gpu.py -rs --durations=10" ;;
+        tests_rest_a) echo "python3 -m pytest -q -m gpu tests/test_megatron_gpu.py tests/test_megatron_numerics_gpu.py tests/test_megatron_epilogue_gpu.py tests/test_epilogue_gpu.py tests/test_pool_epilogue_gpu.py tests/test_integration_gpu.py tests/test_eager_numerics_gpu.py tests/test_grouped_gpu.py tests/test_disk_cache_gpu.py tests/test_uploads_gpu.py -rs --durations=10" ;;
         tests_rest_b) echo "python3 -m pytest -q -m gpu tests/test_rope_angles_gpu.py tests/test_column_sum_gpu.py tests/test_malformed_gpu.py tests/test_dape_reduce_gpu.py tests/test_offsets_gpu.py tests/test_sbhd_gpu.py tests/test_no_ape_gpu.py tests/test_packed_gpu.py tests/test_fp32_dscore_gpu.py tests/test_readme_cpu.py tests/test_ddp_cpu.py -rs --durations=10" ;;
         unpack) echo "mkdir -p \${MEGATRON_LM_PATH:?} /tmp/hf; for t in .megatron/megatron-lm-dev-*.tar.xz .megatron/megatron-csa2-*.tar.xz; do tar -C \$MEGATRON_LM_PATH -xJf \$t || exit 1; done; for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
         streaming) echo "python3 -m pytest -q -m gpu tests/test_uploads_gpu.py tests/test_streaming_gpu.py tests/test_streaming_ring_gpu.py -rs --durations=10 && python3 examples/streaming_generation.py" ;;
@@ -140,8 +140,8 @@ cmd_of() {
         megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
         megatron_bench_ddp) echo "python3 tools/megatron_bench.py --ddp --kernels" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
-        eager) echo "python3 -m pytest -q -s -m gpu tests/test_eager_numerics_gpu.py tests/test_megatron_gpu.py -k eager -p no:cacheprovider" ;;
-        megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
+        eager) echo "python3 -m pytest -q -s -m gpu tests/test_eager_numerics_gpu.py tests/test_megatron_numerics_gpu.py -k eager -p no:cacheprovider" ;;
+        megatron_epilogue) echo "python3 -m pytest -q -s -m gpu tests/test_megatron_epilogue_gpu.py -k fused_epilogue -p no:cacheprovider" ;;
         module_bench*) echo "python3 -m csa_compressor bench --module" ;;
         base_module_bench*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --module" ;;
         module_profile) echo "python3 tools/module_profile.py" ;;
