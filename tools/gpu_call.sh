@@ -20,8 +20,12 @@
 #   unpack               the carried tarballs: .megatron/megatron-lm-dev-*.tar.xz then the csa2
 #                        overlay into $MEGATRON_LM_PATH (set it, e.g. /tmp/megatron-lm, for
 #                        the whole call), .megatron/transformers-*.tar.xz into /tmp/hf
-#   streaming            tests/test_streaming_gpu.py and examples/streaming_generation.py
+#   streaming            tests/test_uploads_gpu.py, test_streaming_gpu.py,
+#                        test_streaming_ring_gpu.py and examples/streaming_generation.py
 #   streaming_bench      python -m csa_compressor bench --streaming
+#   streaming_host       tools/streaming_host_probe.py (host time by piece, timelines);
+#                        streaming_host_base the same over $BASE_SRC's package
+#   streaming_sync       tools/streaming_sync_probe.py: which host op of a prefill waits
 #   streaming_sanitize   compute-sanitizer memcheck over examples/streaming_generation.py
 #   hf                   tests/test_transformers_gpu.py with transformers 5.23 (/tmp/hf) first
 #   hf_bench             tools/hf_bench.py (the adapter installed against not, training and generate)
@@ -30,7 +34,8 @@
 #   fp32_wide            the fp32 GPU suites and csa2_bench with BWD_FP32_VEC_BYTES=8 (the 8-byte
 #                        fp32 backward: its bits, then its time; needs MEGATRON_LM_PATH)
 #   csa2                 tests/test_megatron_csa2_gpu.py (needs MEGATRON_LM_PATH with the overlay)
-#   v41_tests            that, the no-APE and fp32-dscore GPU tests and test_fused_gpu -k float32
+#   v41_tests            that, tests/test_module_v41_gpu.py, the no-APE and fp32-dscore GPU
+#                        tests and test_fused_gpu -k float32; v41_module the module's alone
 #   check                python -m csa_compressor check (the numerics gate)
 #   pool_epilogue        tests/test_pool_epilogue_gpu.py (the pooling kernels with the epilogue)
 #   pool_epilogue_probe  tools/pool_epilogue_probe.py: each direction inside vs by parts
