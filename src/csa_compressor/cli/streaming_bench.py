@@ -95,15 +95,20 @@ def _prefill_row(ratio, coff, d, dtype, dev, progress, cycles):
     }
     for name, call in ways.items():
         progress(f"{row['case']} {name} ...")
-        try:
-            # the slots emptied before each call, outside its events: prefill into empty slots
-            setup = None if name == "training forward" else st.reset
-            row[name] = wall_clock(call, setup=setup)
-            if name != "streaming torch":
-                row[f"{name} GPU"] = gpu_clock(call, setup, cycles)
-        except Exception as exc:  # report, never hide
-            row[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        # the slots emptied before each call, outside its events: prefill into empty slots
+        setup = None if name == "training forward" else st.reset
+        row[name] = _measured(lambda: wall_clock(call, setup=setup))
+        if name != "streaming torch":
+            row[f"{name} GPU"] = _measured(lambda: gpu_clock(call, setup, cycles))
     return row
+
+
+def _measured(measure):
+    """``measure()``, or the reason it failed as the cell's text (report, never hide)."""
+    try:
+        return measure()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
 
 
 def decode_floor_bytes(ratio, coff, d, elem, slots=DECODE_SLOTS) -> int:
@@ -170,7 +175,8 @@ def table(rows, extra) -> str:
         for r in rows:
             if any(n in r for n in gpu):
                 lines.append(f"| {r['case']} | " + " | ".join(
-                    f"{r[n]:.1f}" if isinstance(r.get(n), float) else "" for n in gpu) + " |")
+                    f"{r[n]:.1f}" if isinstance(r.get(n), float) else str(r.get(n, ""))
+                    for n in gpu) + " |")
     lines.append("")
     lines.append(f"Prefill: CUDA events around each call (host time included); GPU time: the "
                  f"call enqueued behind a spin that outlasts its host time. Decode: µs per step, {CALLS_PER_GRAPH} "
