@@ -1,11 +1,11 @@
 """`csa-compressor bench --streaming`: prefill and decode of csa_compressor.streaming.
 
 Prefill: 8 prompts of 4096 tokens into empty slots, emptied before each call outside its
-timing, as wall time (host included) and as GPU time (host hidden behind a queued spin) (pooling "ring", with the tail kernel, and "fused", with torch ops), against the
+timing (pooling "ring", with the tail kernel, and "fused", with torch ops), against the
 training forward over the same tokens (compress_thd_fused) and the streaming plain-torch
-path; CUDA events around each call
-(prefill reads its offsets on the host, so it is timed outside graphs, and so is the
-training forward it is compared with). Decode: one step of 256 slots in a CUDA graph of
+path: wall time, CUDA events around each call (prefill reads its offsets on the host, so
+it is timed outside graphs, and so is the training forward it is compared with), and GPU
+time, each call enqueued behind a spin that hides its host time. Decode: one step of 256 slots in a CUDA graph of
 20 steps, with and without the epilogue: the one-launch kernel (pooling "ring"; at ratio
 128 it takes the gather path), the gather path ("fused") and the plain-torch path,
 captured alike; the floor is the bytes a step must move (read the new tokens, write them
@@ -14,6 +14,8 @@ bandwidth, and the launch floor one captured elementwise kernel's time.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -48,8 +50,6 @@ def gpu_clock(call, setup, cycles: int, reps: int = 30) -> float:
     """µs of GPU time per call, host time hidden: the call is enqueued behind a spin of
     ``cycles``, events after the spin and after the call; a call whose host time outlasts
     the spin raises (the figure would hold host time)."""
-    import time
-
     times = []
     for _ in range(reps + 3):
         if setup is not None:
@@ -179,8 +179,8 @@ def table(rows, extra) -> str:
                     for n in gpu) + " |")
     lines.append("")
     lines.append(f"Prefill: CUDA events around each call (host time included); GPU time: the "
-                 f"call enqueued behind a spin that outlasts its host time. Decode: µs per step, {CALLS_PER_GRAPH} "
-                 f"steps per CUDA graph. Copy bandwidth {extra['copy_bandwidth_gbs']:.0f} GB/s; "
+                 f"call enqueued behind a spin that outlasts its host time. Decode: µs per "
+                 f"step, {CALLS_PER_GRAPH} steps per CUDA graph. Copy bandwidth {extra['copy_bandwidth_gbs']:.0f} GB/s; "
                  f"launch floor (one captured elementwise kernel) {extra['launch_floor_us']:.2f} µs.")
     return "\n".join(lines)
 

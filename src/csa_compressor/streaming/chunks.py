@@ -101,6 +101,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
                   epilogue_inside)
     r, d = state.ratio, state.head_dim
+    staging = state.staging()
     wins = plan(counts, lens, r, state.coff)
     m = [w.i1 - w.i0 for w in wins]
     fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
@@ -118,7 +119,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             rows_b += [0, w.body_rows, 0]
         pooled, meta_dev = _pool(st, kv, score, cu_b, rows_b, d, want_pos,
                                  [w.a for w in wins], [w.body_rows for w in wins], meta,
-                                 state.staging())
+                                 staging)
         parts.append(pooled)
         cap = parts[-1].shape[0]
     bnd = [w for w in wins if w.bnd_rows]
@@ -126,7 +127,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         pk, ps, cu_d, rows_d = _boundary_pack(state, kv, score, bnd, slot_list, wins)
         parts.append(_pool(st, pk, ps, cu_d, rows_d, d, want_pos,
                            [w.j0 - w.shift for w in bnd], [w.shift + w.bnd_rows for w in bnd],
-                           staging=state.staging())[0])
+                           staging=staging)[0])
         bnd_base = cap
     total = sum(m)
     if not bnd and not any(w.junk for w in wins):
@@ -143,14 +144,13 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             counts.append(w.body_rows - w.junk)
             b_row += w.body_rows
         pooled = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = pooled.index_select(0, seg_arange(starts, counts, dev, state.staging()))
+        out = pooled.index_select(0, seg_arange(starts, counts, dev, staging))
     if fn is not None:
         if meta_dev is None:
-            meta_dev = device_ints(meta, dev, torch.int32, state.staging())
+            meta_dev = device_ints(meta, dev, torch.int32, staging)
         return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, meta_dev, total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
-    staging = state.staging()
     slots_m = device_ints(slot_list + m, dev, staging=staging)
     return Rows(out, torch.repeat_interleave(slots_m[:B], slots_m[B:], output_size=total),
                 seg_arange([w.i0 for w in wins], m, dev, staging) * r)
@@ -199,9 +199,9 @@ def _boundary_pack(state, kv, score, bnd, slot_list, wins):
     chunk_src = seg_arange(chunk[2], chunk[1], dev, staging)
     chunk_dst = seg_arange(chunk[0], chunk[1], dev, staging)
     packs = []
-    for held, new in ((state.kv, kv), (state.score, score)):
+    for held, new in zip(state.flat_rings(), (kv, score)):
         pack = new.new_empty((cu[-1], W))
-        pack.index_copy_(0, ring_dst, held.view(-1, W).index_select(0, ring_src))
+        pack.index_copy_(0, ring_dst, held.index_select(0, ring_src))
         pack.index_copy_(0, chunk_dst, new.index_select(0, chunk_src))
         packs.append(pack)
     return packs[0], packs[1], cu, rows
@@ -209,7 +209,7 @@ def _boundary_pack(state, kv, score, bnd, slot_list, wins):
 
 def _store(state, kv, score, slot_list, wins):
     """The chunks' last ``history`` tokens into the slots' rings; the counts advanced."""
-    H, W, dev = state.history, state.width, state.device
+    H, dev, staging = state.history, state.device, state.staging()
     keep = [min(w.n, H) for w in wins]
     new = [w.c + w.n for w in wins]
     m, B = sum(keep), len(slot_list)
@@ -217,20 +217,17 @@ def _store(state, kv, score, slot_list, wins):
         src = seg_list([w.start + w.n - k for w, k in zip(wins, keep)], keep)
         dst = [s * H + t % H for w, k, s in zip(wins, keep, slot_list)
                for t in range(w.c + w.n - k, w.c + w.n)]
-        ix = device_ints(src + dst + slot_list + new, dev, staging=state.staging())
+        ix = device_ints(src + dst + slot_list + new, dev, staging=staging)
         src, dst, idx, counts = ix[:m], ix[m:2 * m], ix[2 * m:2 * m + B], ix[2 * m + B:]
     else:
-        staging = state.staging()
         src = seg_arange([w.start + w.n - k for w, k in zip(wins, keep)], keep, dev, staging)
         ix = device_ints(slot_list + new + [s * H for s in slot_list] + keep, dev, staging=staging)
         idx, counts = ix[:B], ix[B:2 * B]
         dst = seg_arange([w.c + w.n - k for w, k in zip(wins, keep)], keep, dev, staging) % H + \
             torch.repeat_interleave(ix[2 * B:3 * B], ix[3 * B:], output_size=m)
     if m:
-        state.kv.view(-1, W).index_copy_(0, dst, kv.index_select(0, src))
-        state.score.view(-1, W).index_copy_(0, dst, score.index_select(0, src))
+        for held, new_rows in zip(state.flat_rings(), (kv, score)):
+            held.index_copy_(0, dst, new_rows.index_select(0, src))
     state.count[idx] = counts
     state.last_n.index_fill_(0, idx, 0)  # t[idx] = 0 would copy the 0 to the device, a sync
-    if state.host_counts is not None:
-        for sl, c in zip(slot_list, new):
-            state.host_counts[sl] = c
+    state.set_host_counts(slot_list, new)

@@ -100,7 +100,5 @@ def tail(fn, state, kv, score, slot_list: list, wins: list, meta: torch.Tensor, 
     slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev)
     fn(kv, score, *state.flat_rings(), meta.view(len(slot_list), 5), state.count, state.last_n,
        slots, positions, state.history)
-    if state.host_counts is not None:
-        for s, w in zip(slot_list, wins):
-            state.host_counts[s] = w.c + w.n
+    state.set_host_counts(slot_list, [w.c + w.n for w in wins])
     return slots[:rows], positions[:rows]

@@ -71,8 +71,9 @@ def _fused_problem(state, kv, score, ape):
     ok, empty_ape = memo
     if not ok or kv.shape[0] * state.width > INT32_MAX:
         return None
-    return Problem(kv, score, empty_ape if ape is None else ape, _probe(state), _probe(state), 0,
-                   state.ratio, state.coff, state.head_dim)
+    cu = _probe(state)
+    return Problem(kv, score, empty_ape if ape is None else ape, cu, cu, 0, state.ratio,
+                   state.coff, state.head_dim)
 
 
 def _validated(state, kv, score, ape):

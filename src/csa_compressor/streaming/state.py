@@ -131,6 +131,13 @@ class StreamState:
         for s in (range(self.num_slots) if slots is None else slots):
             self.host_counts[s] = change(self.host_counts[s])
 
+    def set_host_counts(self, slots: list, counts: list) -> None:
+        """The host's record of ``slots``' counts, where it keeps one, after a prefill set
+        them on the device."""
+        if self.host_counts is not None:
+            for s, c in zip(slots, counts):
+                self.host_counts[s] = c
+
     def counts_of(self, slots: list) -> list:
         """The counts of ``slots``: the host's, else read from the device (one sync),
         which the host then keeps unless a capture happened."""

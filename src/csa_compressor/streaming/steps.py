@@ -121,13 +121,14 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     # the new tokens into the rings, then each slot's segment gathered from its ring
     base = idx[:, None] * H
     dst = (base + (count[:, None] + c["k"]) % H).view(-1)
-    state.kv.view(-1, W).index_copy_(0, dst, kv.reshape(-1, W))
-    state.score.view(-1, W).index_copy_(0, dst, score.reshape(-1, W))
+    ring_kv, ring_sc = state.flat_rings()
+    ring_kv.index_copy_(0, dst, kv.reshape(-1, W))
+    ring_sc.index_copy_(0, dst, score.reshape(-1, W))
     i0, m, shift, R, L, Rs = decode_geometry(count, n, r, coff)
     first = i0 - shift  # the segment's first block
     src = (base + (first[:, None] * r + c["L"]) % H).view(-1)
-    pk = state.kv.view(-1, W).index_select(0, src)
-    ps = state.score.view(-1, W).index_select(0, src)
+    pk = ring_kv.index_select(0, src)
+    ps = ring_sc.index_select(0, src)
     pos = None
     if epilogue is not None:
         pos = (first[:, None] + c["j"]) * r
