@@ -1,0 +1,102 @@
+"""Developer probe: where the host time of the op layer's calls goes, by Python function
+(cProfile over back-to-back calls, one sync at the end), beside each call's host µs
+without the profiler. The calls: the packed op's forward + autograd.grad and its no-grad
+forward (1x8192 tokens, d128, ratio 4, the launch probe's case), the kernel API's
+pool_forward / pool_backward into caller buffers, the training forward and streaming's
+fused prefill of 8 prompts of 4096 tokens at d512 ratio 4 (bench --streaming's case).
+
+    python tools/op_host_profile.py [calls] [rows shown]
+"""
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=True)
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+
+def host_us(fn, calls):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def cases():
+    from csa_compressor import compress_thd_fused, compress_thd_fused_packed, streaming
+    from csa_compressor.kernel_api import pool_backward, pool_forward
+    from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    d, ratio, coff, T = 128, 4, 2, 8192
+    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    cuc = compressed_cu_seqlens(cu, ratio)
+    n = compressed_capacity(T, 1, T, ratio)
+    kvs = torch.randn(T, 2 * coff * d, device=dev, generator=g).bfloat16()
+    ape = torch.randn(ratio, coff * d, device=dev, generator=g)
+    g_rows = torch.randn(n, d, device=dev, generator=g).bfloat16()
+    small = torch.randn(64, device=dev, requires_grad=True)
+    g_small = torch.randn(64, device=dev)
+
+    def op_step():
+        k = kvs.detach().requires_grad_(True)
+        out = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
+        torch.autograd.grad(out, k, g_rows)
+
+    kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
+    bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
+    out = torch.empty(n, d, device=dev, dtype=torch.bfloat16)
+    yield "autograd.grad of a torch mul", lambda: torch.autograd.grad(small * 2, small, g_small)
+    yield "packed op fwd + autograd.grad", op_step
+    yield "packed op, no grad", lambda: compress_thd_fused_packed(kvs, ape, cu, cuc, n, ratio=ratio,
+                                                                   coff=coff)
+    yield "kernel API pool_forward", lambda: pool_forward(kv, score, ape, cu, cuc, out,
+                                                          ratio=ratio, coff=coff)
+    yield "kernel API pool_backward", lambda: pool_backward(kv, score, ape, cu, cuc, g_rows, *bufs,
+                                                            ratio=ratio, coff=coff)
+    D, B, S = 512, 8, 4096
+    pk = torch.randn(B * S, 2 * D, device=dev, generator=g).bfloat16()
+    ps = torch.randn(B * S, 2 * D, device=dev, generator=g).bfloat16()
+    pape = torch.randn(ratio, 2 * D, device=dev, generator=g)
+    pcu = torch.arange(B + 1, dtype=torch.int32, device=dev) * S
+    pcuc = pcu // ratio
+    st = streaming.StreamState(B, D, ratio=ratio, coff=coff, device=dev)
+    cu_host, slots = pcu.tolist(), list(range(B))
+    yield "training forward 8x4096 d512 r4", lambda: compress_thd_fused(
+        pk, ps, pape, pcu, pcuc, B * (S // ratio), ratio=ratio, coff=coff)
+    yield "prefill fused 8x4096 d512 r4 (after reset)", lambda: (st.reset(), streaming.prefill(
+        st, pk, ps, pape, cu_host, slots, pooling="fused"))
+
+
+def main(calls=200, shown=30):
+    for name, fn in cases():
+        us = host_us(fn, calls)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"\n===== {name}: {us:.1f} µs a call (no profiler) =====")
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(shown)
+        st.sort_stats("cumulative").print_stats(shown)
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:3]))
