@@ -54,7 +54,8 @@
 #   launch_host          tools/launch_host_probe.py: host µs a call of the step's pieces
 #                        (torch launches, the small kernels, dispatch, the ops, the module)
 #                        launch_host_base: the same of $BASE_SRC's tree
-#   op_host              tools/op_host_profile.py: cProfile of the op, the kernel API and prefill
+#   op_host              tools/op_host_profile.py: cProfile of the op, the kernel API and prefill;
+#                        op_host_base the same of $BASE_SRC's tree
 #   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum (the
 #                        norm weight's gradient) against softmax_order's model of its order
 #   colsum_time          the same probe's timing mode: the column sum's µs a call in graphs
@@ -155,6 +156,7 @@ cmd_of() {
         module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;
         launch_host) echo "python3 tools/launch_host_probe.py" ;;
         op_host) echo "python3 tools/op_host_profile.py" ;;
+        op_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/op_host_profile.py" ;;
         launch_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/launch_host_probe.py" ;;
         colsum_order) echo "python3 tools/torch_colsum_order_probe.py" ;;
         colsum_time) echo "python3 tools/torch_colsum_order_probe.py time" ;;

@@ -1,15 +1,14 @@
-"""The pooling as a torch-facing op, defined once for eager calls and torch.compile.
+"""The pooling as a torch-facing op, for eager calls and torch.compile.
 
-Each direction is a ``torch.library`` custom op (opaque to the compiler, a fake for its
-shapes) whose body validates and launches the kernels. ``_fwd`` / ``_bwd`` are the eager
-bypass: outside torch.compile they run the body's launch on the problem the caller already
-validated (a custom-op dispatch costs tens of microseconds of host time), under
-torch.compile they call the op. One ``autograd.Function`` calls them in both modes, so
-eager and compiled runs share the autograd path and the launches, and give bitwise
-identical results; inputs are validated once per call either way (by the caller in eager
-mode, by the op's body when compiled). The same ops take SBHD inputs ``(S, B, ...)`` where
-the offsets are None: one segment of S tokens a sequence, the sequences one grid index of
-the kernels (validation.validate_sbhd).
+Under torch.compile each direction is a ``torch.library`` custom op (opaque to the
+compiler, a fake for its shapes) whose body validates and launches the kernels
+(_PoolFn, _PackedFn). Eager calls bypass the custom-op dispatch (tens of microseconds of
+host time): _EagerFn launches on the problem the caller already validated, and its
+backward on that same problem, rebuilt from the saved tensors, so the forward's offsets
+guard (Problem.read_ape) serves both directions. Both paths launch the same kernels and
+give bitwise identical results. The same ops take SBHD inputs ``(S, B, ...)`` where the
+offsets are None: one segment of S tokens a sequence, the sequences one grid index of the
+kernels (validation.validate_sbhd).
 """
 
 from __future__ import annotations
@@ -93,38 +92,19 @@ def _(grad, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, numerics):
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
-def _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
-    if torch.compiler.is_compiling():
-        return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics)
-    if cu is None:
-        return forward(problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics))
-    return forward(Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim,
-                            numerics=numerics))
-
-
-def _bwd(grad, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
-    if torch.compiler.is_compiling():
-        return pool_bwd_op(grad, kv, score, ape, cu, cuc, ratio, coff, numerics)
-    if cu is None:
-        return _backward(grad, problem(kv, score, ape, cu, cuc, total_comp, ratio, coff,
-                                        numerics))
-    return _backward(grad, Problem(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim,
-                                   numerics=numerics))
-
-
 class _PoolFn(torch.autograd.Function):
-    """The op's one autograd path (eager and compiled)."""
+    """The op's autograd path under torch.compile: each direction one custom op."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics):
+    def forward(ctx, kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics):
         ctx.save_for_backward(kv, score, ape, cu, cuc)
-        ctx.meta = (total_comp, ratio, coff, head_dim, numerics)
-        return _fwd(kv, score, ape, cu, cuc, total_comp, ratio, coff, head_dim, numerics)
+        ctx.meta = (ratio, coff, numerics)
+        return pool_fwd_op(kv, score, ape, cu, cuc, total_comp, ratio, coff, numerics)
 
     @staticmethod
     def backward(ctx, grad):
-        dkv, dscore, dape = _bwd(grad, *ctx.saved_tensors, *ctx.meta)
-        return dkv, dscore, dape, None, None, None, None, None, None, None
+        dkv, dscore, dape = pool_bwd_op(grad, *ctx.saved_tensors, *ctx.meta)
+        return dkv, dscore, dape, None, None, None, None, None, None
 
 
 # The packed layout: kv and score as the column halves of one tensor kvs (T, 2*coff*d), as
@@ -132,13 +112,6 @@ class _PoolFn(torch.autograd.Function):
 # backward writes both gradients into one (T, 2*coff*d) tensor of the same layout, so the
 # GEMM's backward takes it as it is (no copies, no add). SBHD where the offsets are None:
 # kvs (S, B, 2*coff*d).
-
-def _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
-    """The Problem of arguments already validated by validate_packed (kvs 2-D)."""
-    w = kvs.shape[1] // 2
-    return Problem(*halves(kvs, score_first), ape, cu, cuc, total_comp, ratio, coff, w // coff,
-                   kvs.shape[1], kvs, score_first=score_first, numerics=numerics)
-
 
 def _backward_packed(grad, p: Problem):
     dkvs = torch.empty_like(p.kvs)
@@ -184,40 +157,45 @@ def _(grad, kvs, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, score_first, num
     return torch.empty_like(kvs), torch.empty_like(ape)
 
 
-def _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
-    if cu is None:
-        return packed_problem(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
-    return _packed_view(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
-
-
-def _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
-    if torch.compiler.is_compiling():
-        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first,
-                                  numerics)
-    return forward(_packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first,
-                                  numerics))
-
-
-def _bwd_packed(grad, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
-    if torch.compiler.is_compiling():
-        return pool_bwd_packed_op(grad, kvs, ape, cu, cuc, ratio, coff, score_first, numerics)
-    return _backward_packed(grad, _packed_eager(kvs, ape, cu, cuc, total_comp, ratio, coff,
-                                                score_first, numerics))
-
-
 class _PackedFn(torch.autograd.Function):
-    """The packed op's one autograd path (eager and compiled)."""
+    """The packed op's autograd path under torch.compile: each direction one custom op."""
 
     @staticmethod
     def forward(ctx, kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics):
         ctx.save_for_backward(kvs, ape, cu, cuc)
-        ctx.meta = (total_comp, ratio, coff, score_first, numerics)
-        return _fwd_packed(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first, numerics)
+        ctx.meta = (ratio, coff, score_first, numerics)
+        return pool_fwd_packed_op(kvs, ape, cu, cuc, total_comp, ratio, coff, score_first,
+                                  numerics)
 
     @staticmethod
     def backward(ctx, grad):
-        dkvs, dape = _bwd_packed(grad, *ctx.saved_tensors, *ctx.meta)
+        dkvs, dape = pool_bwd_packed_op(grad, *ctx.saved_tensors, *ctx.meta)
         return dkvs, dape, None, None, None, None, None, None, None
+
+
+_SCALARS = ("total_comp", "ratio", "coff", "head_dim", "row_stride", "batch", "score_first",
+            "numerics", "tuning", "offsets_built")
+
+
+class _EagerFn(torch.autograd.Function):
+    """Eager calls' autograd path: the validated problem as it is, its tensors through
+    save_for_backward (version checks, saved-tensor hooks) and the rest kept aside."""
+
+    @staticmethod
+    def forward(ctx, p, ape, *inputs):
+        out = forward(p)
+        ctx.save_for_backward(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.kvs,
+                              p.read_ape, *(p.full or ()))
+        ctx.scalars = tuple(getattr(p, k) for k in _SCALARS)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        kv, score, ape, cu, cuc, kvs, read_ape, *full = ctx.saved_tensors
+        p = Problem(kv, score, ape, cu, cuc, kvs=kvs, full=tuple(full) or None,
+                    read_ape=read_ape, **dict(zip(_SCALARS, ctx.scalars)))
+        *grads, dape = _backward_packed(grad, p) if kvs is not None else _backward(grad, p)
+        return (None, dape, *grads)
 
 
 def pool(p: Problem) -> torch.Tensor:
@@ -225,15 +203,16 @@ def pool(p: Problem) -> torch.Tensor:
     where a gradient is wanted."""
     packed = p.kvs is not None
     inputs = (p.kvs,) if packed else (p.full or (p.kv, p.score))
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            t.requires_grad for t in inputs + (p.ape,))):
+    if torch.compiler.is_compiling():
         # SBHD: no offsets (the op body derives the one-segment pack again)
         cu, cuc = (None, None) if p.batch else (p.cu_seqlens, p.cu_seqlens_comp)
         if packed:
             return _PackedFn.apply(p.kvs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff,
                                    p.score_first, p.numerics)
-        return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff, p.head_dim,
+        return _PoolFn.apply(*inputs, p.ape, cu, cuc, p.total_comp, p.ratio, p.coff,
                              p.numerics)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs + (p.ape,)):
+        return _EagerFn.apply(p, p.ape, *inputs)
     # Nothing to differentiate: skip autograd.Function.apply (~10 µs of host time on the CPU
     # dev machine, a tenth of that for the check).
     return forward(p)

@@ -54,6 +54,9 @@ class Problem:
     # offsets this package built from lengths it checked on the host (streaming's packs):
     # the device-side offsets check is skipped (kernels.launch.ape_read)
     offsets_built: bool = False
+    # the APE as the kernels read it (kernels.launch.ape_read), kept once made: a backward
+    # of the same problem reuses its forward's, one offsets-guard launch a step
+    read_ape: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -48,12 +48,18 @@ def ape_read(p):
     bad offsets give NaN rows and gradients by default, with no host sync. Without an APE
     (p.has_ape False) the same guard's flag, 0 or NaN in every element, which the
     kernels read in its place. SBHD packs and packs whose offsets the package built
-    (p.offsets_built) have nothing to check: the APE as it is, or zeros."""
+    (p.offsets_built) have nothing to check: the APE as it is, or zeros. Made once a
+    problem (p.read_ape)."""
+    if p.read_ape is not None:
+        return p.read_ape
     shape = (p.ratio, p.kv.shape[1])
     if p.batch or p.offsets_built:
-        return p.ape if p.has_ape else torch.zeros(shape, dtype=torch.float32, device=p.kv.device)
-    return guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp, p.ratio,
-                       shape)
+        read = p.ape if p.has_ape else torch.zeros(shape, dtype=torch.float32, device=p.kv.device)
+    else:
+        read = guarded_ape(p.cu_seqlens, p.cu_seqlens_comp, p.ape, p.num_tokens, p.total_comp,
+                           p.ratio, shape)
+    p.read_ape = read
+    return read
 
 
 def launch_forward(p, out, epilogue=None, extra=()):
