@@ -65,7 +65,10 @@ def fused_on_cpu(monkeypatch):
             kv, score = p.full or validation.halves(p.kvs, p.score_first)
             return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff, mode=mode)
         launched.append(p.total_comp)
-        return reference.compress_thd(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
+        # packed: the caller's kvs is what the op differentiates (the problem's halves are
+        # the kernels' untracked views)
+        kv, score = (p.kv, p.score) if p.kvs is None else validation.halves(p.kvs, p.score_first)
+        return reference.compress_thd(kv, score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
                                       p.total_comp, ratio=p.ratio, coff=p.coff, mode=mode)
 
     monkeypatch.setattr(runtime, "device_reason", lambda device: None)

@@ -11,7 +11,8 @@ import torch
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 NAMES = sorted(f for f in os.listdir(TOOLS) if f.endswith(".py") and not f.startswith("_"))
-CPU_TOOLS = {"ptx_snapshot.py", "sass_probe.py", "spill_survey.py", "compile_time_probe.py"}
+CPU_TOOLS = {"ptx_snapshot.py", "sass_probe.py", "spill_survey.py", "compile_time_probe.py",
+             "host_python_probe.py"}
 
 
 def test_every_tool_answers_help():
@@ -31,3 +32,12 @@ def test_a_gpu_tool_says_it_needs_one_and_exits_2(name):
     res = subprocess.run([sys.executable, os.path.join(TOOLS, name)], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, (res.returncode, res.stderr)
+
+
+def test_the_host_python_probe_runs_without_a_gpu():
+    """The launches-stubbed probe of the op layer's Python share runs anywhere (CPU tensors,
+    the kernels' designs built, nothing compiled) and reports each row."""
+    res = subprocess.run([sys.executable, os.path.join(TOOLS, "host_python_probe.py"), "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count(" µs  ") == 5 and "Python share" in res.stdout, res.stdout

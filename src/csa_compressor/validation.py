@@ -236,6 +236,10 @@ def validate(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, 
     return p
 
 
+def _untracked(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
 def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff,
                     for_kernel: bool = False, check_offsets: bool = False,
                     contents: bool = True, score_first: bool = False) -> Problem:
@@ -258,7 +262,9 @@ def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio,
             raise ValueError(f"kvs: the second half starts {w * kvs.element_size()} bytes into "
                              f"each row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES} "
                              "(coff*d*element size)")
-    p = validate(*halves(kvs, score_first), ape, cu_seqlens, cu_seqlens_comp, total_comp,
+    # the halves are the kernels' views, never differentiated (the ops differentiate kvs):
+    # slicing a tensor that requires grad records two autograd views, ~10 µs of host time
+    p = validate(*halves(_untracked(kvs), score_first), ape, cu_seqlens, cu_seqlens_comp, total_comp,
                  ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
                  contents=contents, _packed=kvs)
     p.score_first = score_first
@@ -312,7 +318,7 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
         if width2 == 0 or width2 % (2 * coff):
             raise ValueError(f"kvs: last dimension must be 2*coff*d (the kv and score columns), "
                              f"a positive multiple of {2 * coff}, got {width2}")
-        (kv, score), full, stride = halves(kvs, score_first), None, width2
+        (kv, score), full, stride = halves(_untracked(kvs), score_first), None, width2
     else:
         kv, score, kvs = _as_sbhd("kv", kv), _as_sbhd("score", score), None
         if score.shape != kv.shape:
@@ -338,7 +344,7 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
                              f"(max {INT32_MAX})")
     n = S // ratio  # S < ratio: no rows (Megatron's Compressor returns None there)
     cu, cuc = sbhd_offsets(S, n, kv.device)
-    p = validate(kv[:, 0], score[:, 0], ape, cu, cuc, n, ratio=ratio, coff=coff,
+    p = validate(_untracked(kv)[:, 0], _untracked(score)[:, 0], ape, cu, cuc, n, ratio=ratio, coff=coff,
                  for_kernel=for_kernel, contents=False, _packed=kvs,
                  _row_stride=B * stride)
     p.batch, p.full, p.score_first = B, full, bool(packed and score_first)

@@ -1,0 +1,78 @@
+"""The eager autograd path of the pooling op on the CPU (launches replaced): the backward
+runs on the forward's problem, so the offsets guard runs once a step and the kernels of
+both directions read the same guarded APE; the packed layout's halves are the kernels'
+untracked views while ``kvs`` itself is differentiated."""
+
+import pytest
+import torch
+
+from csa_compressor import pooling, validation
+from csa_compressor.kernels import launch
+from packs import make_pack
+
+
+def _fake_launches(monkeypatch):
+    """Both directions' launches replaced by zero writes that record the APE each read
+    (launch.ape_read), and the guard counted."""
+    seen = {"guard": 0, "fwd": [], "bwd": []}
+
+    def guard(cu, cuc, ape, T, N, ratio, shape):
+        seen["guard"] += 1
+        return ape.clone()
+
+    def fwd(p, out, *a, **k):
+        seen["fwd"].append(launch.ape_read(p))
+        return out.zero_()
+
+    def bwd(p, grad_out, grad_kv, grad_score, grad_ape, *a, **k):
+        seen["bwd"].append(launch.ape_read(p))
+        for g in (grad_kv, grad_score, grad_ape):
+            g.zero_()
+
+    monkeypatch.setattr(launch, "guarded_ape", guard)
+    monkeypatch.setattr(pooling, "launch_forward", fwd)
+    monkeypatch.setattr(pooling, "launch_backward", bwd)
+    return seen
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_offsets_guard_a_step(monkeypatch, packed):
+    kv, score, ape, cu, cuc, N = make_pack([9, 13, 4], 8, 4, 2)
+    seen = _fake_launches(monkeypatch)
+    a = ape.clone().requires_grad_(True)
+    if packed:
+        kvs = torch.cat((kv, score), 1).requires_grad_(True)
+        p = validation.validate_packed(kvs, a, cu, cuc, N, ratio=4, coff=2, contents=False)
+        leaves = (kvs, a)
+    else:
+        kv, score = kv.requires_grad_(True), score.requires_grad_(True)
+        p = validation.validate(kv, score, a, cu, cuc, N, ratio=4, coff=2, contents=False)
+        leaves = (kv, score, a)
+    out = pooling.pool(p)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert seen["guard"] == 1, seen["guard"]  # the backward took the forward's guarded APE
+    assert len(seen["fwd"]) == len(seen["bwd"]) == 1
+    assert seen["bwd"][0] is seen["fwd"][0]
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    # a second step guards again: the guarded APE belongs to one call's problem
+    out = pooling.pool(validation.validate(kv.detach(), score.detach(), a, cu, cuc, N, ratio=4,
+                                           coff=2, contents=False))
+    torch.autograd.grad(out, a, torch.ones_like(out))
+    assert seen["guard"] == 2
+
+
+def test_the_packed_halves_are_untracked_views(monkeypatch):
+    kv, score, ape, cu, cuc, N = make_pack([9, 13], 8, 4, 2)
+    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    for p in (validation.validate_packed(kvs, ape, cu, cuc, N, ratio=4, coff=2),
+              validation.validate_sbhd(kvs.view(11, 2, -1), None, ape, ratio=4, coff=2,
+                                       packed=True)):
+        assert not p.kv.requires_grad and not p.score.requires_grad
+        assert p.kv.data_ptr() == kvs.data_ptr()  # views, not copies
+        assert p.kvs is kvs or p.kvs.requires_grad
+    seen = _fake_launches(monkeypatch)
+    p = validation.validate_packed(kvs, ape, cu, cuc, N, ratio=4, coff=2, contents=False)
+    out = pooling.pool(p)
+    assert out.requires_grad  # the op differentiates kvs itself
+    (g,) = torch.autograd.grad(out, kvs, torch.ones_like(out))
+    assert g.shape == kvs.shape and len(seen["bwd"]) == 1

@@ -1,0 +1,125 @@
+"""Developer probe for any machine (no GPU): the Python share of the op layer's host time,
+with every launch a no-op. The kernels' launch designs are the real ones (built, never
+compiled) and the tensors live on the CPU, so what is timed is the package's own work
+around the launches (checks, problem values, plans, autograd glue, allocations), not the
+driver's. A regression guard for the host figures that tools/op_host_profile.py and
+tools/launch_host_probe.py measure on a GPU host, where each launch adds its own cost.
+
+    python tools/host_python_probe.py [calls]
+"""
+
+import os as _os, sys as _sys  # noqa: E401
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+from _tool import start  # noqa: E402
+
+start(__doc__, gpu=False)
+
+import sys
+import time
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+
+
+def stubbed(stack):
+    """Launches as no-ops on CPU tensors: the compile cache holds the real kernel objects
+    with a no-op function, the offsets guard returns an uninitialised APE copy, and
+    validation skips the CUDA-only checks (device, alignment)."""
+    from csa_compressor import dispatch, kernel_api, ops, pooling, validation
+    from csa_compressor.kernels import catalog, compile as cc, launch, plan
+
+    def noop(*a):
+        return None
+
+    def fill(spec):
+        for u in catalog.lower(spec, 9):
+            key = ("cpu", None, u.spec)
+            if key not in cc._CACHE:
+                cc._CACHE[key] = cc.Compiled(u.kernel, noop, None, None, dape=noop,
+                                             dape_wide=noop)
+        bwd = cc._CACHE[("cpu", None, spec)]
+        large = cc._CACHE.get(("cpu", None, plan.spec("bwd_large", spec.dtype, spec.ratio,
+                                                       spec.coff, spec.head_dim,
+                                                       row_stride=spec.row_stride)))
+        if spec.direction == "bwd" and large is not None:
+            cc._CACHE[("cpu", None, spec)] = cc.Compiled(bwd.kernel, noop, None, None, noop, noop,
+                                                          large=large)
+
+    def any_device(fn):
+        # CPU tensors, whose offsets validation would read: on a GPU it reads none
+        def wrapped(*a, for_kernel=False, contents=True, **k):
+            return fn(*a, contents=False, **k)
+        return wrapped
+
+    stack.enter_context(mock.patch.object(launch, "sm_count", lambda index: 132))
+    stack.enter_context(mock.patch.object(
+        launch, "guarded_ape", lambda cu, cuc, ape, T, N, ratio, shape: torch.empty(
+            shape, dtype=torch.float32)))
+    for mod, name in ((ops, "validate_packed"), (ops, "validate"), (dispatch, "validate"),
+                      (pooling, "validate_packed"), (kernel_api, "validate")):
+        stack.enter_context(mock.patch.object(mod, name, any_device(getattr(validation, name))))
+    return fill
+
+
+def host_us(fn, calls):
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main(calls=2000):
+    from csa_compressor import compress_thd_fused_packed
+    from csa_compressor.kernel_api import pool_backward, pool_forward
+    from csa_compressor.kernels import plan
+
+    with ExitStack() as stack:
+        fill = stubbed(stack)
+        d, ratio, coff, T = 128, 4, 2, 64  # small: a CPU allocation of megabytes maps pages
+        for direction, rs in (("fwd", 0), ("bwd", 0), ("fwd", 2 * coff * d),
+                              ("bwd", 2 * coff * d)):
+            fill(plan.spec(direction, torch.bfloat16, ratio, coff, d, row_stride=rs))
+        cu = torch.tensor([0, T], dtype=torch.int32)
+        cuc = torch.tensor([0, T // ratio], dtype=torch.int32)
+        n = T // ratio
+        kvs = torch.zeros(T, 2 * coff * d, dtype=torch.bfloat16)
+        ape = torch.zeros(ratio, coff * d)
+        g_rows = torch.zeros(n, d, dtype=torch.bfloat16)
+        small = torch.zeros(64, requires_grad=True)
+        g_small = torch.zeros(64)
+        kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
+        bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
+        out = torch.empty(n, d, dtype=torch.bfloat16)
+
+        def op_step():
+            k = kvs.detach().requires_grad_(True)
+            rows = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
+            torch.autograd.grad(rows, k, g_rows)
+
+        rows = [
+            ("autograd.grad of a torch mul (CPU)", lambda: torch.autograd.grad(
+                small * 2, small, g_small)),
+            ("packed op fwd + autograd.grad", op_step),
+            ("packed op, no grad", lambda: compress_thd_fused_packed(
+                kvs, ape, cu, cuc, n, ratio=ratio, coff=coff)),
+            ("kernel API pool_forward", lambda: pool_forward(
+                kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)),
+            ("kernel API pool_backward", lambda: pool_backward(
+                kv, score, ape, cu, cuc, g_rows, *bufs, ratio=ratio, coff=coff)),
+        ]
+        got = {}
+        for name, fn in rows:
+            got[name] = host_us(fn, calls)
+            print(f"{got[name]:8.1f} µs  {name}")
+        share = got["packed op fwd + autograd.grad"] - got["autograd.grad of a torch mul (CPU)"]
+        print(f"the op's Python share of fwd + autograd.grad, launches stubbed: {share:.1f} µs")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:2]))
