@@ -76,3 +76,54 @@ def test_the_packed_halves_are_untracked_views(monkeypatch):
     assert out.requires_grad  # the op differentiates kvs itself
     (g,) = torch.autograd.grad(out, kvs, torch.ones_like(out))
     assert g.shape == kvs.shape and len(seen["bwd"]) == 1
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch on the CPU recorded in place of the kernels (compile.stand_in and
+    jit.stand_in_small, the package's seams), validation past its CUDA-only checks."""
+    from contextlib import ExitStack
+
+    from csa_compressor import ops
+    from csa_compressor.kernels import compile as cc, jit, plan
+
+    def any_device(fn):
+        return lambda *a, for_kernel=False, **k: fn(*a, **k)
+
+    for name in ("validate", "validate_packed", "validate_sbhd"):
+        monkeypatch.setattr(ops, name, any_device(getattr(validation, name)))
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    seen, cpu = [], torch.device("cpu")
+
+    def record(*args):
+        seen.append(args)
+
+    with ExitStack() as stack:
+        stack.enter_context(jit.stand_in_small(("offsets_guard", 4), cpu, record))
+        for direction in ("fwd", "bwd"):
+            for rs, batch in ((0, 0), (32, 0), (2 * 16, 2), (2 * 32, 2)):
+                stack.enter_context(cc.stand_in(plan.spec(direction, torch.float32, 4, 2, 8,
+                                                          row_stride=rs, batch=batch), cpu, record))
+        yield seen
+
+
+@pytest.mark.parametrize("layout", ["thd", "packed", "sbhd"])
+def test_launches_a_training_step(launches, layout):
+    """A forward + autograd.grad launches the pooling forward, its backward and the dape
+    sum, and for a THD pack one offsets guard for both directions: 4 (THD) or 3 (SBHD)."""
+    from csa_compressor import ops
+
+    kv, score, ape, cu, cuc, N = make_pack([12, 8], 8, 4, 2)
+    a = ape.requires_grad_(True)
+    if layout == "packed":
+        leaves = (torch.cat((kv, score), 1).requires_grad_(True), a)
+        out = ops.compress_thd_fused_packed(leaves[0], a, cu, cuc, N, ratio=4, coff=2)
+    elif layout == "thd":
+        leaves = (kv.requires_grad_(True), score.requires_grad_(True), a)
+        out = ops.compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2)
+    else:
+        leaves = (kv.view(10, 2, 16).requires_grad_(True), score.view(10, 2, 16).requires_grad_(True), a)
+        out = ops.compress_sbhd_fused(*leaves, ratio=4, coff=2)
+    assert len(launches) == (1 if layout == "sbhd" else 2)
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert len(launches) == (3 if layout == "sbhd" else 4), [len(x) for x in launches]

@@ -22,29 +22,18 @@ from unittest import mock
 import torch
 
 
-def stubbed(stack):
-    """Launches as no-ops on CPU tensors: the compile cache holds the real kernel objects
-    with a no-op function, the offsets guard returns an uninitialised APE copy, and
-    validation skips the CUDA-only checks (device, alignment)."""
+def stubbed(stack, launches: list):
+    """Launches as no-ops on CPU tensors, each appended to ``launches``: the pooling
+    families and the offsets guard stood in (kernels.compile.stand_in, jit.stand_in_small),
+    and validation past its CUDA-only checks (device, alignment). Returns the function
+    that stands in a spec's family."""
     from csa_compressor import dispatch, kernel_api, ops, pooling, validation
-    from csa_compressor.kernels import catalog, compile as cc, launch, plan
+    from csa_compressor.kernels import compile as cc, jit, launch
+
+    cpu = torch.device("cpu")
 
     def noop(*a):
-        return None
-
-    def fill(spec):
-        for u in catalog.lower(spec, 9):
-            key = ("cpu", None, u.spec)
-            if key not in cc._CACHE:
-                cc._CACHE[key] = cc.Compiled(u.kernel, noop, None, None, dape=noop,
-                                             dape_wide=noop)
-        bwd = cc._CACHE[("cpu", None, spec)]
-        large = cc._CACHE.get(("cpu", None, plan.spec("bwd_large", spec.dtype, spec.ratio,
-                                                       spec.coff, spec.head_dim,
-                                                       row_stride=spec.row_stride)))
-        if spec.direction == "bwd" and large is not None:
-            cc._CACHE[("cpu", None, spec)] = cc.Compiled(bwd.kernel, noop, None, None, noop, noop,
-                                                          large=large)
+        launches.append(len(a))
 
     def any_device(fn):
         # CPU tensors, whose offsets validation would read: on a GPU it reads none
@@ -53,13 +42,12 @@ def stubbed(stack):
         return wrapped
 
     stack.enter_context(mock.patch.object(launch, "sm_count", lambda index: 132))
-    stack.enter_context(mock.patch.object(
-        launch, "guarded_ape", lambda cu, cuc, ape, T, N, ratio, shape: torch.empty(
-            shape, dtype=torch.float32)))
     for mod, name in ((ops, "validate_packed"), (ops, "validate"), (dispatch, "validate"),
                       (pooling, "validate_packed"), (kernel_api, "validate")):
         stack.enter_context(mock.patch.object(mod, name, any_device(getattr(validation, name))))
-    return fill
+    for ratio in (1, 2, 4, 8, 128):
+        stack.enter_context(jit.stand_in_small(("offsets_guard", ratio), cpu, noop))
+    return lambda spec: stack.enter_context(cc.stand_in(spec, cpu, noop))
 
 
 def host_us(fn, calls):
@@ -80,10 +68,11 @@ def main(calls=2000):
     from csa_compressor.kernels import plan
 
     with ExitStack() as stack:
-        fill = stubbed(stack)
+        launches = []
+        fill = stubbed(stack, launches)
         d, ratio, coff, T = 128, 4, 2, 64  # small: a CPU allocation of megabytes maps pages
         for direction, rs in (("fwd", 0), ("bwd", 0), ("fwd", 2 * coff * d),
-                              ("bwd", 2 * coff * d)):
+                              ("bwd", 2 * coff * d)):  # separate and packed rows
             fill(plan.spec(direction, torch.bfloat16, ratio, coff, d, row_stride=rs))
         cu = torch.tensor([0, T], dtype=torch.int32)
         cuc = torch.tensor([0, T // ratio], dtype=torch.int32)
@@ -116,7 +105,9 @@ def main(calls=2000):
         got = {}
         for name, fn in rows:
             got[name] = host_us(fn, calls)
-            print(f"{got[name]:8.1f} µs  {name}")
+            launches.clear()
+            fn()
+            print(f"{got[name]:8.1f} µs  {name} ({len(launches)} launches)")
         share = got["packed op fwd + autograd.grad"] - got["autograd.grad of a torch mul (CPU)"]
         print(f"the op's Python share of fwd + autograd.grad, launches stubbed: {share:.1f} µs")
 

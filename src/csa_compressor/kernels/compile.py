@@ -65,6 +65,11 @@ def _records(units, device) -> dict:
             ctas = u.kernel.grid_ctas_per_sm(regs) if hasattr(u.kernel, "grid_ctas_per_sm") else None
             hit = Compiled(u.kernel, fn, regs, ctas, owner=owner)
         out[u.spec] = hit
+    return _wired(out)
+
+
+def _wired(out: dict) -> dict:
+    """A family's records with a backward's dape sums and large-pack variant attached."""
     by = {s.direction: c for s, c in out.items()}
     sums = {d: getattr(by.get(d), "fn", None) for d in ("dape", "dape_wide")}
     large = by.get("bwd_large")
@@ -75,6 +80,27 @@ def _records(units, device) -> dict:
         elif s.direction == "bwd":
             out[s] = dataclasses.replace(c, **sums, large=large)
     return out
+
+
+@contextlib.contextmanager
+def stand_in(spec: plan.KernelSpec, device: torch.device, fn, arch_major: int = 9):
+    """Within the block, ``fn`` launches in place of ``spec``'s compiled family (its dape
+    sums and large-pack variant included) on ``device``, any device: the seam through which
+    the CPU tests and tools/host_python_probe.py drive the launch layer without compiling.
+    The kernels' designs, which size each launch, stay the real ones for ``arch_major``."""
+    from . import catalog  # the kernel classes need the DSL (not a GPU)
+
+    recs = _wired({u.spec: Compiled(u.kernel, fn, None, None)
+                   for u in catalog.lower(spec, arch_major)})
+    keys = [(device.type, device.index, s) for s in recs]
+    saved = {k: _CACHE[k] for k in keys if k in _CACHE}
+    _CACHE.update(zip(keys, recs.values()))
+    try:
+        yield
+    finally:
+        for k in keys:
+            _CACHE.pop(k, None)
+        _CACHE.update(saved)
 
 
 def build(spec: plan.KernelSpec, device: torch.device | None = None) -> Compiled | None:

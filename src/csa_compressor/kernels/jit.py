@@ -4,6 +4,7 @@ while a CUDA graph captures so the caller runs the torch ops it stands in for.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import tempfile
@@ -145,6 +146,22 @@ def small_kernel(key: tuple, device: torch.device, build):
             if hit is None:
                 hit = _SMALL[ck] = compile_small(small_spec(key), build)
     return hit[0]
+
+
+@contextlib.contextmanager
+def stand_in_small(key: tuple, device: torch.device, fn):
+    """Within the block, ``fn`` launches in place of small kernel ``key`` (small_kernel's)
+    on ``device``: the seam beside compile.stand_in."""
+    k = (device.index, key)
+    saved = _SMALL.get(k)
+    _SMALL[k] = (fn, None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            _SMALL.pop(k, None)
+        else:
+            _SMALL[k] = saved
 
 
 def checked_once(table: dict, key, check) -> bool:
