@@ -240,7 +240,7 @@ def test_dape_sum_layout_follows_the_partials(monkeypatch, ratio, coff, d, token
 @pytest.mark.parametrize("cls,ratio,coff,d,free", [
     ("fwd", 128, 1, 512, True), ("fwd", 128, 1, 128, True), ("bwd", 128, 1, 512, True),
     ("bwd", 128, 2, 512, True), ("bwd", 128, 1, 128, True),
-    ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (docs/lab/tuning-long.md, v22)
+    ("fwd", 128, 2, 512, False),  # two slot groups a warp, old columns (docs/lab/tuning-long.md, "Split shared columns")
 ])
 def test_long_kernels_shared_stores_and_sums_avoid_bank_conflicts(cls, ratio, coff, d, free):
     """The long kernels' shared buffer (pool_long.LongWindow): a warp's stores of one slot

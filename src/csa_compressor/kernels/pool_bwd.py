@@ -126,8 +126,8 @@ class PoolBackward(BackwardGrid, WindowSlots):
 
     def guesses_at(self, ctas: int) -> bool:
         """A cooperative backward held to ``ctas`` CTAs an SM copies its first row's window
-        at a guess before the row walk (stage_guess; lab tuning-backward.md, "Adopted at
-        v24"): with one row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128 default backward
+        at a guess before the row walk (stage_guess; lab tuning-backward.md, "The first
+        window at a guess"): with one row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128 default backward
         took 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B
         held to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1)."""
         return self.row_lanes == 1 or ctas <= 3

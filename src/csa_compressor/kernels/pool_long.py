@@ -70,7 +70,7 @@ class LongWindow:
         # banks) and, with ``pad``, slot and group strides padded so the slot groups that
         # share a warp land in other banks (bank_stride). The forward takes neither where
         # two slot groups share a warp (coff 2: 16 lanes): there both took it from 80
-        # registers to 86, 2 CTAs an SM instead of 3 (lab tuning-long.md, "Adopted at v22").
+        # registers to 86, 2 CTAs an SM instead of 3 (lab tuning-long.md, "Split shared columns").
         self.split = pad or self.lanes >= 32
         self.slot_stride = self.group_stride = self.cols
         if pad:
@@ -187,8 +187,8 @@ class LongPoolForward(LongWindow, WindowSlots):
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32):
-        # A programmatic dependent as pool_fwd (lab tuning-long.md, "The long forward and
-        # backward as programmatic dependents"): nothing is read or written before the
+        # A programmatic dependent as pool_fwd (lab tuning-long.md, "Programmatic
+        # dependents"): nothing is read or written before the
         # previous kernel completed.
         cute.arch.griddepcontrol_wait()
         self.pool_row(gKV, gSc, gApe, mCu, mCuc, mOut, num_tokens)
