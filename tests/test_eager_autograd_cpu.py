@@ -107,17 +107,24 @@ def launches(monkeypatch):
         yield seen
 
 
-@pytest.mark.parametrize("layout", ["thd", "packed", "sbhd"])
+@pytest.mark.parametrize("layout", ["thd", "packed", "sbhd", "packed_epilogue"])
 def test_launches_a_training_step(launches, layout):
     """A forward + autograd.grad launches the pooling forward, its backward and the dape
-    sum, and for a THD pack one offsets guard for both directions: 4 (THD) or 3 (SBHD)."""
-    from csa_compressor import ops
+    sum, and for a THD pack one offsets guard for both directions: 4 (THD) or 3 (SBHD).
+    With the epilogue (by parts here: its own kernels are torch ops on the CPU) the
+    pooling's launches are the same."""
+    from csa_compressor import Epilogue, ops
 
     kv, score, ape, cu, cuc, N = make_pack([12, 8], 8, 4, 2)
     a = ape.requires_grad_(True)
-    if layout == "packed":
+    if layout.startswith("packed"):
         leaves = (torch.cat((kv, score), 1).requires_grad_(True), a)
-        out = ops.compress_thd_fused_packed(leaves[0], a, cu, cuc, N, ratio=4, coff=2)
+        ep = {}
+        if layout == "packed_epilogue":
+            w = torch.ones(8, requires_grad=True)
+            ep = dict(epilogue=Epilogue(rope_dim=4), norm_weight=w)
+            leaves += (w,)
+        out = ops.compress_thd_fused_packed(leaves[0], a, cu, cuc, N, ratio=4, coff=2, **ep)
     elif layout == "thd":
         leaves = (kv.requires_grad_(True), score.requires_grad_(True), a)
         out = ops.compress_thd_fused(*leaves, cu, cuc, N, ratio=4, coff=2)
