@@ -134,3 +134,30 @@ def test_launches_a_training_step(launches, layout):
     assert len(launches) == (1 if layout == "sbhd" else 2)
     torch.autograd.grad(out, leaves, torch.ones_like(out))
     assert len(launches) == (3 if layout == "sbhd" else 4), [len(x) for x in launches]
+
+
+def test_the_saved_problem_keeps_autograd_checks_and_hooks(monkeypatch):
+    """The eager path saves the problem's tensors through save_for_backward: an in-place
+    change of kvs between forward and backward raises (as for any saved input), and
+    saved-tensor hooks (activation offloading) see every tensor the backward reads."""
+    kv, score, ape, cu, cuc, N = make_pack([9, 13], 8, 4, 2)
+    _fake_launches(monkeypatch)
+    kvs = torch.cat((kv, score), 1).requires_grad_(True)
+    leaf = kvs * 1  # a non-leaf, so the in-place change below is allowed
+    out = pooling.pool(validation.validate_packed(leaf, ape, cu, cuc, N, ratio=4, coff=2,
+                                                  contents=False))
+    leaf.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, kvs, torch.ones_like(out))
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pooling.pool(validation.validate_packed(kvs, ape, cu, cuc, N, ratio=4, coff=2,
+                                                      contents=False))
+    assert any(t.data_ptr() == kvs.data_ptr() and t.shape == kvs.shape for t in packed)
+    assert any(t is not None and t.shape == cu.shape for t in packed)
+    torch.autograd.grad(out, kvs, torch.ones_like(out))
