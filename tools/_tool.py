@@ -20,3 +20,23 @@ def start(doc: str, gpu: bool = True, own_help: bool = False) -> None:
             print(f"{name}: needs a CUDA GPU (compute capability 9.0 or newer); none is "
                   "available here", file=sys.stderr)
             sys.exit(NO_GPU)
+
+
+def host_us(fn, calls: int, sync=None, warm: int = 5, rounds: int = 3) -> float:
+    """Host µs a call of ``fn``: the best of ``rounds`` batches of ``calls`` back-to-back
+    calls, ``sync()`` (e.g. torch.cuda.synchronize) after the warm-up and after each batch,
+    never inside one."""
+    import time
+
+    sync = sync or (lambda: None)
+    for _ in range(warm):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return best

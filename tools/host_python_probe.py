@@ -10,12 +10,12 @@ tools/launch_host_probe.py measure on a GPU host, where each launch adds its own
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+import _tool  # noqa: E402
 from _tool import start  # noqa: E402
 
 start(__doc__, gpu=False)
 
 import sys
-import time
 from contextlib import ExitStack
 from unittest import mock
 
@@ -51,15 +51,7 @@ def stubbed(stack, launches: list):
 
 
 def host_us(fn, calls):
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    return _tool.host_us(fn, calls, warm=20, rounds=5)
 
 
 def main(calls=2000):

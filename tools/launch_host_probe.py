@@ -9,12 +9,12 @@ figure is what the host spends, not the GPU.
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+import _tool  # noqa: E402
 from _tool import start  # noqa: E402
 
 start(__doc__, gpu=True)
 import sys
 import threading
-import time
 
 import torch
 from csa_compressor import runtime
@@ -23,21 +23,11 @@ from module_profile import HIDDEN, LENS, inputs, module_step
 
 
 def host_us(fn, calls):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    return _tool.host_us(fn, calls, torch.cuda.synchronize)
 
 
 def main(calls=100):
-    from csa_compressor import (Epilogue, apply_epilogue, compress_thd_fused_packed, dispatch,
+    from csa_compressor import (Epilogue, apply_epilogue, compress_thd_fused_packed,
                                 pool_backward)
     from csa_compressor.epilogue import rope_cos_sin, rope_inv_freq, rope_positions
     from csa_compressor.kernels.offsets import compressed_offsets

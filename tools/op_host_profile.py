@@ -10,6 +10,7 @@ fused prefill of 8 prompts of 4096 tokens at d512 ratio 4 (bench --streaming's c
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+import _tool  # noqa: E402
 from _tool import start  # noqa: E402
 
 start(__doc__, gpu=True)
@@ -17,23 +18,12 @@ start(__doc__, gpu=True)
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
 
 def host_us(fn, calls):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    return _tool.host_us(fn, calls, torch.cuda.synchronize)
 
 
 def cases():
