@@ -147,7 +147,7 @@ def _rows(p: Problem, t):
 
 def _in_kernels(p: Problem, f: Finish, flat: torch.Tensor, direction: str) -> bool:
     """Whether ``direction`` runs in the pooling kernels with the epilogue inside: it is in
-    INSIDE (INSIDE_LONG for long windows), the design takes the problem
+    ``f.inside.short`` (``.long`` for long windows), the design takes the problem
     (catalog.epilogue_designable), and the norm's
     statistics run in the kernel (epilogue_op.norm_in_kernel: enough rows, its order checked
     torch's)."""

@@ -255,7 +255,7 @@ class LongPoolEpilogueForward(EpilogueWarps, LongPoolForward):
                  row_stride: int = 0, batch: int = 0, numerics: str = "fp32", epilogue=None):
         super().__init__(dtype, ratio, coff, head_dim, tuning, row_stride, batch, numerics)
         # Its scratch stays an allocation beside the flag: this forward is off by default
-        # (INSIDE_LONG), and laying the scratch over its pooling's buffers is untried.
+        # (EpilogueInside.long), and laying its scratch over the pooling's buffers is untried.
         self.epilogue_rows(dtype, epilogue, backward=False, scratch_warps=1, alias=False)
         self.smem_bytes += 16  # the CTA's "last of its row" flag
         self.hold_to(self.held)  # the pooling's bound, the carveout for the scratch

@@ -1,10 +1,11 @@
 """The tuned constants that shape the kernels, as one frozen, hashable value.
 
 Every kernel is built from a ``Tuning`` and the compile cache keys on it, so a variant
-(``use(FWD_STAGES=3)``, or ``CSA_CONFIG="FWD_STAGES=3"`` in the environment for a whole
-process) compiles its own kernels and can never reuse a stale one. The few values that
-only steer launches (LAUNCH_ONLY) are read at launch from the current tuning and left out
-of the key, so changing them recompiles nothing. Each value carries one line of why; the
+(``replace(DEFAULT, FWD_STAGES=3)`` handed to the kernel-level API's ``tuning=``, or
+``CSA_CONFIG="FWD_STAGES=3"`` in the environment for a whole process) compiles its own
+kernels and can never reuse a stale one. The few values that only steer launches
+(LAUNCH_ONLY) are read at launch from the caller's tuning and left out of the key, so
+changing them recompiles nothing. Each value carries one line of why; the
 measurements behind it are in docs/lab/tuning-log.md (the forward and shared values),
 tuning-backward.md or tuning-long.md under its name.
 """
