@@ -13,6 +13,8 @@ kernels (validation.validate_sbhd).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .checks import check_pool_numerics, halves, kernel_aligned
@@ -173,8 +175,10 @@ class _PackedFn(torch.autograd.Function):
         return dkvs, dape, None, None, None, None, None, None, None
 
 
-_SCALARS = ("total_comp", "ratio", "coff", "head_dim", "row_stride", "batch", "score_first",
-            "numerics", "tuning", "offsets_built")
+# The Problem's tensors go through save_for_backward, ``full`` (a tuple of them) after
+# them; every other field is kept as it is.
+_TENSORS = ("kv", "score", "ape", "cu_seqlens", "cu_seqlens_comp", "kvs", "read_ape")
+_SCALARS = tuple(f.name for f in dataclasses.fields(Problem) if f.name not in _TENSORS + ("full",))
 
 
 class _EagerFn(torch.autograd.Function):
@@ -184,17 +188,17 @@ class _EagerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, ape, *inputs):
         out = forward(p)
-        ctx.save_for_backward(p.kv, p.score, p.ape, p.cu_seqlens, p.cu_seqlens_comp, p.kvs,
-                              p.read_ape, *(p.full or ()))
+        ctx.save_for_backward(*(getattr(p, k) for k in _TENSORS), *(p.full or ()))
         ctx.scalars = tuple(getattr(p, k) for k in _SCALARS)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        kv, score, ape, cu, cuc, kvs, read_ape, *full = ctx.saved_tensors
-        p = Problem(kv, score, ape, cu, cuc, kvs=kvs, full=tuple(full) or None,
-                    read_ape=read_ape, **dict(zip(_SCALARS, ctx.scalars)))
-        *grads, dape = _backward_packed(grad, p) if kvs is not None else _backward(grad, p)
+        saved = ctx.saved_tensors
+        n = len(_TENSORS)
+        p = Problem(**dict(zip(_TENSORS, saved[:n])), full=tuple(saved[n:]) or None,
+                    **dict(zip(_SCALARS, ctx.scalars)))
+        *grads, dape = _backward_packed(grad, p) if p.kvs is not None else _backward(grad, p)
         return (None, dape, *grads)
 
 

@@ -264,9 +264,9 @@ def validate_packed(kvs, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio,
                              "(coff*d*element size)")
     # the halves are the kernels' views, never differentiated (the ops differentiate kvs):
     # slicing a tensor that requires grad records two autograd views, ~10 µs of host time
-    p = validate(*halves(_untracked(kvs), score_first), ape, cu_seqlens, cu_seqlens_comp, total_comp,
-                 ratio=ratio, coff=coff, for_kernel=for_kernel, check_offsets=check_offsets,
-                 contents=contents, _packed=kvs)
+    p = validate(*halves(_untracked(kvs), score_first), ape, cu_seqlens, cu_seqlens_comp,
+                 total_comp, ratio=ratio, coff=coff, for_kernel=for_kernel,
+                 check_offsets=check_offsets, contents=contents, _packed=kvs)
     p.score_first = score_first
     return p
 
@@ -344,8 +344,8 @@ def validate_sbhd(kv, score, ape, *, ratio, coff, for_kernel: bool = False,
                              f"(max {INT32_MAX})")
     n = S // ratio  # S < ratio: no rows (Megatron's Compressor returns None there)
     cu, cuc = sbhd_offsets(S, n, kv.device)
-    p = validate(_untracked(kv)[:, 0], _untracked(score)[:, 0], ape, cu, cuc, n, ratio=ratio, coff=coff,
-                 for_kernel=for_kernel, contents=False, _packed=kvs,
+    p = validate(_untracked(kv)[:, 0], _untracked(score)[:, 0], ape, cu, cuc, n, ratio=ratio,
+                 coff=coff, for_kernel=for_kernel, contents=False, _packed=kvs,
                  _row_stride=B * stride)
     p.batch, p.full, p.score_first = B, full, bool(packed and score_first)
     return p

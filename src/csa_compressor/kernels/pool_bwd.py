@@ -125,11 +125,11 @@ class PoolBackward(BackwardGrid, WindowSlots):
             self.hold_to(0)
 
     def guesses_at(self, ctas: int) -> bool:
-        """A cooperative backward held to ``ctas`` CTAs an SM copies its first row's window
-        at a guess before the row walk (stage_guess; lab tuning-backward.md, "The first
-        window at a guess"): with one row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128 default backward
-        took 88 registers with it (78 without: 2 CTAs an SM instead of 3) and spilled 8 B
-        held to 3; the large-pack variants held to 4 and 5 spilled (ratio 5 and 3, coff 1)."""
+        """A cooperative backward held to ``ctas`` CTAs an SM copies its first row's window at
+        a guess before the row walk (stage_guess; lab tuning-backward.md, "The first window at
+        a guess"): with one row lane, or stacked row lanes at 3 CTAs an SM or fewer. The d=128
+        default backward took 88 registers with it (78 without: 2 CTAs an SM instead of 3),
+        spilling 8 B held to 3; large-pack variants held to 4 and 5 spilled (ratio 5, 3, coff 1)."""
         return self.row_lanes == 1 or ctas <= 3
 
     def large_pack_ctas(self, default_ctas: int) -> int:
