@@ -40,3 +40,20 @@ def host_us(fn, calls: int, sync=None, warm: int = 5, rounds: int = 3) -> float:
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
         sync()
     return best
+
+
+def print_cprofile(fn, calls: int, sync=None, shown=(30, 30)) -> None:
+    """cProfile of ``calls`` back-to-back calls of ``fn`` (``sync()`` after them, outside
+    the profile), printed by own time, then by cumulative time (``shown`` rows each)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    (sync or (lambda: None))()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(shown[0])
+    st.sort_stats("cumulative").print_stats(shown[1])

@@ -7,11 +7,10 @@ cProfile of the same steps (the package's functions and the torch calls they mak
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
+import _tool  # noqa: E402
 from _tool import start  # noqa: E402
 
 start(__doc__, gpu=True)
-import cProfile
-import pstats
 import sys
 import time
 
@@ -33,15 +32,7 @@ def main(name="d128r4rot", steps=20):
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e6
     print(f"{name}: host {host:.0f} µs a step (launch side), wall {wall:.0f} µs a step")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    st = pstats.Stats(prof)
-    st.sort_stats("tottime").print_stats(35)
-    st.sort_stats("cumulative").print_stats(45)
+    _tool.print_cprofile(step, steps, torch.cuda.synchronize, (35, 45))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ from _tool import start  # noqa: E402
 
 start(__doc__, gpu=True)
 
-import cProfile
-import pstats
 import sys
 
 import torch
@@ -75,17 +73,8 @@ def cases():
 
 def main(calls=200, shown=30):
     for name, fn in cases():
-        us = host_us(fn, calls)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"\n===== {name}: {us:.1f} µs a call (no profiler) =====")
-        st = pstats.Stats(prof)
-        st.sort_stats("tottime").print_stats(shown)
-        st.sort_stats("cumulative").print_stats(shown)
+        print(f"\n===== {name}: {host_us(fn, calls):.1f} µs a call (no profiler) =====")
+        _tool.print_cprofile(fn, calls, torch.cuda.synchronize, (shown, shown))
 
 
 if __name__ == "__main__":
