@@ -80,6 +80,19 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(ops, "validate_sbhd", validate_sbhd_any_device)
     monkeypatch.setattr(ops, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(ops, "fused_from_problem", launch)
+    # streaming's kept forward (streaming.rows.pool_kept): the problem's specialisation
+    # stands for the compiled kernel, the reference for its launch
+    from csa_compressor.streaming import rows as stream_rows
+
+    def kept_launch(found, tuning, n_rows, kv, score, ape, cu, cuc, out):
+        ratio, coff, head_dim, numerics = found
+        p = validation.Problem(kv, score, ape, cu, cuc, n_rows, ratio, coff, head_dim,
+                               numerics=numerics)
+        return out.copy_(pool(p))
+
+    monkeypatch.setattr(stream_rows, "forward_kernel",
+                        lambda p: (p.ratio, p.coff, p.head_dim, p.numerics))
+    monkeypatch.setattr(stream_rows, "launch_kept", kept_launch)
     import kernel_standin
     from csa_compressor import kernel_api
 

@@ -150,6 +150,31 @@ def test_ring_prefill_uploads_its_ints_once(fused_on_cpu, standin, tail_standin,
     assert len(uploads) == 1 and sum(k.calls for k in tail_standin) == 1
 
 
+def test_prefill_takes_the_fresh_pack_only_into_empty_slots(fused_on_cpu, standin, tail_standin,
+                                                            monkeypatch):
+    """chunks._fresh (the caller's offsets as the pack, no window plan) serves a call
+    whose slots all start empty, without the epilogue or a gradient, and gives the
+    training rows; a call with a slot holding tokens, a gradient or the epilogue takes
+    the planned packs."""
+    from csa_compressor.streaming import chunks
+
+    taken = []
+    fresh = chunks._fresh
+    monkeypatch.setattr(chunks, "_fresh", lambda *a: taken.append(a[6]) or fresh(*a))
+    st = streaming.StreamState(4, 32, ratio=4, coff=2, dtype=torch.float32)
+    run = Stream(st, [37, 8, 0, 19], seed=3, pooling="ring")
+    run.prefill([(0, 0, 10), (2, 2, 0), (3, 3, 19)])
+    run.prefill([(0, 0, 27), (1, 1, 8)])  # slot 0 holds 10 tokens
+    run.check()
+    assert taken == [[0, 2, 3]]
+    kv = torch.randn(8, 64, requires_grad=True)
+    for slots, extra in (([1], {}), ([3], {"epilogue": Epilogue(rope_dim=16), "norm_weight": torch.ones(32)})):
+        st.reset(slots)
+        got = streaming.prefill(st, kv, kv, None, [0, 8], slots, **extra)
+        assert got.rows.shape[0] == 2 and taken == [[0, 2, 3]]
+    assert got.rows.requires_grad
+
+
 @pytest.mark.parametrize("pooling", ["fused", "ring"])
 def test_prefill_sends_every_host_list_through_the_staging(fused_on_cpu, standin, tail_standin,
                                                            monkeypatch, pooling):

@@ -132,6 +132,47 @@ def test_ring_prefill_is_the_gather_prefill(ratio, coff, dtype):
         assert torch.equal(getattr(states["ring"], name), getattr(states["fused"], name)), name
 
 
+@pytest.mark.parametrize("ratio,coff,with_ape,numerics", [(4, 2, True, "fp32"),
+                                                          (4, 2, False, "eager"),
+                                                          (128, 1, True, "eager"),
+                                                          (128, 1, False, "fp32")])
+def test_prefill_into_empty_slots_is_the_training_forward(ratio, coff, with_ape, numerics,
+                                                           monkeypatch):
+    """A call whose slots all start empty takes chunks._fresh (the caller's offsets, one
+    upload, the kept pooling kernel and the tail): its rows bitwise the training op's over
+    the same chunks and pooling="fused"'s, the same slots, positions and state."""
+    from csa_compressor import compress_thd_fused
+    from csa_compressor.streaming import chunks
+
+    dev, d = "cuda", 512
+    W, lens, slots = coff * d, [5 * ratio + 3, ratio - 1, 0, 9 * ratio], [3, 0, 4, 1]
+    g = torch.Generator(device=dev).manual_seed(ratio + coff)
+    kv = torch.randn(sum(lens), W, device=dev, generator=g).bfloat16()
+    sc = torch.randn(sum(lens), W, device=dev, generator=g).bfloat16()
+    ape = torch.randn(ratio, W, device=dev, generator=g) if with_ape else None
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    taken = []
+    fresh = chunks._fresh
+    monkeypatch.setattr(chunks, "_fresh", lambda *a: taken.append(1) or fresh(*a))
+    got = {}
+    for pooling in ("ring", "fused"):
+        st = streaming.StreamState(5, d, ratio=ratio, coff=coff, device=dev)
+        got[pooling] = (streaming.prefill(st, kv, sc, ape, cu, slots, pooling=pooling,
+                                          numerics=numerics), st)
+    assert taken == [1]
+    rows = [n // ratio for n in lens]
+    cuc = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    want = compress_thd_fused(kv, sc, ape, torch.tensor(cu, dtype=torch.int32, device=dev), cuc,
+                              sum(rows), ratio=ratio, coff=coff, numerics=numerics)
+    (a, st_a), (b, st_b) = got["ring"], got["fused"]
+    assert torch.equal(a.rows, want) and torch.equal(b.rows, want)
+    assert torch.equal(a.slots, b.slots) and torch.equal(a.positions, b.positions)
+    assert a.slots.tolist() == [s for s, k in zip(slots, rows) for _ in range(k)]
+    for name in ("count", "last_n", "bad", "kv", "score"):
+        assert torch.equal(getattr(st_a, name), getattr(st_b, name)), name
+    assert st_a.count[:5].tolist() == [lens[1], lens[3], 0, lens[0], lens[2]]
+
+
 @pytest.mark.parametrize("pooling", ["fused", "ring"])
 def test_prefill_into_known_slots_never_waits_for_the_gpu(pooling):
     """With offsets and slots as host lists and the counts in the host's record, a prefill

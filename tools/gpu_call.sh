@@ -54,6 +54,7 @@
 #   launch_host          tools/launch_host_probe.py: host µs a call of the step's pieces
 #                        (torch launches, the small kernels, dispatch, the ops, the module)
 #                        launch_host_base: the same of $BASE_SRC's tree
+#   host_pieces          tools/host_pieces_probe.py: host µs of a prefill's pieces, each alone
 #   op_host              tools/op_host_profile.py: cProfile of the op, the kernel API and prefill;
 #                        op_host_base the same of $BASE_SRC's tree
 #   colsum_order         tools/torch_colsum_order_probe.py: torch's dim-0 fp32 sum (the
@@ -156,6 +157,7 @@ cmd_of() {
         module_host) echo "python3 tools/module_host_profile.py d128r4rot 20" ;;
         launch_host) echo "python3 tools/launch_host_probe.py" ;;
         op_host) echo "python3 tools/op_host_profile.py" ;;
+        host_pieces) echo "python3 tools/host_pieces_probe.py" ;;
         op_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/op_host_profile.py" ;;
         launch_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/launch_host_probe.py" ;;
         colsum_order) echo "python3 tools/torch_colsum_order_probe.py" ;;

@@ -62,6 +62,32 @@ def ape_read(p):
     return read
 
 
+def forward_kernel(p, epilogue=None):
+    """(compiled forward, SM count) of problem ``p``'s specialisation (``epilogue``: as
+    launch_forward's): what each launch looks up, for a caller that keeps it."""
+    dev = p.kv.device
+    c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim, p.tuning,
+                               row_stride=p.row_stride, batch=p.batch, numerics=p.numerics,
+                               epilogue=epilogue, ape=p.has_ape), dev)
+    return c, sm_count(dev.index)
+
+
+def launch_found(found, tuning, num_rows, kv, score, ape, cu, cuc, out, extra=()):
+    """Launch forward_kernel's ``found`` for a pack of ``num_rows`` rows (``ape``: as the
+    kernels read it, ape_read)."""
+    c, sms = found
+    rows = c.kernel.rows_per_thread(num_rows, sms, c.ctas_per_sm, tuning)
+    c.fn(kv, score, ape, cu, cuc, out, rows, *extra)
+    return out
+
+
+def launch_kept(found, tuning, num_rows, kv, score, ape, cu, cuc, out):
+    """launch_found on ``kv``'s device, for a caller that keeps ``found`` (forward_kernel)
+    between launches."""
+    with _on_device(kv.device):
+        return launch_found(found, tuning, num_rows, kv, score, ape, cu, cuc, out)
+
+
 def launch_forward(p, out, epilogue=None, extra=()):
     """Forward launch on a validated problem into a checked ``out``. ``epilogue`` (an
     EpilogueKey): the kernel with the epilogue inside (pool_epilogue), ``extra`` its
@@ -69,14 +95,9 @@ def launch_forward(p, out, epilogue=None, extra=()):
     the output)."""
     if p.total_comp == 0:
         return out
-    dev = p.kv.device
-    with _on_device(dev):
-        c = compiled_for(plan.spec("fwd", p.kv.dtype, p.ratio, p.coff, p.head_dim, p.tuning,
-                                   row_stride=p.row_stride, batch=p.batch,
-                                   numerics=p.numerics, epilogue=epilogue, ape=p.has_ape), dev)
-        rows = c.kernel.rows_per_thread(p.total_comp, sm_count(dev.index), c.ctas_per_sm,
-                                         p.tuning)
-        c.fn(p.kv, p.score, ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, out, rows, *extra)
+    with _on_device(p.kv.device):
+        launch_found(forward_kernel(p, epilogue), p.tuning, p.total_comp, p.kv, p.score,
+                     ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, out, extra)
     return out
 
 

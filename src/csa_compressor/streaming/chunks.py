@@ -9,7 +9,7 @@ import torch
 from ..checks import check_tensor
 from ..validation import check_token_offsets
 from . import ring
-from .rows import pool_rows, settings
+from .rows import pool_kept, pool_rows, settings
 from .uploads import device_ints
 from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange, seg_list
 
@@ -101,11 +101,15 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     st = settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table, pooling,
                   epilogue_inside)
     r, d = state.ratio, state.head_dim
+    fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
+        and slot_list else None
+    if fn is not None and epilogue is None and not any(counts) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (kv, score, ape))):
+        return _fresh(state, st, fn, kv, score, cu, slot_list, lens)
     staging = state.staging()
     wins = plan(counts, lens, r, state.coff)
     m = [w.i1 - w.i0 for w in wins]
-    fn = ring.tail_launcher(state, kv, score) if pooling in ("auto", "ring") and st.fused \
-        and slot_list else None
     # the tail kernel's per-slot ints ride with the body pass's offsets: one upload a call
     meta = ring.tail_meta(slot_list, wins, m) if fn is not None else []
     meta_dev = None
@@ -148,12 +152,30 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     if fn is not None:
         if meta_dev is None:
             meta_dev = device_ints(meta, dev, torch.int32, staging)
-        return Rows(out, *ring.tail(fn, state, kv, score, slot_list, wins, meta_dev, total))
+        return Rows(out, *ring.tail(fn, state, kv, score, slot_list, [w.c + w.n for w in wins],
+                                    meta_dev, total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
     slots_m = device_ints(slot_list + m, dev, staging=staging)
     return Rows(out, torch.repeat_interleave(slots_m[:B], slots_m[B:], output_size=total),
                 seg_arange([w.i0 for w in wins], m, dev, staging) * r)
+
+
+def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
+    """A call whose slots all start empty (a prompt's first chunk), on the kernels, with
+    no epilogue and no gradient: its rows are the training op's over the chunks as they
+    are (a segment a slot, the caller's offsets), so one upload carries the offsets and
+    the tail kernel's ints, then the pooling and the tail launch, with no window plan."""
+    r, k = state.ratio, len(cu)
+    cuc, meta = [0], []
+    for b, s in enumerate(slot_list):  # tail_meta's ints: no tokens before, rows from cuc
+        meta += (s, cu[b], lens[b], 0, cuc[-1])
+        cuc.append(cuc[-1] + lens[b] // r)
+    total = cuc[-1]
+    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging())
+    out = pool_kept(state, st, ints[:k], ints[k:2 * k], min_rows(total, state.head_dim))
+    return Rows(out[:total], *ring.tail(fn, state, kv, score, slot_list, lens, ints[2 * k:],
+                                        total))
 
 
 def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=(),

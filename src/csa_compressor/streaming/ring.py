@@ -11,6 +11,7 @@ import torch
 from ..epilogue_op import apply_epilogue
 from ..kernels.launch import decode_kernel, launch_decode
 from ..kernels.prefill_tail import prefill_tail
+from .rows import zero_ape
 from .windows import min_rows
 
 
@@ -44,12 +45,8 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
     few-row orders (windows.min_rows), rows not emitted at position 0."""
     B, n, W = kv.shape
     R, d, dev = -(-n // state.ratio), state.head_dim, state.device
-    ape = settings.ape
-    if ape is None:  # a zero APE adds what the no-APE kernels add (the guard's flag, 0)
-        ape = state.constants.get("zero_ape")
-        if ape is None:
-            ape = state.constants["zero_ape"] = torch.zeros((state.ratio, W), dtype=torch.float32,
-                                                            device=dev)
+    # a zero APE adds what the no-APE kernels add (the guard's flag, 0)
+    ape = zero_ape(state) if settings.ape is None else settings.ape
     ep = settings.epilogue
     cap = min_rows(B * R, d, True) if ep is not None else B * R
     # the kernel writes every row, the padding ones as zeros at position 0
@@ -91,14 +88,15 @@ def tail_meta(slot_list: list, wins: list, m: list) -> list:
     return meta
 
 
-def tail(fn, state, kv, score, slot_list: list, wins: list, meta: torch.Tensor, rows: int):
+def tail(fn, state, kv, score, slot_list: list, counts: list, meta: torch.Tensor, rows: int):
     """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
-    rings, the counts advanced; returns the ``rows`` rows' ``(slots, positions)``.
-    ``meta``: tail_meta's values on the device."""
+    rings, the counts advanced (to ``counts``, a call slot's tokens seen after it); returns
+    the ``rows`` rows' ``(slots, positions)``. ``meta``: tail_meta's values on the device."""
     dev = state.device
     # never empty: an empty tensor may have no address to hand the kernel; one allocation
-    slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev)
+    # (unbind: unpacking the tensor iterates it in Python)
+    slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev).unbind()
     fn(kv, score, *state.flat_rings(), meta.view(len(slot_list), 5), state.count, state.last_n,
        slots, positions, state.history)
-    state.set_host_counts(slot_list, [w.c + w.n for w in wins])
+    state.set_host_counts(slot_list, counts)
     return slots[:rows], positions[:rows]

@@ -12,6 +12,7 @@ from ..checks import INT32_MAX, KERNEL_ALIGN_BYTES, check_pool_numerics
 from ..epilogue import Epilogue
 from ..epilogue_op import apply_epilogue
 from ..fused_epilogue import EpilogueInside, Finish
+from ..kernels.launch import forward_kernel, launch_kept
 from ..pooling import with_numerics
 from ..validation import Problem
 
@@ -108,6 +109,35 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
                     fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside),
                     problem)
+
+
+def zero_ape(state) -> torch.Tensor:
+    """The APE the kernels read for calls without one (zeros, as launch.ape_read makes for
+    packs whose offsets the package built), made once a state."""
+    ape = state.constants.get("zero_ape")
+    if ape is None:
+        ape = state.constants["zero_ape"] = torch.zeros((state.ratio, state.width),
+                                                        dtype=torch.float32, device=state.device)
+    return ape
+
+
+def pool_kept(state, s: Settings, cu, cuc, n_rows: int) -> torch.Tensor:
+    """pool_rows of a pack of the caller's own kv / score on the fused path, with no
+    epilogue and no gradient: the kernel pool_rows launches (the same bits), found once a
+    state and kept, as the tail kernel is (the plan's and the compile cache's lookups and
+    the op's dispatch cost host time every call)."""
+    p = s.problem
+    if n_rows * p.head_dim > INT32_MAX:
+        raise ValueError(f"kv: {n_rows} rows of {p.head_dim} overflow int32 offsets")
+    key = ("forward", p.has_ape, s.numerics)
+    found = state.constants.get(key)
+    if found is None:
+        found = state.constants[key] = forward_kernel(with_numerics(p, s.numerics))
+    out = torch.empty((n_rows, p.head_dim), dtype=p.kv.dtype, device=p.kv.device)
+    if n_rows:
+        ape = p.ape if p.has_ape else zero_ape(state)
+        launch_kept(found, p.tuning, n_rows, p.kv, p.score, ape, cu, cuc, out)
+    return out
 
 
 def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.Tensor:
