@@ -114,7 +114,7 @@ def phases(name, st, fn, calls=100):
         return w
 
     patches = [(chunks, n) for n in ("_inputs", "plan", "settings", "_pool", "pool_rows",
-                                     "device_ints")]
+                                     "device_ints", "_fresh", "pool_kept")]
     patches += [(ring, "tail"), (ring, "tail_launcher"), (rows, "pool_rows"),
                 (ops, "fused_from_problem"), (pooling, "launch_forward"),
                 (state_mod.StreamState, "counts_of"), (state_mod.StreamState, "host_slots")]

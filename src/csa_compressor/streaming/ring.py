@@ -92,11 +92,12 @@ def tail(fn, state, kv, score, slot_list: list, counts: list, meta: torch.Tensor
     """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
     rings, the counts advanced (to ``counts``, a call slot's tokens seen after it); returns
     the ``rows`` rows' ``(slots, positions)``. ``meta``: tail_meta's values on the device."""
-    dev = state.device
-    # never empty: an empty tensor may have no address to hand the kernel; one allocation
-    # (unbind: unpacking the tensor iterates it in Python)
-    slots, positions = torch.empty((2, max(rows, 1)), dtype=torch.int64, device=dev).unbind()
+    # never empty: an empty tensor may have no address to hand the kernel; one allocation,
+    # two slices (unbind cost twice that, unpacking the tensor more)
+    m = max(rows, 1)
+    both = torch.empty(2 * m, dtype=torch.int64, device=state.device)
+    slots, positions = both[:m], both[m:]
     fn(kv, score, *state.flat_rings(), meta.view(len(slot_list), 5), state.count, state.last_n,
        slots, positions, state.history)
     state.set_host_counts(slot_list, counts)
-    return slots[:rows], positions[:rows]
+    return (slots, positions) if rows else (slots[:0], positions[:0])
