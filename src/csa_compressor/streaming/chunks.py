@@ -32,7 +32,8 @@ def _inputs(state, kv, score, cu_seqlens, slots):
             raise ValueError(f"{name}: expected (T, coff*head_dim = {W}), got {tuple(t.shape)}")
         if t.dtype != state.dtype:
             raise TypeError(f"{name}: expected the state's dtype {state.dtype}, got {t.dtype}")
-        if t.device != state.device:
+        # a CUDA tensor by its index alone: ``t.device`` builds an object every read
+        if t.get_device() != state.device_index or not t.is_cuda and t.device != state.device:
             raise ValueError(f"{name}: expected the state's device {state.device}, got {t.device}")
     if score.shape != kv.shape:
         raise ValueError(f"score: expected kv's shape {tuple(kv.shape)}, got {tuple(score.shape)}")

@@ -60,10 +60,13 @@ def _fused_problem(state, kv, score, ape):
     kernels cannot take them. The verdict is kept a state per tensor layout: validating
     anew cost some 35 µs of host time a prefill call on the H100 host, and the same
     tensors' layout gives the same verdict (only the row count and the kill switch,
-    checked here each call, can change it)."""
+    checked here each call, can change it). ``kv`` and ``score`` have the state's dtype,
+    device and row width (prefill and decode check them first), so their contiguity and
+    alignment are the rest of their layout."""
     if runtime.kill_switch_reason() or torch.compiler.is_compiling():
         return _validated(state, kv, score, ape)
-    key = ("fused_problem", _layout(kv), _layout(score), _layout(ape))
+    key = ("fused_problem", kv.is_contiguous(), kv.data_ptr() % KERNEL_ALIGN_BYTES,
+           score.is_contiguous(), score.data_ptr() % KERNEL_ALIGN_BYTES, _layout(ape))
     memo = state.constants.get(key)
     if memo is None:
         p = _validated(state, kv, score, ape)

@@ -45,6 +45,7 @@ class StreamState:
         shape = (num_slots + 1, self.history, coff * head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.device = self.kv.device  # "cuda" resolved to "cuda:0", as the caller's tensors say it
+        self.device_index = self.kv.get_device()  # -1 off CUDA
         self.score = torch.zeros(shape, dtype=dtype, device=self.device)
         self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.last_n = torch.zeros_like(self.count)
