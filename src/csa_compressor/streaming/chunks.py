@@ -173,7 +173,7 @@ def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
         meta += (s, cu[b], lens[b], 0, cuc[-1])
         cuc.append(cuc[-1] + lens[b] // r)
     total = cuc[-1]
-    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging(), scratch=True)
+    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging())
     out = pool_kept(state, st, ints[:k], ints[k:2 * k], min_rows(total, state.head_dim))
     return Rows(out[:total], *ring.tail(fn, state, kv, score, slot_list, lens, ints[2 * k:],
                                         total))
