@@ -4,6 +4,7 @@ compiled) and the tensors live on the CPU, so what is timed is the package's own
 around the launches (checks, problem values, plans, autograd glue, allocations), not the
 driver's. A regression guard for the host figures that tools/op_host_profile.py and
 tools/launch_host_probe.py measure on a GPU host, where each launch adds its own cost.
+Also a streaming prefill into empty slots, its tail kernel stood in.
 
     python tools/host_python_probe.py [calls]
 """
@@ -83,6 +84,22 @@ def main(calls=2000):
             rows = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
             torch.autograd.grad(rows, k, g_rows)
 
+        # streaming: a prefill into 8 empty slots (chunks._fresh), the tail kernel stood in
+        from csa_compressor import runtime, streaming
+        from csa_compressor.streaming import ring
+
+        stack.enter_context(mock.patch.object(runtime, "device_reason", lambda device: None))
+        stack.enter_context(mock.patch.object(ring, "tail_launcher",
+                                              lambda st, kv, sc: lambda *a: launches.append(a)))
+        B = 8
+        state = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=torch.bfloat16)
+        chunk = torch.zeros(B * T, coff * d, dtype=torch.bfloat16)
+        cu_host, slots = [b * T for b in range(B + 1)], list(range(B))
+
+        def prefill():
+            state.host_counts = [0] * B  # empty again, as the host records it
+            return streaming.prefill(state, chunk, chunk, ape, cu_host, slots)
+
         rows = [
             ("autograd.grad of a torch mul (CPU)", lambda: torch.autograd.grad(
                 small * 2, small, g_small)),
@@ -93,6 +110,7 @@ def main(calls=2000):
                 kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)),
             ("kernel API pool_backward", lambda: pool_backward(
                 kv, score, ape, cu, cuc, g_rows, *bufs, ratio=ratio, coff=coff)),
+            ("streaming prefill into 8 empty slots", prefill),
         ]
         got = {}
         for name, fn in rows:
