@@ -34,15 +34,6 @@ def uploads(dev):
     staging = Staging(dev)
     row("Staging.upload (pinned buffer, empty + copy_, event)",
         lambda: staging.upload(values, torch.int32))
-    from csa_compressor.streaming.uploads import cuda_copy
-
-    raw_staging = Staging(dev, copy=cuda_copy(dev))
-    assert raw_staging.copy is not None
-    got = raw_staging.upload(values, torch.int32)
-    torch.cuda.synchronize()
-    assert got.tolist() == values
-    row("Staging(copy=cuda_copy).upload (empty + cudaMemcpyAsync, event)",
-        lambda: raw_staging.upload(values, torch.int32))
     row("torch.tensor(pin_memory=True).to(non_blocking)",
         lambda: torch.tensor(values, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True))
     pin = torch.empty(1 << 13, dtype=torch.int32, pin_memory=True)

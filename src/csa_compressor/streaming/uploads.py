@@ -31,39 +31,16 @@ def device_ints(values, device, dtype=torch.int64, staging=None) -> torch.Tensor
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def cuda_copy(device):
-    """A host-to-device copy ``copy(dst_ptr, src_ptr, nbytes)`` on ``device``'s current
-    stream through cuda-python's cudaMemcpyAsync (cuda-python comes with the CuTe DSL), or
-    None where it cannot be had. For Staging: torch's ``copy_`` builds a tensor iterator
-    and records an event on the pinned block each call."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        return None
-    kind, ok = runtime.cudaMemcpyKind.cudaMemcpyHostToDevice, runtime.cudaError_t.cudaSuccess
-    raw_stream, index = torch._C._cuda_getCurrentRawStream, device.index or 0
-
-    def copy(dst: int, src: int, nbytes: int) -> None:
-        err, = runtime.cudaMemcpyAsync(dst, src, nbytes, kind, raw_stream(index))
-        if err != ok:
-            raise RuntimeError(f"cudaMemcpyAsync to {device}: {err}")
-
-    return copy
-
-
 class Staging:
     """``buffers`` pinned host buffers of ``nbytes`` each, used in turn; each is reused only
     once the event recorded after the copy that read it has completed (never a wait: a
     buffer still in flight sends the list the unstaged way). ``pinned``, ``event`` and
     ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
-    the device's current stream, where the copy runs, whichever device is current).
-    ``copy``: a raw copy ``copy(dst_ptr, src_ptr, nbytes)`` (cuda_copy's) in place of
-    torch's, used while ``device`` is the current device (its stream is then the one the
-    raw copy takes)."""
+    the device's current stream, where the copy runs, whichever device is current)."""
 
     def __init__(self, device, *, buffers: int = 8, nbytes: int = 1 << 15, pinned: bool = True,
-                 event=None, stream=None, copy=None):
-        self.device, self.nbytes, self.copy = device, nbytes, copy
+                 event=None, stream=None):
+        self.device, self.nbytes = device, nbytes
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
                      for _ in range(buffers)]
         self.events = [(event or torch.cuda.Event)() for _ in range(buffers)]
@@ -83,10 +60,7 @@ class Staging:
         buf = self.bufs[k]
         ctypes.memmove(buf.data_ptr(), arr.buffer_info()[0], n)
         out = torch.empty(len(arr), dtype=dtype, device=self.device)
-        if self.copy is not None and self.device.index == torch.cuda.current_device():
-            self.copy(out.data_ptr(), buf.data_ptr(), n)
-        else:
-            out.copy_(buf[:n].view(dtype), non_blocking=True)
+        out.copy_(buf[:n].view(dtype), non_blocking=True)
         self.events[k].record(self.stream())
         self.next = (k + 1) % len(self.bufs)
         return out
