@@ -112,7 +112,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     wins = plan(counts, lens, r, state.coff)
     m = [w.i1 - w.i0 for w in wins]
     # the tail kernel's per-slot ints ride with the body pass's offsets: one upload a call
-    meta = ring.tail_meta(slot_list, wins, m) if fn is not None else []
+    meta = ring.tail_meta(slot_list, (w.start for w in wins), (w.n for w in wins),
+                          (w.c for w in wins), m) if fn is not None else []
     meta_dev = None
     want_pos = epilogue is not None
     parts, cap = [], 0  # pooled rows of the body pass then the boundary pass
@@ -168,11 +169,12 @@ def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
     are (a segment a slot, the caller's offsets), so one upload carries the offsets and
     the tail kernel's ints, then the pooling and the tail launch, with no window plan."""
     r, k = state.ratio, len(cu)
-    cuc, meta = [0], []
-    for b, s in enumerate(slot_list):  # tail_meta's ints: no tokens before, rows from cuc
-        meta += (s, cu[b], lens[b], 0, cuc[-1])
-        cuc.append(cuc[-1] + lens[b] // r)
+    rows = [n // r for n in lens]
+    cuc = [0]
+    for m in rows:
+        cuc.append(cuc[-1] + m)
     total = cuc[-1]
+    meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
     ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging())
     out = pool_kept(state, st, ints[:k], ints[k:2 * k], min_rows(total, state.head_dim))
     return Rows(out[:total], *ring.tail(fn, state, kv, score, slot_list, lens, ints[2 * k:],

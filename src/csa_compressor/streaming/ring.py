@@ -78,12 +78,13 @@ def tail_launcher(state, kv, score):
     return fn
 
 
-def tail_meta(slot_list: list, wins: list, m: list) -> list:
+def tail_meta(slot_list, starts, lens, before, rows) -> list:
     """The tail kernel's int32 per call slot: (slot, first chunk row, new tokens, tokens
-    before, first output row), flat; ``m[b]`` rows for call slot ``b``."""
+    before, first output row), flat; ``rows[b]`` rows for call slot ``b`` (any iterables,
+    one item a call slot)."""
     meta, row0 = [], 0
-    for s, w, k in zip(slot_list, wins, m):
-        meta += [s, w.start, w.n, w.c, row0]
+    for s, start, n, c, k in zip(slot_list, starts, lens, before, rows):
+        meta += (s, start, n, c, row0)
         row0 += k
     return meta
 

@@ -114,6 +114,13 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
                     problem)
 
 
+def _check_rows(n_rows: int, head_dim: int) -> None:
+    """The output's elements must fit the kernels' int32 offsets (the caller's problem was
+    validated with another row count)."""
+    if n_rows * head_dim > INT32_MAX:
+        raise ValueError(f"kv: {n_rows} rows of {head_dim} overflow int32 offsets")
+
+
 def zero_ape(state) -> torch.Tensor:
     """The APE the kernels read for calls without one (zeros, as launch.ape_read makes for
     packs whose offsets the package built), made once a state."""
@@ -130,8 +137,7 @@ def pool_kept(state, s: Settings, cu, cuc, n_rows: int) -> torch.Tensor:
     state and kept, as the tail kernel is (the plan's and the compile cache's lookups and
     the op's dispatch cost host time every call)."""
     p = s.problem
-    if n_rows * p.head_dim > INT32_MAX:
-        raise ValueError(f"kv: {n_rows} rows of {p.head_dim} overflow int32 offsets")
+    _check_rows(n_rows, p.head_dim)
     key = ("forward", p.has_ape, s.numerics)
     found = state.constants.get(key)
     if found is None:
@@ -150,8 +156,7 @@ def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.
     if s.fused:
         base = s.problem
         if base is not None and kv is base.kv and score is base.score:
-            if n_rows * base.head_dim > INT32_MAX:
-                raise ValueError(f"kv: {n_rows} rows of {base.head_dim} overflow int32 offsets")
+            _check_rows(n_rows, base.head_dim)
             # a fresh Problem, not dataclasses.replace (4 µs of host time)
             p = Problem(base.kv, base.score, base.ape, cu, cuc, n_rows, base.ratio, base.coff,
                         base.head_dim)
