@@ -188,7 +188,7 @@ def test_prefill_sends_every_host_list_through_the_staging(fused_on_cpu, standin
     monkeypatch.setattr(state_mod.StreamState, "staging", lambda self: marker)
     real = uploads.device_ints
 
-    def spy(values, device, dtype=torch.int64, staging=None):
+    def spy(values, device, dtype=torch.int64, staging=None, scratch=False):
         seen.append(staging)
         return real(values, device, dtype)
 

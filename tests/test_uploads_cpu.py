@@ -74,3 +74,77 @@ def test_a_state_off_cuda_has_no_staging():
     from csa_compressor import streaming
 
     assert streaming.StreamState(2, 16, ratio=4, coff=2).staging() is None
+
+
+class Runtime:
+    """A stand-in for uploads.CudaRuntime: host copies, events that say done until told."""
+
+    def __init__(self):
+        self.is_current, self.stream_id, self.copies, self.destroyed = True, 1, 0, 0
+
+    def current(self):
+        return self.is_current
+
+    def stream(self):
+        return self.stream_id
+
+    def event(self):
+        return {"done": True, "records": 0}
+
+    def destroy(self, ev):
+        self.destroyed += 1
+
+    def record(self, ev, stream):
+        ev["records"] += 1
+
+    def done(self, ev):
+        return ev["done"]
+
+    def copy(self, dst, src, nbytes, stream):
+        import ctypes
+
+        self.copies += 1
+        ctypes.memmove(dst, src, nbytes)
+
+
+def raw_staging(**kw):
+    return Staging(torch.device("cpu"), pinned=False, raw=Runtime(), **kw)
+
+
+def test_raw_uploads_copy_and_record_through_the_runtime():
+    s = raw_staging(buffers=2)
+    a = s.upload([1, 2, 3], torch.int64)
+    b = s.upload([4, 5], torch.int32)
+    assert (a.tolist(), b.tolist(), a.dtype, b.dtype) == ([1, 2, 3], [4, 5], torch.int64, torch.int32)
+    assert s.raw.copies == 2 and [e["records"] for e in s.events] == [1, 1]
+    s.events[0]["done"] = False  # buffer 0's copy still queued: declined
+    assert s.upload([6], torch.int64) is None
+    s.raw.is_current = False  # another device is current: declined
+    s.events[0]["done"] = True
+    assert s.upload([6], torch.int64) is None
+
+
+def test_scratch_uploads_reuse_a_twin_on_its_stream_only():
+    s = raw_staging(buffers=2)
+    first = s.upload([1, 2], torch.int32, scratch=True)
+    s.upload([3], torch.int32, scratch=True)
+    again = s.upload([7, 8, 9], torch.int32, scratch=True)  # buffer 0 again, same stream
+    assert again.data_ptr() == first.data_ptr() == s.twins[0].data_ptr()
+    assert again.tolist() == [7, 8, 9]
+    s.upload([4], torch.int32, scratch=True)
+    s.raw.stream_id = 2  # another stream: the twin's readers may not have run
+    other = s.upload([5, 6], torch.int32, scratch=True)
+    assert other.data_ptr() != s.twins[0].data_ptr() and other.tolist() == [5, 6]
+    plain = s.upload([1], torch.int32)  # not scratch: a fresh tensor
+    assert plain.data_ptr() != s.twins[1].data_ptr()
+
+
+def test_raw_events_are_destroyed_with_the_staging():
+    import gc
+
+    s = raw_staging(buffers=3)
+    s.upload([1], torch.int32)
+    raw = s.raw
+    del s
+    gc.collect()
+    assert raw.destroyed == 3

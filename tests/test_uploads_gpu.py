@@ -5,14 +5,18 @@ overwritten, until the GPU has run it."""
 import pytest
 import torch
 
-from csa_compressor.streaming.uploads import Staging, device_ints
+from csa_compressor.streaming.uploads import CudaRuntime, Staging, device_ints
 
 pytestmark = pytest.mark.gpu
 
 
-def test_staged_copies_wait_their_turn_and_their_buffers_are_not_reused_early():
-    dev = torch.device("cuda")
-    s = Staging(dev, buffers=2)
+@pytest.mark.parametrize("raw", [False, True])
+def test_staged_copies_wait_their_turn_and_their_buffers_are_not_reused_early(raw):
+    """Both ways: torch's copy_ and events, and cuda-python's (uploads.CudaRuntime)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    runtime = CudaRuntime.make(dev) if raw else None
+    assert (runtime is not None) == raw
+    s = Staging(dev, buffers=2, raw=runtime)
     # a process's first allocation, copy and event record cost milliseconds of host time:
     # made before the GPU is kept busy, so that the copies below are still queued when checked
     for _ in range(2):
@@ -27,3 +31,28 @@ def test_staged_copies_wait_their_turn_and_their_buffers_are_not_reused_early():
     assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2, 3], [4, 2**40], [6])
     assert a.dtype == torch.int32 and b.dtype == torch.int64
     assert s.upload([7, 8], torch.int32).tolist() == [7, 8]  # its copy has run
+
+
+def test_scratch_uploads_reuse_the_twins_in_stream_order_and_not_across_streams():
+    """Scratch uploads (uploads.CudaRuntime) land in the pinned buffers' device twins: each
+    read by a kernel queued after it sees its own values although the twins are reused,
+    and a scratch upload on another stream than the twin's last takes a fresh tensor."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = Staging(dev, buffers=2, raw=CudaRuntime.make(dev))
+    seen, twins = [], set()
+    for i in range(12):
+        t = device_ints([i, 2 * i, 3 * i], dev, torch.int32, s, scratch=True)
+        twins.add(t.data_ptr())
+        seen.append(t * 1)  # a reader queued behind the copy, before the twin's next one
+        if i % 4 == 0:
+            torch.cuda._sleep(2_000_000)  # keep some copies queued behind GPU work
+    torch.cuda.synchronize()
+    assert [x.tolist() for x in seen] == [[i, 2 * i, 3 * i] for i in range(12)]
+    assert {s.twins[k].data_ptr() for k in range(2)} <= twins
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        t = s.upload([5, 6], torch.int32, scratch=True)
+        assert t.data_ptr() not in {s.twins[k].data_ptr() for k in range(2)}
+        got = t * 1
+    torch.cuda.synchronize()
+    assert got.tolist() == [5, 6]

@@ -34,6 +34,17 @@ def uploads(dev):
     staging = Staging(dev)
     row("Staging.upload (pinned buffer, empty + copy_, event)",
         lambda: staging.upload(values, torch.int32))
+    from csa_compressor.streaming.uploads import CudaRuntime
+
+    raw_staging = Staging(dev, raw=CudaRuntime.make(dev))
+    for scratch in (False, True):
+        got = raw_staging.upload(values, torch.int32, scratch)
+        torch.cuda.synchronize()
+        assert got.tolist() == values
+    row("Staging(raw=CudaRuntime).upload (empty + cudaMemcpyAsync, event)",
+        lambda: raw_staging.upload(values, torch.int32))
+    row("Staging(raw=CudaRuntime).upload, scratch (the device twin)",
+        lambda: raw_staging.upload(values, torch.int32, True))
     row("torch.tensor(pin_memory=True).to(non_blocking)",
         lambda: torch.tensor(values, dtype=torch.int32, pin_memory=True).to(dev, non_blocking=True))
     pin = torch.empty(1 << 13, dtype=torch.int32, pin_memory=True)

@@ -175,7 +175,8 @@ def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
         cuc.append(cuc[-1] + m)
     total = cuc[-1]
     meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
-    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging())
+    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging(),
+                       scratch=True)
     out = pool_kept(state, st, ints[:k], ints[k:2 * k], min_rows(total, state.head_dim))
     return Rows(out[:total], *ring.tail(fn, state, kv, score, slot_list, lens, ints[2 * k:],
                                         total))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import SUPPORTED_DTYPES, check_int, check_ratio_coff, check_tensor
-from .uploads import Staging, device_ints
+from .uploads import CudaRuntime, Staging, device_ints
 
 _CONFIG = ("num_slots", "head_dim", "ratio", "coff", "max_next_n", "max_seqlen")
 _TENSORS = ("kv", "score", "count", "last_n", "bad")
@@ -66,7 +66,8 @@ class StreamState:
             return None
         got = self.constants.get("staging")
         if got is None:
-            got = self.constants["staging"] = Staging(self.device)
+            got = self.constants["staging"] = Staging(self.device,
+                                                      raw=CudaRuntime.make(self.device))
         return got
 
     def flat_rings(self) -> tuple:

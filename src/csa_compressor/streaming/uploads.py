@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import weakref
 
 import torch
 
@@ -17,18 +18,73 @@ import torch
 _CODES = {torch.int32: "i", torch.int64: "q"}
 
 
-def device_ints(values, device, dtype=torch.int64, staging=None) -> torch.Tensor:
+def device_ints(values, device, dtype=torch.int64, staging=None,
+                scratch: bool = False) -> torch.Tensor:
     """``values`` (a host list) as a tensor on ``device`` without a host sync: a CUDA copy
     from pinned memory in stream order, through ``staging`` (a Staging) where it has a free
     buffer. Under CUDA-graph capture the copy is a plain one (a captured copy from a reused
-    buffer would read what the buffer holds at replay)."""
+    buffer would read what the buffer holds at replay). ``scratch``: the caller's launches
+    in this call are the result's only readers (Staging.upload)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.as_tensor(values, dtype=dtype).to(device)
     if staging is not None:
-        got = staging.upload(values, dtype)
+        got = staging.upload(values, dtype, scratch)
         if got is not None:
             return got
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class CudaRuntime:
+    """The CUDA runtime calls a staged upload makes, through cuda-python (which comes with
+    the CuTe DSL), on ``device`` while it is the current device: a copy, an event record
+    and an event query of 0.3-2 µs of host time each, where torch's ``copy_`` (a tensor
+    iterator, an event on the pinned block), ``current_stream`` and ``Event.record`` cost
+    several times that (tools/host_pieces_probe.py). ``make`` gives None without
+    cuda-python."""
+
+    @classmethod
+    def make(cls, device):
+        try:
+            from cuda.bindings import runtime
+        except ImportError:
+            return None
+        return cls(device, runtime)
+
+    def __init__(self, device, rt):
+        self.rt, self.index = rt, device.index or 0
+        self.ok, self.not_ready = rt.cudaError_t.cudaSuccess, rt.cudaError_t.cudaErrorNotReady
+        self.h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+
+    def current(self) -> bool:
+        return torch.cuda.current_device() == self.index
+
+    def stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.index)
+
+    def _check(self, what, err) -> None:
+        if err != self.ok:
+            raise RuntimeError(f"{what} on cuda:{self.index}: {err}")
+
+    def event(self):
+        err, ev = self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming)
+        self._check("cudaEventCreateWithFlags", err)
+        return ev
+
+    def destroy(self, ev) -> None:
+        self.rt.cudaEventDestroy(ev)
+
+    def record(self, ev, stream: int) -> None:
+        self._check("cudaEventRecord", self.rt.cudaEventRecord(ev, stream)[0])
+
+    def done(self, ev) -> bool:
+        err = self.rt.cudaEventQuery(ev)[0]
+        if err == self.not_ready:
+            return False
+        self._check("cudaEventQuery", err)
+        return True
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check("cudaMemcpyAsync", self.rt.cudaMemcpyAsync(dst, src, nbytes, self.h2d, stream)[0])
 
 
 class Staging:
@@ -36,18 +92,30 @@ class Staging:
     once the event recorded after the copy that read it has completed (never a wait: a
     buffer still in flight sends the list the unstaged way). ``pinned``, ``event`` and
     ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
-    the device's current stream, where the copy runs, whichever device is current)."""
+    the device's current stream, where the copy runs, whichever device is current).
+
+    ``raw`` (a CudaRuntime, or a stand-in with its methods): copies and events through it,
+    while ``device`` is the current device (else the list goes the unstaged way). Its
+    ``scratch`` uploads land in a device twin of the pinned buffer, with no allocation:
+    the twin's next copy is queued behind this call's readers on the same stream (a
+    different stream takes a fresh tensor), so a scratch result must not outlive its call.
+    """
 
     def __init__(self, device, *, buffers: int = 8, nbytes: int = 1 << 15, pinned: bool = True,
-                 event=None, stream=None):
-        self.device, self.nbytes = device, nbytes
+                 event=None, stream=None, raw=None):
+        self.device, self.nbytes, self.raw = device, nbytes, raw
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
                      for _ in range(buffers)]
-        self.events = [(event or torch.cuda.Event)() for _ in range(buffers)]
-        self.stream = stream or (lambda: torch.cuda.current_stream(device))
         self.next = 0
+        if raw is None:
+            self.events = [(event or torch.cuda.Event)() for _ in range(buffers)]
+            self.stream = stream or (lambda: torch.cuda.current_stream(device))
+            return
+        self.ptrs = [b.data_ptr() for b in self.bufs]
+        self.events = None  # the runtime's, made on the device at the first upload
+        self.twins, self.twin_streams = {}, [None] * buffers
 
-    def upload(self, values, dtype) -> torch.Tensor | None:
+    def upload(self, values, dtype, scratch: bool = False) -> torch.Tensor | None:
         """``values`` on the device, or None where no buffer is free or large enough."""
         code = _CODES.get(dtype)
         if code is None:
@@ -55,7 +123,11 @@ class Staging:
         arr = array.array(code, values)
         n = arr.itemsize * len(arr)
         k = self.next
-        if not arr or n > self.nbytes or not self.events[k].query():
+        if not arr or n > self.nbytes:
+            return None
+        if self.raw is not None:
+            return self._raw_upload(arr, n, k, dtype, scratch)
+        if not self.events[k].query():
             return None
         buf = self.bufs[k]
         ctypes.memmove(buf.data_ptr(), arr.buffer_info()[0], n)
@@ -64,3 +136,40 @@ class Staging:
         self.events[k].record(self.stream())
         self.next = (k + 1) % len(self.bufs)
         return out
+
+    def _raw_upload(self, arr, n: int, k: int, dtype, scratch: bool) -> torch.Tensor | None:
+        raw = self.raw
+        if not raw.current():
+            return None
+        if self.events is None:
+            self.events = [raw.event() for _ in self.bufs]
+            weakref.finalize(self, _destroy, raw, list(self.events))
+        if not raw.done(self.events[k]):
+            return None
+        ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
+        stream = raw.stream()
+        if scratch and self.twin_streams[k] in (None, stream):
+            out = self._twin(k, dtype)[:len(arr)]
+            self.twin_streams[k] = stream
+        else:
+            out = torch.empty(len(arr), dtype=dtype, device=self.device)
+        raw.copy(out.data_ptr(), self.ptrs[k], n, stream)
+        raw.record(self.events[k], stream)
+        self.next = (k + 1) % len(self.bufs)
+        return out
+
+    def _twin(self, k: int, dtype) -> torch.Tensor:
+        """Buffer ``k``'s device twin as ``dtype``, made once."""
+        got = self.twins.get((k, dtype))
+        if got is None:
+            whole = self.twins.get(k)
+            if whole is None:
+                whole = self.twins[k] = torch.empty(self.nbytes, dtype=torch.uint8,
+                                                    device=self.device)
+            got = self.twins[(k, dtype)] = whole.view(dtype)
+        return got
+
+
+def _destroy(raw, events) -> None:
+    for ev in events:
+        raw.destroy(ev)
