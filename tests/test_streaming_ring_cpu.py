@@ -188,9 +188,9 @@ def test_prefill_sends_every_host_list_through_the_staging(fused_on_cpu, standin
     monkeypatch.setattr(state_mod.StreamState, "staging", lambda self: marker)
     real = uploads.device_ints
 
-    def spy(values, device, dtype=torch.int64, staging=None, scratch=False):
+    def spy(values, device, dtype=torch.int64, staging=None, scratch=False, shapes=None):
         seen.append(staging)
-        return real(values, device, dtype)
+        return real(values, device, dtype, shapes=shapes)
 
     for module in (chunks, windows, state_mod):
         monkeypatch.setattr(module, "device_ints", spy)

@@ -139,6 +139,30 @@ def test_scratch_uploads_reuse_a_twin_on_its_stream_only():
     assert plain.data_ptr() != s.twins[1].data_ptr()
 
 
+def test_split_uploads_give_their_parts_and_scratch_ones_keep_their_views():
+    """``shapes``: one upload as consecutive parts, every way (plain, raw, scratch, off
+    CUDA); a scratch upload's parts are the twin's views, the same objects for the same
+    buffer and split, so a call pays no slicing."""
+    values, shapes = [0, 4, 8, 0, 1, 2, 10, 11, 12, 13, 14, 20, 21, 22, 23, 24], \
+        ((3,), (3,), (2, 5))
+    want = [[0, 4, 8], [0, 1, 2], [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]]
+    s = raw_staging(buffers=2)
+    first = s.upload(values, torch.int32, scratch=True, shapes=shapes)
+    assert [t.tolist() for t in first] == want
+    assert first[0].data_ptr() == s.twins[0].data_ptr()
+    s.upload([1], torch.int32, scratch=True)
+    again = s.upload([v + 1 for v in values], torch.int32, scratch=True, shapes=shapes)
+    assert all(a is b for a, b in zip(again, first))  # buffer 0 again: its kept views
+    assert again[2].tolist() == [[v + 1 for v in row] for row in want[2]]
+    plain_raw = s.upload(values, torch.int32, shapes=shapes)
+    assert [t.tolist() for t in plain_raw] == want and plain_raw[0].data_ptr() != first[0].data_ptr()
+    assert [t.tolist() for t in staging().upload(values, torch.int64, shapes=shapes)] == want
+    off = device_ints(values, torch.device("cpu"), torch.int32, shapes=shapes)
+    assert [t.tolist() for t in off] == want
+    with pytest.raises(ValueError, match="shapes"):
+        device_ints(values, torch.device("cpu"), torch.int32, shapes=((3,), (2, 5)))
+
+
 def test_raw_events_are_destroyed_with_the_staging():
     import gc
 

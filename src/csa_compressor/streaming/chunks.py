@@ -37,8 +37,9 @@ def _inputs(state, kv, score, cu_seqlens, slots):
             raise ValueError(f"{name}: expected the state's device {state.device}, got {t.device}")
     if score.shape != kv.shape:
         raise ValueError(f"score: expected kv's shape {tuple(kv.shape)}, got {tuple(score.shape)}")
+    # type(v) is int: ints and no bools, one call an item (other types go the tensor way)
     if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens):
+            type(v) is int for v in cu_seqlens):
         cu = list(cu_seqlens)
     else:
         if isinstance(cu_seqlens, (list, tuple)):
@@ -81,11 +82,12 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     # only a captured step sets a slot bad
     bad = state.bad[: state.num_slots].tolist() if state.captured else None
     lens = [cu[b + 1] - cu[b] for b in range(len(slot_list))]
+    limit = state.position_limit
     for b, s in enumerate(slot_list):
         if bad is not None and bad[s]:
             raise ValueError(f"slots: slot {s} met malformed input in a captured step (its rows "
                              "are NaN); reset it before reuse")
-        if counts[b] + lens[b] > state.position_limit:
+        if counts[b] + lens[b] > limit:
             raise ValueError(f"kv: {lens[b]} new tokens take slot {s} past its capacity of "
                              f"{state.position_limit} tokens (it holds {counts[b]})")
     if rope_table is not None and isinstance(rope_table, (tuple, list)) and lens:
@@ -155,7 +157,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
         if meta_dev is None:
             meta_dev = device_ints(meta, dev, torch.int32, staging)
         return Rows(out, *ring.tail(fn, state, kv, score, slot_list, [w.c + w.n for w in wins],
-                                    meta_dev, total))
+                                    meta_dev.view(-1, ring.META), total))
     _store(state, kv, score, slot_list, wins)
     B = len(slot_list)
     slots_m = device_ints(slot_list + m, dev, staging=staging)
@@ -175,11 +177,13 @@ def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
         cuc.append(cuc[-1] + m)
     total = cuc[-1]
     meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
-    ints = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging(),
-                       scratch=True)
-    out = pool_kept(state, st, ints[:k], ints[k:2 * k], min_rows(total, state.head_dim))
-    return Rows(out[:total], *ring.tail(fn, state, kv, score, slot_list, lens, ints[2 * k:],
-                                        total))
+    cu_d, cuc_d, meta_d = device_ints(cu + cuc + meta, state.device, torch.int32,
+                                      state.staging(), scratch=True,
+                                      shapes=((k,), (k,), (k - 1, ring.META)))
+    n = min_rows(total, state.head_dim)
+    out = pool_kept(state, st, cu_d, cuc_d, n)
+    return Rows(out if n == total else out[:total],
+                *ring.tail(fn, state, kv, score, slot_list, lens, meta_d, total))
 
 
 def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=(),

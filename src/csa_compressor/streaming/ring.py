@@ -78,6 +78,10 @@ def tail_launcher(state, kv, score):
     return fn
 
 
+# the tail kernel's ints a call slot (tail_meta)
+META = 5
+
+
 def tail_meta(slot_list, starts, lens, before, rows) -> list:
     """The tail kernel's int32 per call slot: (slot, first chunk row, new tokens, tokens
     before, first output row), flat; ``rows[b]`` rows for call slot ``b`` (any iterables,
@@ -92,13 +96,14 @@ def tail_meta(slot_list, starts, lens, before, rows) -> list:
 def tail(fn, state, kv, score, slot_list: list, counts: list, meta: torch.Tensor, rows: int):
     """Run tail kernel ``fn`` after a prefill's pooling: its chunks' last tokens into the
     rings, the counts advanced (to ``counts``, a call slot's tokens seen after it); returns
-    the ``rows`` rows' ``(slots, positions)``. ``meta``: tail_meta's values on the device."""
+    the ``rows`` rows' ``(slots, positions)``. ``meta``: tail_meta's values on the device,
+    ``(call slots, META)``."""
     # never empty: an empty tensor may have no address to hand the kernel; one allocation,
     # two slices (unbind cost twice that, unpacking the tensor more)
     m = max(rows, 1)
     both = torch.empty(2 * m, dtype=torch.int64, device=state.device)
     slots, positions = both[:m], both[m:]
-    fn(kv, score, *state.flat_rings(), meta.view(len(slot_list), 5), state.count, state.last_n,
+    fn(kv, score, *state.flat_rings(), meta, state.count, state.last_n,
        slots, positions, state.history)
     state.set_host_counts(slot_list, counts)
     return (slots, positions) if rows else (slots[:0], positions[:0])

@@ -157,7 +157,9 @@ class StreamState:
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         if isinstance(slots, (list, tuple)):
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in slots):
+            # type(v) is int first: one call an item where isinstance takes two
+            if not all(type(v) is int for v in slots) and not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in slots):
                 raise TypeError(f"{name}: expected slot indices as ints, got {list(slots)!r}")
             got = list(slots)
         else:
@@ -168,10 +170,10 @@ class StreamState:
             if slots.device.type != "cpu":
                 return None
             got = slots.tolist()
-        for j, v in enumerate(got):
-            if not 0 <= v < self.num_slots:
-                raise ValueError(f"{name}: slot {v} at index {j} is out of range "
-                                 f"[0, {self.num_slots})")
+        if got and (min(got) < 0 or max(got) >= self.num_slots):
+            j, v = next((j, v) for j, v in enumerate(got) if not 0 <= v < self.num_slots)
+            raise ValueError(f"{name}: slot {v} at index {j} is out of range "
+                             f"[0, {self.num_slots})")
         if len(set(got)) != len(got):
             dup = next(v for v in got if got.count(v) > 1)
             raise ValueError(f"{name}: slot {dup} appears more than once in one call")

@@ -10,28 +10,48 @@ from __future__ import annotations
 
 import array
 import ctypes
+import math
 import weakref
 
 import torch
 
 # array typecodes of the index dtypes ("i" and "q" are 4 and 8 bytes on the hosts torch runs on)
 _CODES = {torch.int32: "i", torch.int64: "q"}
+# the device twins' views kept at most (a key a buffer, dtype and split)
+_VIEWS_KEPT = 512
 
 
-def device_ints(values, device, dtype=torch.int64, staging=None,
-                scratch: bool = False) -> torch.Tensor:
+def device_ints(values, device, dtype=torch.int64, staging=None, scratch: bool = False,
+                shapes: tuple | None = None):
     """``values`` (a host list) as a tensor on ``device`` without a host sync: a CUDA copy
     from pinned memory in stream order, through ``staging`` (a Staging) where it has a free
     buffer. Under CUDA-graph capture the copy is a plain one (a captured copy from a reused
     buffer would read what the buffer holds at replay). ``scratch``: the caller's launches
-    in this call are the result's only readers (Staging.upload)."""
+    in this call are the result's only readers (Staging.upload). ``shapes``: the values as
+    consecutive parts of these shapes, a tuple of tensors (one upload for several lists)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.as_tensor(values, dtype=dtype).to(device)
+        return split(torch.as_tensor(values, dtype=dtype).to(device), shapes)
     if staging is not None:
-        got = staging.upload(values, dtype, scratch)
+        got = staging.upload(values, dtype, scratch, shapes)
         if got is not None:
             return got
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return split(torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True),
+                 shapes)
+
+
+def split(t: torch.Tensor, shapes: tuple | None):
+    """1-D ``t`` as consecutive parts of ``shapes`` (a tuple of views), or ``t`` where
+    ``shapes`` is None."""
+    if shapes is None:
+        return t
+    parts, i = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        parts.append(t[i:i + n].view(shape))
+        i += n
+    if i != t.shape[0]:
+        raise ValueError(f"shapes: {shapes} hold {i} values, not the {t.shape[0]} uploaded")
+    return tuple(parts)
 
 
 class CudaRuntime:
@@ -113,10 +133,11 @@ class Staging:
             return
         self.ptrs = [b.data_ptr() for b in self.bufs]
         self.events = None  # the runtime's, made on the device at the first upload
-        self.twins, self.twin_streams = {}, [None] * buffers
+        self.twins, self.twin_streams, self.views = {}, [None] * buffers, {}
 
-    def upload(self, values, dtype, scratch: bool = False) -> torch.Tensor | None:
-        """``values`` on the device, or None where no buffer is free or large enough."""
+    def upload(self, values, dtype, scratch: bool = False, shapes: tuple | None = None):
+        """``values`` on the device (as device_ints' ``shapes``), or None where no buffer is
+        free or large enough."""
         code = _CODES.get(dtype)
         if code is None:
             return None
@@ -126,7 +147,7 @@ class Staging:
         if not arr or n > self.nbytes:
             return None
         if self.raw is not None:
-            return self._raw_upload(arr, n, k, dtype, scratch)
+            return self._raw_upload(arr, n, k, dtype, scratch, shapes)
         if not self.events[k].query():
             return None
         buf = self.bufs[k]
@@ -135,9 +156,9 @@ class Staging:
         out.copy_(buf[:n].view(dtype), non_blocking=True)
         self.events[k].record(self.stream())
         self.next = (k + 1) % len(self.bufs)
-        return out
+        return split(out, shapes)
 
-    def _raw_upload(self, arr, n: int, k: int, dtype, scratch: bool) -> torch.Tensor | None:
+    def _raw_upload(self, arr, n: int, k: int, dtype, scratch: bool, shapes):
         raw = self.raw
         if not raw.current():
             return None
@@ -149,24 +170,31 @@ class Staging:
         ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
         stream = raw.stream()
         if scratch and self.twin_streams[k] in (None, stream):
-            out = self._twin(k, dtype)[:len(arr)]
+            got = self._twin_parts(k, dtype, len(arr), shapes)
             self.twin_streams[k] = stream
+            dst = self.twins[k].data_ptr()
         else:
-            out = torch.empty(len(arr), dtype=dtype, device=self.device)
-        raw.copy(out.data_ptr(), self.ptrs[k], n, stream)
+            got = split(torch.empty(len(arr), dtype=dtype, device=self.device), shapes)
+            dst = (got if shapes is None else got[0]).data_ptr()
+        raw.copy(dst, self.ptrs[k], n, stream)
         raw.record(self.events[k], stream)
         self.next = (k + 1) % len(self.bufs)
-        return out
+        return got
 
-    def _twin(self, k: int, dtype) -> torch.Tensor:
-        """Buffer ``k``'s device twin as ``dtype``, made once."""
-        got = self.twins.get((k, dtype))
+    def _twin_parts(self, k: int, dtype, count: int, shapes):
+        """The first ``count`` values of buffer ``k``'s device twin as ``dtype``, split as
+        ``shapes``: views made once a key and kept (a slice or view costs 2 µs of host
+        time on the H100 host), up to _VIEWS_KEPT keys."""
+        key = (k, dtype, count, shapes)
+        got = self.views.get(key)
         if got is None:
             whole = self.twins.get(k)
             if whole is None:
                 whole = self.twins[k] = torch.empty(self.nbytes, dtype=torch.uint8,
                                                     device=self.device)
-            got = self.twins[(k, dtype)] = whole.view(dtype)
+            if len(self.views) >= _VIEWS_KEPT:
+                self.views.clear()
+            got = self.views[key] = split(whole.view(dtype)[:count], shapes)
         return got
 
 
