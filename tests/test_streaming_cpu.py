@@ -325,3 +325,28 @@ def test_prefill_reads_its_slots_on_the_host_only(monkeypatch):
     assert rows.slots.tolist() == [2, 0] and st.counts_of([0, 1, 2]) == [5, 0, 4]
     with pytest.raises(ValueError, match="slot 3 at index 1 is out of range"):
         streaming.prefill(st, kv, kv, ape, [0, 4, 9], [2, 3])
+
+
+def test_rotary_frequencies_are_made_once_a_state_and_never_while_capturing(monkeypatch):
+    """rows.rope_freqs: the tensor the epilogue would make (rotary.rope_inv_freq), kept a
+    state and Epilogue; none made while a graph captures (its values would not exist
+    outside the graph), and none for a caller's table or an epilogue without rotary."""
+    from csa_compressor.rotary import YaRN, rope_inv_freq
+    from csa_compressor.streaming import rows
+
+    st = streaming.StreamState(2, 64, ratio=4, coff=2, dtype=torch.float32)
+    ep = Epilogue(rope_dim=32, rope_yarn=YaRN(factor=4.0, original_max_position_embeddings=64))
+    monkeypatch.setattr(streaming.StreamState, "capturing", lambda self: True)
+    assert rows.rope_freqs(st, ep) is None
+    monkeypatch.undo()
+    got = rows.rope_freqs(st, ep)
+    assert torch.equal(got, rope_inv_freq(32, ep.rope_theta, ep.rope_yarn))
+    assert rows.rope_freqs(st, ep) is got
+    assert rows.rope_freqs(st, Epilogue(rope_dim=32)) is not got
+    assert rows.rope_freqs(st, Epilogue(rope_dim=0)) is None
+    x = torch.zeros(8, 128)
+    s = rows.settings(st, x, x, None, "fp32", ep, torch.ones(64), None, "reference")
+    assert s.inv_freq is got
+    table = (torch.zeros(64, 16), torch.zeros(64, 16))
+    assert rows.settings(st, x, x, None, "fp32", ep, torch.ones(64), table,
+                         "reference").inv_freq is None

@@ -58,7 +58,7 @@ def step(c, state, kv, score, idx: torch.Tensor, settings):
                   (state.count, state.last_n, state.bad.view(torch.uint8)),
                   (out, emitted, positions), n, state.history, state.position_limit)
     if ep is not None:
-        out = apply_epilogue(out, settings.norm_weight, positions, ep,
+        out = apply_epilogue(out, settings.norm_weight, positions, ep, settings.inv_freq,
                              rope_table=settings.rope_table)
     return (out[:B * R].view(B, R, d), emitted.view(torch.bool).view(B, R),
             positions[:B * R].view(B, R))

@@ -14,6 +14,7 @@ from ..epilogue_op import apply_epilogue
 from ..fused_epilogue import EpilogueInside, Finish
 from ..kernels.launch import forward_kernel, launch_kept
 from ..pooling import with_numerics
+from ..rotary import rope_inv_freq
 from ..validation import Problem
 
 # "auto" takes the one-launch kernels where they take the call (streaming/ring.py); "ring"
@@ -37,6 +38,7 @@ class Settings(NamedTuple):
     # the caller's kv / score / ape as validated for the kernels (dispatch.unavailable), so
     # a pack of those tensors takes its problem without validating them again
     problem: object = None
+    inv_freq: torch.Tensor | None = None  # the rotary frequencies kept (rope_freqs)
 
 
 def _probe(state) -> torch.Tensor:
@@ -111,7 +113,24 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
         fused = problem is not None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
                     fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside),
-                    problem)
+                    problem, None if epilogue is None or rope_table is not None
+                    else rope_freqs(state, epilogue))
+
+
+def rope_freqs(state, ep: Epilogue) -> torch.Tensor | None:
+    """``ep``'s rotary frequencies on the state's device (rotary.rope_inv_freq, the tensor
+    the epilogue would make), made once a state and Epilogue and kept: made each step they
+    were three to five more small kernels in a captured decode step. None without rotary,
+    or while a graph captures or torch.compile traces before they were made (a tensor made
+    then holds no values outside it): the epilogue then makes them, as it would."""
+    if not ep.rope_dim:
+        return None
+    key = ("inv_freq", ep.rope_dim, ep.rope_theta, ep.rope_yarn)
+    got = state.constants.get(key)
+    if got is None and not state.capturing():
+        got = state.constants[key] = rope_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn,
+                                                   device=state.device)
+    return got
 
 
 def _check_rows(n_rows: int, head_dim: int) -> None:
@@ -168,11 +187,12 @@ def pool_rows(s: Settings, kv, score, cu, cuc, n_rows: int, positions) -> torch.
         p.offsets_built = True
         finish = None
         if s.epilogue is not None:
-            finish = Finish(s.epilogue, s.norm_weight, positions, rope_table=s.rope_table,
-                            inside=s.inside)
+            finish = Finish(s.epilogue, s.norm_weight, positions, s.inv_freq,
+                            rope_table=s.rope_table, inside=s.inside)
         return ops.fused_from_problem(with_numerics(p, s.numerics), finish)
     out = reference.compress_thd(kv, score, s.ape, cu, cuc, n_rows, ratio=s.ratio, coff=s.coff,
                                  mode=reference.MODE_OF_NUMERICS[s.numerics])
     if s.epilogue is None:
         return out
-    return apply_epilogue(out, s.norm_weight, positions, s.epilogue, rope_table=s.rope_table)
+    return apply_epilogue(out, s.norm_weight, positions, s.epilogue, s.inv_freq,
+                          rope_table=s.rope_table)
