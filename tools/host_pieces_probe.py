@@ -97,6 +97,38 @@ def uploads(dev):
     row("  torch.empty((1024, 512), bf16, cuda)", lambda: torch.empty((1024, 512), dtype=torch.bfloat16, device=dev))
     row("  dbuf[:58] (a slice)", lambda: dbuf[:n])
     row("  dbuf.narrow(0, 0, 58)", lambda: dbuf.narrow(0, 0, n))
+    pageable(dev, values, dbuf, cudart, kind, raw_stream, idx)
+
+
+def pageable(dev, values, dbuf, cudart, kind, raw_stream, idx):
+    """cudaMemcpyAsync straight from a pageable host list, no pinned buffer and no event:
+    its host time back to back and behind queued GPU work (a wait would show as the
+    spin's length), and whether the values it copies are those at the call (the driver
+    staged them) or at the copy (overwritten in between)."""
+    n = len(values)
+
+    def copy(arr):
+        err, = cudart.cudaMemcpyAsync(dbuf.data_ptr(), arr.buffer_info()[0], 4 * len(arr),
+                                      kind, raw_stream(idx))
+        assert err == cudart.cudaError_t.cudaSuccess, err
+
+    row("array + cudaMemcpyAsync from pageable memory", lambda: copy(array.array("i", values)))
+    import time
+
+    for spin_ms in (0, 5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(spin_ms * 1.5e6))  # about 1.5 GHz: roughly spin_ms of GPU work
+        arr = array.array("i", values)
+        t0 = time.perf_counter()
+        copy(arr)
+        host = (time.perf_counter() - t0) * 1e6
+        for i in range(n):
+            arr[i] = -1  # after the call: the copy must not see these
+        torch.cuda.synchronize()
+        seen = dbuf[:n].tolist()
+        print(f"  behind a {spin_ms} ms spin: the call {host:8.1f} µs of host time, copied "
+              f"{'the values at the call' if seen == values else 'values written after it'}",
+              flush=True)
 
 
 def launches(dev):
