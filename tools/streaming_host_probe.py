@@ -142,13 +142,69 @@ def phases(name, st, fn, calls=100):
         print(f"{key:60s} {v / calls * 1e6:8.1f}")
 
 
+# where a prefill call stands when it passes these points (entry or exit of the function)
+MARKS = (("streaming.chunks", "_inputs", "exit"), ("streaming.chunks", "settings", "exit"),
+         ("streaming.chunks", "_fresh", "enter"), ("streaming.chunks", "device_ints", "exit"),
+         ("streaming.chunks", "pool_kept", "enter"), ("kernels.launch", "launch_found", "exit"),
+         ("streaming.ring", "tail", "exit"))
+
+
+def to_launch(name, fn, setup=None, calls=200):
+    """Median host µs from a call's start to each of MARKS (first time reached), and to
+    its end, each call after ``setup`` and a sync, as the bench's wall clock times it:
+    the time to the pooling's launch is the host share of that wall time."""
+    import importlib
+
+    got, seen = {}, {}
+    saved = []
+    for mod_name, fname, where in MARKS:
+        mod = importlib.import_module(f"csa_compressor.{mod_name}")
+        f = getattr(mod, fname, None)
+        if f is None:
+            continue
+        key = f"{fname} {where}"
+
+        def hooked(*a, _f=f, _key=key, _enter=where == "enter", **k):
+            if _enter:
+                seen.setdefault(_key, time.perf_counter())
+            out = _f(*a, **k)
+            if not _enter:
+                seen.setdefault(_key, time.perf_counter())
+            return out
+        saved.append((mod, fname, f))
+        setattr(mod, fname, hooked)
+    try:
+        for i in range(calls + 5):
+            if setup is not None:
+                setup()
+            torch.cuda.synchronize()
+            seen.clear()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if i >= 5:
+                for k, v in list(seen.items()) + [("the call's end", t1)]:
+                    got.setdefault(k, []).append((v - t0) * 1e6)
+        torch.cuda.synchronize()
+    finally:
+        for mod, fname, f in saved:
+            setattr(mod, fname, f)
+    print(f"\n--- {name}: median host µs from the call's start to each point ({calls} calls) ---")
+    for k, v in sorted(got.items(), key=lambda kv: sorted(kv[1])[len(kv[1]) // 2]):
+        print(f"{k:44s} {sorted(v)[len(v) // 2]:8.1f}")
+
+
 def main():
     S = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     print(f"{'call':44s} {'host µs':>9s} {'wall µs':>9s} {'kernels':>8s}")
     for name, fn in cases(S):
         if name.startswith("prefill phases"):
+            st, call = fn
+            to_launch(name.replace("phases", "to launch"), call, st.reset)
             phases(name, *fn)
             continue
+        if name.startswith("training forward"):
+            to_launch(name + " to launch", fn)
         print(f"{name:44s} {host_us(fn):9.1f} {wall_clock(fn):9.1f} {kernels(fn):8d}")
         if name.startswith(("prefill ring", "training forward")):
             timeline(name, fn)  # now: the cases' closures see the loop's latest tensors
