@@ -79,25 +79,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     training op over whole sequences): no pooling, empty ``Rows``."""
     cu, slot_list = _inputs(state, kv, score, cu_seqlens, slots)
     counts = state.counts_of(slot_list)
-    # only a captured step sets a slot bad
-    bad = state.bad[: state.num_slots].tolist() if state.captured else None
     lens = [cu[b + 1] - cu[b] for b in range(len(slot_list))]
-    limit = state.position_limit
-    for b, s in enumerate(slot_list):
-        if bad is not None and bad[s]:
-            raise ValueError(f"slots: slot {s} met malformed input in a captured step (its rows "
-                             "are NaN); reset it before reuse")
-        if counts[b] + lens[b] > limit:
-            raise ValueError(f"kv: {lens[b]} new tokens take slot {s} past its capacity of "
-                             f"{state.position_limit} tokens (it holds {counts[b]})")
-    if rope_table is not None and isinstance(rope_table, (tuple, list)) and lens:
-        rows_in_table = getattr(rope_table[0], "shape", (0,))[0]
-        last = max((counts[b] + lens[b]) // state.ratio for b in range(len(lens))) - 1
-        if last * state.ratio >= rows_in_table:
-            raise ValueError(f"rope_table: row position {last * state.ratio} is past the table's "
-                             f"{rows_in_table} rows")
     dev = state.device
     if not emit:
+        _check_room(state, slot_list, counts, lens, rope_table)
         _store(state, kv, score, slot_list, plan(counts, lens, state.ratio, state.coff))
         none = torch.empty(0, dtype=torch.int64, device=dev)
         return Rows(kv.new_empty((0, state.head_dim)), none, none)
@@ -110,6 +95,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (kv, score, ape))):
         return _fresh(state, st, fn, kv, score, cu, slot_list, lens)
+    _check_room(state, slot_list, counts, lens, rope_table)
     staging = state.staging()
     wins = plan(counts, lens, r, state.coff)
     m = [w.i1 - w.i0 for w in wins]
@@ -165,6 +151,27 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
                 seg_arange([w.i0 for w in wins], m, dev, staging) * r)
 
 
+def _check_room(state, slot_list, counts, lens, rope_table) -> None:
+    """Each slot's new tokens within its capacity (and the rotary table's rows), no slot
+    left bad by a captured step: before anything writes to the state."""
+    # only a captured step sets a slot bad
+    bad = state.bad[: state.num_slots].tolist() if state.captured else None
+    limit = state.position_limit
+    for b, s in enumerate(slot_list):
+        if bad is not None and bad[s]:
+            raise ValueError(f"slots: slot {s} met malformed input in a captured step (its rows "
+                             "are NaN); reset it before reuse")
+        if counts[b] + lens[b] > limit:
+            raise ValueError(f"kv: {lens[b]} new tokens take slot {s} past its capacity of "
+                             f"{limit} tokens (it holds {counts[b]})")
+    if rope_table is not None and isinstance(rope_table, (tuple, list)) and lens:
+        rows_in_table = getattr(rope_table[0], "shape", (0,))[0]
+        last = max((counts[b] + lens[b]) // state.ratio for b in range(len(lens))) - 1
+        if last * state.ratio >= rows_in_table:
+            raise ValueError(f"rope_table: row position {last * state.ratio} is past the table's "
+                             f"{rows_in_table} rows")
+
+
 def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
     """A call whose slots all start empty (a prompt's first chunk), on the kernels, with
     no epilogue and no gradient: its rows are the training op's over the chunks as they
@@ -182,6 +189,9 @@ def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
                                       shapes=((k,), (k,), (k - 1, ring.META)))
     n = min_rows(total, state.head_dim)
     out = pool_kept(state, st, cu_d, cuc_d, n)
+    # checked once the pooling is queued (its host time then overlaps the GPU's): the
+    # pooling writes only its own output, the tail is what writes the state
+    _check_room(state, slot_list, [0] * len(lens), lens, None)
     return Rows(out if n == total else out[:total],
                 *ring.tail(fn, state, kv, score, slot_list, lens, meta_d, total))
 

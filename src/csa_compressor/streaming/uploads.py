@@ -174,8 +174,8 @@ class Staging:
             self.twin_streams[k] = stream
             dst = self.twins[k].data_ptr()
         else:
-            got = split(torch.empty(len(arr), dtype=dtype, device=self.device), shapes)
-            dst = (got if shapes is None else got[0]).data_ptr()
+            out = torch.empty(len(arr), dtype=dtype, device=self.device)
+            got, dst = split(out, shapes), out.data_ptr()
         raw.copy(dst, self.ptrs[k], n, stream)
         raw.record(self.events[k], stream)
         self.next = (k + 1) % len(self.bufs)
