@@ -97,6 +97,15 @@ def uploads(dev):
     row("  torch.empty((1024, 512), bf16, cuda)", lambda: torch.empty((1024, 512), dtype=torch.bfloat16, device=dev))
     row("  dbuf[:58] (a slice)", lambda: dbuf[:n])
     row("  dbuf.narrow(0, 0, 58)", lambda: dbuf.narrow(0, 0, n))
+    row("  torch.cuda.current_device()", torch.cuda.current_device)
+    row("  torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)
+    err, rev = cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming)
+    row("  cudaEventRecord (cuda.bindings)", lambda: cudart.cudaEventRecord(rev, raw_stream(idx)))
+    row("  cudaEventQuery (cuda.bindings)", lambda: cudart.cudaEventQuery(rev))
+    row("  torch.empty(2 * 2048, int64) + two slices",
+        lambda: (lambda b: (b[:2048], b[2048:]))(torch.empty(4096, dtype=torch.int64, device=dev)))
+    row("  two torch.empty(2048, int64)", lambda: (torch.empty(2048, dtype=torch.int64, device=dev),
+                                                   torch.empty(2048, dtype=torch.int64, device=dev)))
     pageable(dev, values, dbuf, cudart, kind, raw_stream, idx)
 
 
@@ -177,11 +186,34 @@ def launches(dev):
                                                      st.set_host_counts(slots, [0] * B)))
 
 
+def python_pieces(dev):
+    """The Python steps of a prefill into 8 empty slots before and around its launches."""
+    from csa_compressor.streaming import chunks, ring, rows
+
+    B, S, D, r, coff = 8, 4096, 512, 4, 2
+    kv = torch.randn(B * S, coff * D, device=dev).bfloat16()
+    ape = torch.randn(r, coff * D, device=dev)
+    st = streaming.StreamState(B, D, ratio=r, coff=coff, device=dev)
+    cu, slots = [b * S for b in range(B + 1)], list(range(B))
+    lens = [S] * B
+    row("chunks._inputs (kv, score, offsets, slots)", lambda: chunks._inputs(st, kv, kv, cu, slots))
+    row("StreamState.counts_of", lambda: st.counts_of(slots))
+    row("chunks._check_room", lambda: chunks._check_room(st, slots, [0] * B, lens, None))
+    row("rows.settings (the kept verdict)", lambda: rows.settings(
+        st, kv, kv, ape, "fp32", None, None, None, "auto"))
+    row("ring.tail_launcher (kept)", lambda: ring.tail_launcher(st, kv, kv))
+    row("ring.tail_meta", lambda: ring.tail_meta(slots, cu, lens, (0 for _ in lens),
+                                                  [S // r] * B))
+    row("torch.is_grad_enabled + requires_grad x3", lambda: torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (kv, kv, ape)))
+
+
 def main():
     dev = torch.device("cuda", torch.cuda.current_device())
     print(f"{'piece':64s} {'host µs':>8s}")
     uploads(dev)
     launches(dev)
+    python_pieces(dev)
 
 
 main()
