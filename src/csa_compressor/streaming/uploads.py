@@ -72,11 +72,13 @@ class CudaRuntime:
 
     def __init__(self, device, rt):
         self.rt, self.index = rt, device.index or 0
+        # with one visible GPU (they do not change once CUDA is up) it is always current
+        self.only_gpu = torch.cuda.device_count() == 1
         self.ok, self.not_ready = rt.cudaError_t.cudaSuccess, rt.cudaError_t.cudaErrorNotReady
         self.h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
     def current(self) -> bool:
-        return torch.cuda.current_device() == self.index
+        return self.only_gpu or torch.cuda.current_device() == self.index
 
     def stream(self) -> int:
         return torch._C._cuda_getCurrentRawStream(self.index)
