@@ -81,6 +81,7 @@ class Runtime:
 
     def __init__(self):
         self.is_current, self.stream_id, self.copies, self.destroyed = True, 1, 0, 0
+        self.queries = 0
 
     def current(self):
         return self.is_current
@@ -98,6 +99,7 @@ class Runtime:
         ev["records"] += 1
 
     def done(self, ev):
+        self.queries += 1
         return ev["done"]
 
     def copy(self, dst, src, nbytes, stream):
@@ -172,3 +174,30 @@ def test_raw_events_are_destroyed_with_the_staging():
     del s
     gc.collect()
     assert raw.destroyed == 3
+
+
+def test_raw_events_guard_rounds_of_half_the_buffers():
+    """One event a round of buffers // 2 copies on one stream (and at a change of stream),
+    one query for a round's buffers: a buffer of a round whose event is not done is
+    declined, and once it is done the whole round is free."""
+    s = raw_staging(buffers=8)
+    for i in range(3):
+        s.upload([i], torch.int64)
+    assert [e["records"] for e in s.events] == [0] * 8  # the round is open
+    s.upload([3], torch.int64)
+    assert [e["records"] for e in s.events] == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert s.guard == [3, 3, 3, 3, None, None, None, None]
+    s.upload([4], torch.int64)
+    s.raw.stream_id = 2  # a copy on another stream closes the round on the first
+    s.upload([5], torch.int64)
+    assert s.events[4]["records"] == 1 and s.guard[4] == 4 and s.guard[5] is None
+    s.upload([6], torch.int64)
+    s.upload([7], torch.int64)
+    s.events[3]["done"] = False  # the first round's copies still queued: buffer 0 declined
+    queries = s.raw.queries
+    assert s.upload([8], torch.int64) is None
+    s.events[3]["done"] = True
+    assert s.upload([8], torch.int64).tolist() == [8]  # the round is 5, 6, 7 and 0 on stream 2
+    assert s.events[0]["records"] == 1 and s.guard == [0, None, None, None, 4, 0, 0, 0]
+    assert s.upload([9], torch.int64).tolist() == [9]  # buffer 1: freed with its round
+    assert s.raw.queries == queries + 2 and s.raw.copies == 10

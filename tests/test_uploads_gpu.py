@@ -56,3 +56,20 @@ def test_scratch_uploads_reuse_the_twins_in_stream_order_and_not_across_streams(
         got = t * 1
     torch.cuda.synchronize()
     assert got.tolist() == [5, 6]
+
+
+def test_a_round_of_copies_guards_its_buffers_until_its_event_has_run():
+    """With four buffers (rounds of two copies, one event each), a buffer whose round is
+    still queued behind GPU work is declined, and every staged copy arrives."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = Staging(dev, buffers=4, raw=CudaRuntime.make(dev))
+    for _ in range(4):
+        s.upload([0], torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # some 100 ms of GPU time ahead of the copies
+    got = [s.upload([i, -i], torch.int32) for i in range(4)]
+    assert s.upload([9], torch.int32) is None  # buffer 0's round still queued
+    torch.cuda.synchronize()
+    assert [t.tolist() for t in got] == [[i, -i] for i in range(4)]
+    assert s.upload([9], torch.int32).tolist() == [9]
+    assert s.upload([10], torch.int32).tolist() == [10]  # freed with buffer 0's round
