@@ -4,7 +4,9 @@ For prefill (8 prompts into empty slots, head_dim 512, ratio 4 and 128) and an e
 decode step (256 slots, one token each): the host µs a call (perf_counter over back-to-back
 calls, one sync at the end), the wall µs (CUDA events around one call, as the bench), and
 the CUDA kernels a call launches (torch.profiler), beside the training forward over the
-same tokens.
+same tokens; for the training forward and a prefill, the host µs from the call's start to
+its pooling launch and other points (MARKS), which is the host's share of the bench's
+wall time.
 
     python tools/streaming_host_probe.py [prompt_tokens]
 """
