@@ -111,7 +111,7 @@ class CudaRuntime:
 
 class Staging:
     """``buffers`` pinned host buffers of ``nbytes`` each, used in turn; each is reused only
-    once the event recorded after the copy that read it has completed (never a wait: a
+    once an event recorded after the copy that read it has completed (never a wait: a
     buffer still in flight sends the list the unstaged way). ``pinned``, ``event`` and
     ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
     the device's current stream, where the copy runs, whichever device is current).
