@@ -6,7 +6,7 @@ then copies the unstaged way), never waited for or overwritten."""
 import pytest
 import torch
 
-from csa_compressor.streaming.uploads import Staging, device_ints
+from csa_compressor.streaming.uploads import PinnedRing, Staging, device_ints
 
 
 class Event:
@@ -109,8 +109,12 @@ class Runtime:
         ctypes.memmove(dst, src, nbytes)
 
 
-def raw_staging(**kw):
-    return Staging(torch.device("cpu"), pinned=False, raw=Runtime(), **kw)
+def raw_staging(buffers=8, **kw):
+    """A state's Staging through its own ring of ``buffers`` (a state's default: the
+    device's shared one), both on one stand-in runtime."""
+    raw = Runtime()
+    ring = PinnedRing(raw, buffers=buffers, pinned=False, **kw)
+    return Staging(torch.device("cpu"), buffers=buffers, raw=raw, ring=ring)
 
 
 def test_raw_uploads_copy_and_record_through_the_runtime():
@@ -118,11 +122,11 @@ def test_raw_uploads_copy_and_record_through_the_runtime():
     a = s.upload([1, 2, 3], torch.int64)
     b = s.upload([4, 5], torch.int32)
     assert (a.tolist(), b.tolist(), a.dtype, b.dtype) == ([1, 2, 3], [4, 5], torch.int64, torch.int32)
-    assert s.raw.copies == 2 and [e["records"] for e in s.events] == [1, 1]
-    s.events[0]["done"] = False  # buffer 0's copy still queued: declined
+    assert s.raw.copies == 2 and [e["records"] for e in s.ring.events] == [1, 1]
+    s.ring.events[0]["done"] = False  # buffer 0's copy still queued: declined
     assert s.upload([6], torch.int64) is None
     s.raw.is_current = False  # another device is current: declined
-    s.events[0]["done"] = True
+    s.ring.events[0]["done"] = True
     assert s.upload([6], torch.int64) is None
 
 
@@ -165,7 +169,7 @@ def test_split_uploads_give_their_parts_and_scratch_ones_keep_their_views():
         device_ints(values, torch.device("cpu"), torch.int32, shapes=((3,), (2, 5)))
 
 
-def test_raw_events_are_destroyed_with_the_staging():
+def test_raw_events_are_destroyed_with_their_ring():
     import gc
 
     s = raw_staging(buffers=3)
@@ -176,6 +180,22 @@ def test_raw_events_are_destroyed_with_the_staging():
     assert raw.destroyed == 3
 
 
+def test_a_devices_states_share_one_ring_kept_for_the_process(monkeypatch):
+    """Stagings made without a ring take their device's, made once: the runtime's copies
+    read its pinned buffers unseen by torch's pinned allocator, so no state's end may free
+    one while a copy from it is queued."""
+    from csa_compressor.streaming import uploads
+
+    monkeypatch.setattr(uploads, "_RINGS", {})
+    dev = torch.device("cpu")
+    a = Staging(dev, pinned=False, raw=Runtime())
+    b = Staging(dev, pinned=False, raw=Runtime())
+    assert a.ring is b.ring is uploads._RINGS[dev.index]
+    assert a.upload([1, 2], torch.int32, scratch=True).tolist() == [1, 2]
+    assert b.upload([3], torch.int32, scratch=True).tolist() == [3]
+    assert a.ring.next == 2 and a.twins[0].data_ptr() != b.twins[0].data_ptr()
+
+
 def test_raw_events_guard_rounds_of_half_the_buffers():
     """One event a round of buffers // 2 copies on one stream (and at a change of stream),
     one query for a round's buffers: a buffer of a round whose event is not done is
@@ -183,21 +203,21 @@ def test_raw_events_guard_rounds_of_half_the_buffers():
     s = raw_staging(buffers=8)
     for i in range(3):
         s.upload([i], torch.int64)
-    assert [e["records"] for e in s.events] == [0] * 8  # the round is open
+    assert [e["records"] for e in s.ring.events] == [0] * 8  # the round is open
     s.upload([3], torch.int64)
-    assert [e["records"] for e in s.events] == [0, 0, 0, 1, 0, 0, 0, 0]
-    assert s.guard == [3, 3, 3, 3, None, None, None, None]
+    assert [e["records"] for e in s.ring.events] == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert s.ring.guard == [3, 3, 3, 3, None, None, None, None]
     s.upload([4], torch.int64)
     s.raw.stream_id = 2  # a copy on another stream closes the round on the first
     s.upload([5], torch.int64)
-    assert s.events[4]["records"] == 1 and s.guard[4] == 4 and s.guard[5] is None
+    assert s.ring.events[4]["records"] == 1 and s.ring.guard[4] == 4 and s.ring.guard[5] is None
     s.upload([6], torch.int64)
     s.upload([7], torch.int64)
-    s.events[3]["done"] = False  # the first round's copies still queued: buffer 0 declined
+    s.ring.events[3]["done"] = False  # the first round's copies still queued: buffer 0 declined
     queries = s.raw.queries
     assert s.upload([8], torch.int64) is None
-    s.events[3]["done"] = True
+    s.ring.events[3]["done"] = True
     assert s.upload([8], torch.int64).tolist() == [8]  # the round is 5, 6, 7 and 0 on stream 2
-    assert s.events[0]["records"] == 1 and s.guard == [0, None, None, None, 4, 0, 0, 0]
+    assert s.ring.events[0]["records"] == 1 and s.ring.guard == [0, None, None, None, 4, 0, 0, 0]
     assert s.upload([9], torch.int64).tolist() == [9]  # buffer 1: freed with its round
     assert s.raw.queries == queries + 2 and s.raw.copies == 10

@@ -5,7 +5,13 @@ overwritten, until the GPU has run it."""
 import pytest
 import torch
 
-from csa_compressor.streaming.uploads import CudaRuntime, Staging, device_ints
+from csa_compressor.streaming.uploads import CudaRuntime, PinnedRing, Staging, device_ints
+
+
+def _raw(dev, buffers):
+    """A Staging through its own ring of ``buffers`` (a state's takes the device's)."""
+    rt = CudaRuntime.make(dev)
+    return Staging(dev, buffers=buffers, raw=rt, ring=PinnedRing(rt, buffers=buffers))
 
 pytestmark = pytest.mark.gpu
 
@@ -14,9 +20,9 @@ pytestmark = pytest.mark.gpu
 def test_staged_copies_wait_their_turn_and_their_buffers_are_not_reused_early(raw):
     """Both ways: torch's copy_ and events, and cuda-python's (uploads.CudaRuntime)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    runtime = CudaRuntime.make(dev) if raw else None
-    assert (runtime is not None) == raw
-    s = Staging(dev, buffers=2, raw=runtime)
+    if raw:
+        assert CudaRuntime.make(dev) is not None
+    s = _raw(dev, 2) if raw else Staging(dev, buffers=2)
     # a process's first allocation, copy and event record cost milliseconds of host time:
     # made before the GPU is kept busy, so that the copies below are still queued when checked
     for _ in range(2):
@@ -34,11 +40,11 @@ def test_staged_copies_wait_their_turn_and_their_buffers_are_not_reused_early(ra
 
 
 def test_scratch_uploads_reuse_the_twins_in_stream_order_and_not_across_streams():
-    """Scratch uploads (uploads.CudaRuntime) land in the pinned buffers' device twins: each
+    """Scratch uploads (uploads.CudaRuntime) land in the state's device twins: each
     read by a kernel queued after it sees its own values although the twins are reused,
     and a scratch upload on another stream than the twin's last takes a fresh tensor."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    s = Staging(dev, buffers=2, raw=CudaRuntime.make(dev))
+    s = _raw(dev, 2)
     seen, twins = [], set()
     for i in range(12):
         t = device_ints([i, 2 * i, 3 * i], dev, torch.int32, s, scratch=True)
@@ -62,7 +68,7 @@ def test_a_round_of_copies_guards_its_buffers_until_its_event_has_run():
     """With four buffers (rounds of two copies, one event each), a buffer whose round is
     still queued behind GPU work is declined, and every staged copy arrives."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    s = Staging(dev, buffers=4, raw=CudaRuntime.make(dev))
+    s = _raw(dev, 4)
     for _ in range(4):
         s.upload([0], torch.int32)
     torch.cuda.synchronize()

@@ -2,8 +2,9 @@
 
 torch's copy from pageable memory synchronises the stream, so a prefill's index lists go
 through pinned memory. A fresh pinned tensor a list (as_tensor, pin_memory, to) cost some
-80 µs of host time a call on the H100 host, most of a prefill's budget; ``Staging`` keeps
-a few pinned buffers per stream state and reuses one once the copy that read it has run.
+80 µs of host time a call on the H100 host, most of a prefill's budget; a stream state's
+``Staging`` copies through a few pinned buffers its device's states share (PinnedRing),
+each reused once the copy that read it has run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import array
 import ctypes
 import math
+import threading
 import weakref
 
 import torch
@@ -109,39 +111,112 @@ class CudaRuntime:
         self._check("cudaMemcpyAsync", self.rt.cudaMemcpyAsync(dst, src, nbytes, self.h2d, stream)[0])
 
 
-class Staging:
-    """``buffers`` pinned host buffers of ``nbytes`` each, used in turn; each is reused only
-    once an event recorded after the copy that read it has completed (never a wait: a
-    buffer still in flight sends the list the unstaged way). ``pinned``, ``event`` and
-    ``stream`` are seams for the CPU tests (a CUDA build pins, and records CUDA events on
-    the device's current stream, where the copy runs, whichever device is current).
+class PinnedRing:
+    """``buffers`` pinned host buffers of ``nbytes`` that the runtime's copies read (``raw``,
+    a CudaRuntime or a stand-in), used in turn under a lock; a buffer is reused only once
+    an event recorded after its copy has completed (never a wait: a buffer in flight
+    declines). One event a round of ``buffers // 2`` copies on one stream, not one a copy:
+    a record and a query cost some 5 µs of a prefill's host time on the H100 host.
 
-    ``raw`` (a CudaRuntime, or a stand-in with its methods): copies and events through it,
-    while ``device`` is the current device (else the list goes the unstaged way), with one
-    event a round of ``buffers // 2`` copies on one stream (_close_round). Its
-    ``scratch`` uploads land in a device twin of the pinned buffer, with no allocation:
-    the twin's next copy is queued behind this call's readers on the same stream (a
+    A device's stream states share one, kept for the process (shared_ring): torch's pinned
+    allocator does not see these copies, so a buffer freed with its state could be handed
+    to another pinned tensor while a copy from it is still queued."""
+
+    def __init__(self, raw, *, buffers: int = 8, nbytes: int = 1 << 15, pinned: bool = True):
+        self.raw, self.nbytes = raw, nbytes
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                     for _ in range(buffers)]
+        self.ptrs = [b.data_ptr() for b in self.bufs]
+        self.events = None  # the runtime's, made on the device at the first copy
+        self.next = 0
+        # ``guard[k]``: the event recorded after buffer k's last copy (None: free, or in
+        # the open round)
+        self.round, self.round_stream, self.round_len = [], None, max(1, buffers // 2)
+        self.guard = [None] * buffers
+        self.lock = threading.Lock()
+
+    def copy(self, arr, n: int, dst: int, stream: int) -> bool:
+        """Queue a copy of ``arr``'s first ``n`` bytes to device address ``dst`` on
+        ``stream`` through the next buffer; False (nothing done) where it is in flight."""
+        raw = self.raw
+        with self.lock:
+            if self.events is None:
+                self.events = [raw.event() for _ in self.bufs]
+                weakref.finalize(self, _destroy, raw, list(self.events))
+            k = self.next
+            g = self.guard[k]
+            if g is not None:
+                if not raw.done(self.events[g]):
+                    return False
+                self.guard = [None if h == g else h for h in self.guard]  # its round is free
+            if self.round and stream != self.round_stream:
+                self._close_round()  # an event covers the copies of one stream
+            ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
+            raw.copy(dst, self.ptrs[k], n, stream)
+            self.round.append(k)
+            self.round_stream = stream
+            if len(self.round) >= self.round_len:
+                self._close_round()
+            self.next = (k + 1) % len(self.bufs)
+            return True
+
+    def _close_round(self) -> None:
+        """An event after the open round's copies, guarding each of its buffers. The ring
+        returns to a buffer only after more copies than a round holds, so no buffer is
+        reused while its round is open."""
+        e = self.round[-1]
+        self.raw.record(self.events[e], self.round_stream)
+        for j in self.round:
+            self.guard[j] = e
+        self.round = []
+
+
+# device index -> the PinnedRing its stream states share, never freed (PinnedRing)
+_RINGS: dict = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def shared_ring(device, raw, pinned: bool = True) -> PinnedRing:
+    """``device``'s PinnedRing, made at first use with ``raw`` (``pinned``: as PinnedRing's,
+    a seam for the CPU tests)."""
+    got = _RINGS.get(device.index)
+    if got is None:
+        with _RINGS_LOCK:
+            got = _RINGS.get(device.index)
+            if got is None:
+                got = _RINGS[device.index] = PinnedRing(raw, pinned=pinned)
+    return got
+
+
+class Staging:
+    """A stream state's uploads. Without ``raw``: ``buffers`` pinned host buffers of
+    ``nbytes`` each, used in turn, each reused only once the torch event recorded after
+    its copy has completed (never a wait: a buffer still in flight sends the list the
+    unstaged way); ``pinned``, ``event`` and ``stream`` are seams for the CPU tests (a
+    CUDA build pins, and records CUDA events on the device's current stream, where the
+    copy runs, whichever device is current).
+
+    ``raw`` (a CudaRuntime, or a stand-in with its methods): copies through ``ring`` (a
+    PinnedRing; the device's shared one by default) while ``device`` is the current
+    device (else the list goes the unstaged way). Its ``scratch`` uploads land in one of
+    ``buffers`` device twins of the state's own, used in turn, with no allocation: a
+    twin's next copy is queued behind this call's readers on the same stream (a
     different stream takes a fresh tensor), so a scratch result must not outlive its call.
     """
 
     def __init__(self, device, *, buffers: int = 8, nbytes: int = 1 << 15, pinned: bool = True,
-                 event=None, stream=None, raw=None):
+                 event=None, stream=None, raw=None, ring=None):
         self.device, self.nbytes, self.raw = device, nbytes, raw
-        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-                     for _ in range(buffers)]
         self.next = 0
         if raw is None:
+            self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                         for _ in range(buffers)]
             self.events = [(event or torch.cuda.Event)() for _ in range(buffers)]
             self.stream = stream or (lambda: torch.cuda.current_stream(device))
             return
-        self.ptrs = [b.data_ptr() for b in self.bufs]
-        self.events = None  # the runtime's, made on the device at the first upload
+        self.ring = ring or shared_ring(device, raw, pinned)
+        self.nbytes = self.ring.nbytes
         self.twins, self.twin_streams, self.views = {}, [None] * buffers, {}
-        # one event a round of half the buffers, not one a copy: a record and a query cost
-        # some 5 µs of a prefill's host time on the H100 host. ``guard[k]``: the event
-        # recorded after buffer k's last copy (None: free, or in the open round)
-        self.round, self.round_stream, self.round_len = [], None, max(1, buffers // 2)
-        self.guard = [None] * buffers
 
     def upload(self, values, dtype, scratch: bool = False, shapes: tuple | None = None):
         """``values`` on the device (as device_ints' ``shapes``), or None where no buffer is
@@ -151,11 +226,11 @@ class Staging:
             return None
         arr = array.array(code, values)
         n = arr.itemsize * len(arr)
-        k = self.next
         if not arr or n > self.nbytes:
             return None
         if self.raw is not None:
-            return self._raw_upload(arr, n, k, dtype, scratch, shapes)
+            return self._raw_upload(arr, n, dtype, scratch, shapes)
+        k = self.next
         if not self.events[k].query():
             return None
         buf = self.bufs[k]
@@ -166,49 +241,28 @@ class Staging:
         self.next = (k + 1) % len(self.bufs)
         return split(out, shapes)
 
-    def _raw_upload(self, arr, n: int, k: int, dtype, scratch: bool, shapes):
+    def _raw_upload(self, arr, n: int, dtype, scratch: bool, shapes):
         raw = self.raw
         if not raw.current():
             return None
-        if self.events is None:
-            self.events = [raw.event() for _ in self.bufs]
-            weakref.finalize(self, _destroy, raw, list(self.events))
-        g = self.guard[k]
-        if g is not None:
-            if not raw.done(self.events[g]):
-                return None
-            self.guard = [None if h == g else h for h in self.guard]  # its whole round is free
         stream = raw.stream()
-        if self.round and stream != self.round_stream:
-            self._close_round()  # an event covers the copies of one stream
-        ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
-        if scratch and self.twin_streams[k] in (None, stream):
-            got = self._twin_parts(k, dtype, len(arr), shapes)
-            self.twin_streams[k] = stream
-            dst = self.twins[k].data_ptr()
+        j = self.next
+        twin = scratch and self.twin_streams[j] in (None, stream)
+        if twin:
+            got = self._twin_parts(j, dtype, len(arr), shapes)
+            dst = self.twins[j].data_ptr()
         else:
             out = torch.empty(len(arr), dtype=dtype, device=self.device)
             got, dst = split(out, shapes), out.data_ptr()
-        raw.copy(dst, self.ptrs[k], n, stream)
-        self.round.append(k)
-        self.round_stream = stream
-        if len(self.round) >= self.round_len:
-            self._close_round()
-        self.next = (k + 1) % len(self.bufs)
+        if not self.ring.copy(arr, n, dst, stream):
+            return None
+        if twin:
+            self.twin_streams[j] = stream
+            self.next = (j + 1) % len(self.twin_streams)
         return got
 
-    def _close_round(self) -> None:
-        """An event after the open round's copies, guarding each of its buffers. The ring
-        returns to a buffer only after more uploads than a round holds, so no buffer is
-        reused while its round is open."""
-        e = self.round[-1]
-        self.raw.record(self.events[e], self.round_stream)
-        for j in self.round:
-            self.guard[j] = e
-        self.round = []
-
     def _twin_parts(self, k: int, dtype, count: int, shapes):
-        """The first ``count`` values of buffer ``k``'s device twin as ``dtype``, split as
+        """The first ``count`` values of twin ``k`` as ``dtype``, split as
         ``shapes``: views made once a key and kept (a slice or view costs 2 µs of host
         time on the H100 host), up to _VIEWS_KEPT keys."""
         key = (k, dtype, count, shapes)
