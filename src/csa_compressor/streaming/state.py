@@ -51,7 +51,7 @@ class StreamState:
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
         # shape-only tensors: decode's by (batch, next_n, epilogue), the fused path's probe
-        # (rows._probe), the ring's zero APE; the host lists' pinned buffers (staging)
+        # (rows._probe), the ring's zero APE; the host lists' uploads (staging)
         self.constants: dict = {}
         # The counts as the host knows them, while every change went through calls that
         # saw their slots on the host: prefill then reads nothing from the device. A
@@ -60,8 +60,9 @@ class StreamState:
         self.captured = False
 
     def staging(self):
-        """The pinned buffers this state's host lists go through to its GPU (made at first
-        use; None off CUDA)."""
+        """How this state's host lists go to its GPU (uploads.Staging: its device's shared
+        pinned buffers and the state's own device twins; made at first use; None off
+        CUDA)."""
         if self.device.type != "cuda":
             return None
         got = self.constants.get("staging")
