@@ -221,3 +221,29 @@ def test_raw_events_guard_rounds_of_half_the_buffers():
     assert s.ring.events[0]["records"] == 1 and s.ring.guard == [0, None, None, None, 4, 0, 0, 0]
     assert s.upload([9], torch.int64).tolist() == [9]  # buffer 1: freed with its round
     assert s.raw.queries == queries + 2 and s.raw.copies == 10
+
+
+def test_states_on_threads_share_a_ring_without_mixing_their_values():
+    """Stagings of two states on two threads copy through one ring: each upload sees its
+    own values (the ring's lock keeps a buffer from being filled by one thread and copied
+    by another)."""
+    import threading
+
+    raw = Runtime()
+    ring = PinnedRing(raw, buffers=4, pinned=False)
+    bad = []
+
+    def work(base):
+        s = Staging(torch.device("cpu"), buffers=4, raw=Runtime(), ring=ring)
+        for i in range(3000):
+            want = [base + i] * 64
+            got = s.upload(want, torch.int64)
+            if got is not None and got.tolist() != want:
+                bad.append((base, i))
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in (0, 10**6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and raw.copies == 6000
