@@ -96,9 +96,15 @@
 #   ncuinst_<shape>      the same kernels' executed-instruction counts by opcode and their
 #                        hottest SASS lines (InstructionStats, SourceCounters): where a
 #                        row's instructions go (docs/lab/ceilings.md, the issue floor)
+# ONLY_ON=H200: run nothing unless the GPU's name holds that text (a call for an H200 may
+# land on an H100, whose timings do not stand in for the H200's); the name goes to progress.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_call}
 mkdir -p "$OUT"
+if [ -n "${ONLY_ON:-}" ] && ! nvidia-smi -L | grep -q "$ONLY_ON"; then
+    echo "not on $ONLY_ON: $(nvidia-smi -L | head -1); nothing run" | tee -a "$OUT/progress.txt"
+    exit 0
+fi
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 CSA_COMMIT=${CSA_COMMIT:-unknown}
 END=$((SECONDS + ${DEADLINE:-560}))
