@@ -19,7 +19,7 @@ import torch
 
 # array typecodes of the index dtypes ("i" and "q" are 4 and 8 bytes on the hosts torch runs on)
 _CODES = {torch.int32: "i", torch.int64: "q"}
-# the device twins' views kept at most (a key a buffer, dtype and split)
+# the device twins' views kept at most (a key a twin, dtype, count and split)
 _VIEWS_KEPT = 512
 
 
