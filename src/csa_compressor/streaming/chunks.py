@@ -175,40 +175,25 @@ def _check_room(state, slot_list, counts, lens, rope_table) -> None:
 def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
     """A call whose slots all start empty (a prompt's first chunk), on the kernels, with
     no epilogue and no gradient: its rows are the training op's over the chunks as they
-    are (a segment a slot, the caller's offsets), so the offsets and the tail kernel's ints
-    go up together, then the pooling and the tail launch, with no window plan. The ints
-    are read in place from a pinned buffer where the staging can lend one (no copy; the
-    tail's are written once the pooling is queued), else uploaded in one copy."""
+    are (a segment a slot, the caller's offsets), so one upload carries the offsets and
+    the tail kernel's ints, then the pooling and the tail launch, with no window plan."""
     r, k = state.ratio, len(cu)
     rows = [n // r for n in lens]
     cuc = [0]
     for m in rows:
         cuc.append(cuc[-1] + m)
     total = cuc[-1]
+    meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
+    cu_d, cuc_d, meta_d = device_ints(cu + cuc + meta, state.device, torch.int32,
+                                      state.staging(), scratch=True,
+                                      shapes=((k,), (k,), (k - 1, ring.META)))
     n = min_rows(total, state.head_dim)
-    staging = state.staging()
-    shapes = ((k,), (k,), (k - 1, ring.META))
-    taken = staging.take((cu, cuc), torch.int32, shapes) if staging is not None else None
-    buf = None
-    if taken is None:
-        meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
-        parts = device_ints(cu + cuc + meta, state.device, torch.int32, staging, scratch=True,
-                            shapes=shapes)
-    else:
-        parts, buf = taken
-    cu_d, cuc_d, meta_d = parts
-    try:
-        out = pool_kept(state, st, cu_d, cuc_d, n)
-        # checked once the pooling is queued (its host time then overlaps the GPU's): the
-        # pooling writes only its own output, the tail is what writes the state
-        _check_room(state, slot_list, [0] * len(lens), lens, None)
-        if buf is not None:
-            staging.fill(meta_d, ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows))
-        got = ring.tail(fn, state, kv, score, slot_list, lens, meta_d, total)
-    finally:
-        if buf is not None:
-            staging.give_back(buf)
-    return Rows(out if n == total else out[:total], *got)
+    out = pool_kept(state, st, cu_d, cuc_d, n)
+    # checked once the pooling is queued (its host time then overlaps the GPU's): the
+    # pooling writes only its own output, the tail is what writes the state
+    _check_room(state, slot_list, [0] * len(lens), lens, None)
+    return Rows(out if n == total else out[:total],
+                *ring.tail(fn, state, kv, score, slot_list, lens, meta_d, total))
 
 
 def _pool(st, kv, score, cu, rows, d, want_pos, first_blocks, block_counts, extra=(),

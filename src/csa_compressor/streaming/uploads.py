@@ -110,29 +110,6 @@ class CudaRuntime:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check("cudaMemcpyAsync", self.rt.cudaMemcpyAsync(dst, src, nbytes, self.h2d, stream)[0])
 
-    def mapped(self, ptr: int, nbytes: int):
-        """The pinned host buffer at ``ptr`` as a uint8 tensor on this device that kernels
-        read in place (pinned memory is mapped at the same address under unified
-        addressing), or None where torch does not give one at that address and device."""
-        return mapped_view(ptr, nbytes, torch.device("cuda", self.index))
-
-
-class _Interface:
-    __slots__ = ("__cuda_array_interface__",)
-
-
-def mapped_view(ptr: int, nbytes: int, device):
-    """CudaRuntime.mapped: None where the tensor torch makes is not an alias of ``ptr`` on
-    ``device`` (it copies where the pointer's device differs)."""
-    obj = _Interface()
-    obj.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (ptr, False), "version": 2}
-    try:
-        t = torch.as_tensor(obj, device=device)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return t if t.data_ptr() == ptr and t.device == device else None
-
 
 class PinnedRing:
     """``buffers`` pinned host buffers of ``nbytes`` that the runtime's copies read (``raw``,
@@ -151,11 +128,9 @@ class PinnedRing:
                      for _ in range(buffers)]
         self.ptrs = [b.data_ptr() for b in self.bufs]
         self.events = None  # the runtime's, made on the device at the first copy
-        self.maps = None  # the buffers' device views (take), made at the first take
         self.next = 0
-        # ``guard[k]``: the event recorded after buffer k's last copy (None: free, or a
-        # copy's in the open round; TAKEN: read in place by kernels not known queued, or
-        # in the open round)
+        # ``guard[k]``: the event recorded after buffer k's last copy (None: free, or in
+        # the open round)
         self.round, self.round_stream, self.round_len = [], None, max(1, buffers // 2)
         self.guard = [None] * buffers
         self.lock = threading.Lock()
@@ -165,60 +140,25 @@ class PinnedRing:
         ``stream`` through the next buffer; False (nothing done) where it is in flight."""
         raw = self.raw
         with self.lock:
+            if self.events is None:
+                self.events = [raw.event() for _ in self.bufs]
+                weakref.finalize(self, _destroy, raw, list(self.events))
             k = self.next
-            if not self._free(k):
-                return False
+            g = self.guard[k]
+            if g is not None:
+                if not raw.done(self.events[g]):
+                    return False
+                self.guard = [None if h == g else h for h in self.guard]  # its round is free
             if self.round and stream != self.round_stream:
                 self._close_round()  # an event covers the copies of one stream
             ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
             raw.copy(dst, self.ptrs[k], n, stream)
-            self._join_round(k, stream)
-            self.next = (k + 1) % len(self.bufs)
-            return True
-
-    def take(self, arr, n: int):
-        """The next buffer filled with ``arr``'s first ``n`` bytes for kernels to read in
-        place (no copy): its index, or None where it is in flight or has no device view.
-        It stays taken until give_back, which its caller makes once those kernels are
-        queued: only then can an event after them be recorded."""
-        with self.lock:
-            if self.maps is None:
-                self.maps = [self.raw.mapped(p, self.nbytes) for p in self.ptrs]
-            k = self.next
-            if self.maps[k] is None or not self._free(k):
-                return None
-            ctypes.memmove(self.ptrs[k], arr.buffer_info()[0], n)
-            self.guard[k] = TAKEN
-            self.next = (k + 1) % len(self.bufs)
-            return k
-
-    def give_back(self, k: int, stream: int) -> None:
-        """Taken buffer ``k``'s readers are queued on ``stream``: it joins the round
-        there, reused once the round's event has run."""
-        with self.lock:
-            if self.round and stream != self.round_stream:
+            self.round.append(k)
+            self.round_stream = stream
+            if len(self.round) >= self.round_len:
                 self._close_round()
-            self._join_round(k, stream)
-
-    def _free(self, k: int) -> bool:
-        """Buffer ``k`` may be written: no event guards it, or its round's has run (which
-        frees the whole round). Makes the events at the first use."""
-        if self.events is None:
-            self.events = [self.raw.event() for _ in self.bufs]
-            weakref.finalize(self, _destroy, self.raw, list(self.events))
-        g = self.guard[k]
-        if g is None:
+            self.next = (k + 1) % len(self.bufs)
             return True
-        if g == TAKEN or not self.raw.done(self.events[g]):
-            return False
-        self.guard = [None if h == g else h for h in self.guard]  # its round is free
-        return True
-
-    def _join_round(self, k: int, stream: int) -> None:
-        self.round.append(k)
-        self.round_stream = stream
-        if len(self.round) >= self.round_len:
-            self._close_round()
 
     def _close_round(self) -> None:
         """An event after the open round's copies, guarding each of its buffers. The ring
@@ -231,8 +171,6 @@ class PinnedRing:
         self.round = []
 
 
-# PinnedRing.guard's mark of a buffer read in place and not yet covered by an event
-TAKEN = -1
 # device index -> the PinnedRing its stream states share, never freed (PinnedRing)
 _RINGS: dict = {}
 _RINGS_LOCK = threading.Lock()
@@ -321,61 +259,6 @@ class Staging:
         if twin:
             self.twin_streams[j] = stream
             self.next = (j + 1) % len(self.twin_streams)
-        return got
-
-    def take(self, lists, dtype, shapes: tuple, align: int = 32):
-        """``lists`` (host lists, one a leading part of ``shapes``) in the next pinned
-        buffer, read in place by kernels (PinnedRing.take): ``(parts, k)``, the buffer as
-        parts of ``shapes`` (device views, kept), each starting a multiple of ``align``
-        values in (apart in the GPU's cache lines); fill() writes the parts ``lists`` did
-        not. None where it cannot (no runtime, another device current, a buffer in flight,
-        more than a buffer holds). The caller hands ``k`` back (give_back) once the kernels
-        that read it are queued, exception or not."""
-        code = _CODES.get(dtype)
-        if code is None or self.raw is None or not self.raw.current():
-            return None
-        key = ("take", dtype, shapes, align)
-        starts = self.views.get(key)
-        if starts is None:
-            starts, at = [], 0
-            for shape in shapes:
-                starts.append(at)
-                at += -(-math.prod(shape) // align) * align
-            starts = self.views[key] = (tuple(starts), at)
-        arr = array.array(code)
-        for values, at, shape in zip(lists, starts[0], shapes):
-            if len(values) > math.prod(shape):
-                raise ValueError(f"lists: {len(values)} values for a part of shape {shape}")
-            arr.frombytes(bytes(arr.itemsize * (at - len(arr))))  # zeros up to the part
-            arr.extend(values)
-        if starts[1] * arr.itemsize > self.ring.nbytes:
-            return None
-        k = self.ring.take(arr, arr.itemsize * len(arr))
-        if k is None:
-            return None
-        return self._taken_parts(k, dtype, shapes, starts[0], key), k
-
-    def fill(self, part, values) -> None:
-        """``values`` into ``part``, one of take's parts its ``values`` did not fill (its
-        address is the pinned buffer's), before the kernels that read it are launched."""
-        arr = array.array(_CODES[part.dtype], values)
-        if len(arr) > part.numel():
-            raise ValueError(f"values: {len(arr)} do not fit a part of {part.numel()}")
-        ctypes.memmove(part.data_ptr(), arr.buffer_info()[0], arr.itemsize * len(arr))
-
-    def give_back(self, k: int) -> None:
-        """Taken buffer ``k``'s readers are queued on the current stream."""
-        self.ring.give_back(k, self.raw.stream())
-
-    def _taken_parts(self, k: int, dtype, shapes, starts, key):
-        key = key + (k,)
-        got = self.views.get(key)
-        if got is None:
-            whole = self.ring.maps[k].view(dtype)
-            if len(self.views) >= _VIEWS_KEPT:
-                self.views.clear()
-            got = self.views[key] = tuple(whole[a:a + math.prod(shape)].view(shape)
-                                          for a, shape in zip(starts, shapes))
         return got
 
     def _twin_parts(self, k: int, dtype, count: int, shapes):
