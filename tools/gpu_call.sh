@@ -22,7 +22,8 @@
 #                        the whole call), .megatron/transformers-*.tar.xz into /tmp/hf
 #   streaming            tests/test_uploads_gpu.py, test_streaming_gpu.py,
 #                        test_streaming_ring_gpu.py and examples/streaming_generation.py
-#   streaming_bench      python -m csa_compressor bench --streaming
+#   streaming_bench      python -m csa_compressor bench --streaming; streaming_bench_base
+#                        the same over $BASE_SRC's package
 #   streaming_host       tools/streaming_host_probe.py (host time by piece, timelines);
 #                        streaming_host_base the same over $BASE_SRC's package
 #   streaming_sync       tools/streaming_sync_probe.py: which host op of a prefill waits
@@ -126,6 +127,7 @@ cmd_of() {
         streaming_ring) echo "python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -rs --durations=10" ;;
         streaming_ring_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k 'gather or poisons or zero_ape' -p no:cacheprovider" ;;
         streaming_bench) echo "python3 -m csa_compressor bench --streaming" ;;
+        streaming_bench_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --streaming" ;;
         streaming_host) echo "python3 tools/streaming_host_probe.py && python3 tools/streaming_host_probe.py 64" ;;
         streaming_sync) echo "python3 tools/streaming_sync_probe.py" ;;
         streaming_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/streaming_host_probe.py" ;;
