@@ -65,11 +65,31 @@ def fused_on_cpu(monkeypatch):
             kv, score = p.full or validation.halves(p.kvs, p.score_first)
             return reference.compress_sbhd(kv, score, p.ape, ratio=p.ratio, coff=p.coff, mode=mode)
         launched.append(p.total_comp)
+        if p.offsets_built and p.coff == 1 and bool((p.cu_seqlens < 0).any()):
+            return rows_by_window(p, mode)
         # packed: the caller's kvs is what the op differentiates (the problem's halves are
         # the kernels' untracked views)
         kv, score = (p.kv, p.score) if p.kvs is None else validation.halves(p.kvs, p.score_first)
         return reference.compress_thd(kv, score, p.ape, p.cu_seqlens, p.cu_seqlens_comp,
                                       p.total_comp, ratio=p.ratio, coff=p.coff, mode=mode)
+
+    def rows_by_window(p, mode):
+        """The kernels' rows where the offsets are no pack's (streaming's in-place decode,
+        coff 1): row by row, segment ``s`` by ``cu_seqlens_comp``, its window from
+        ``cu_seqlens[s]`` where that lies in the tokens, zeros where it does not (padding
+        rows: the window at token 0)."""
+        import bisect
+
+        cu, cuc, r, T = p.cu_seqlens.tolist(), p.cu_seqlens_comp.tolist(), p.ratio, p.num_tokens
+        one = torch.tensor([0, r], dtype=torch.int32)
+        out = p.kv.new_zeros((p.total_comp, p.head_dim))
+        for row in range(p.total_comp):
+            s = bisect.bisect_right(cuc, row) - 1
+            t0 = cu[s] + (row - cuc[s]) * r if s < len(cu) - 1 else 0
+            if 0 <= t0 <= T - r:
+                out[row] = reference.compress_thd(p.kv[t0:t0 + r], p.score[t0:t0 + r], p.ape, one,
+                                                  one // r, 1, ratio=r, coff=1, mode=mode)[0]
+        return out
 
     monkeypatch.setattr(runtime, "device_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "validate", validate_any_device)

@@ -154,8 +154,13 @@ def test_the_example_runs(capsys):
 def test_streaming_bench_floor_and_table():
     from csa_compressor.cli import streaming_bench as sb
 
-    # ratio 4, coff 2, d 512, bf16: 256 x (4*1024*2 + 2*8*512*2 + 512*2) bytes
-    assert sb.decode_floor_bytes(4, 2, 512, 2) == 256 * (8192 + 16384 + 1024)
+    # ratio 4, coff 2, d 512, bf16: 256 x (4*1024*2 + 512*2) bytes and 64 windows of
+    # 2*8*512*2; ratio 128, coff 1: 256 x (4*512*2 + 512*2) and 2 windows of 2*128*512*2
+    assert sb.decode_floor_bytes(4, 2, 512, 2) == 256 * (8192 + 1024) + 64 * 16384
+    assert sb.decode_floor_bytes(128, 1, 512, 2) == 256 * (4096 + 1024) + 2 * 262144
+    st = streaming.StreamState(6, 16, ratio=4, coff=2)
+    sb.staggered(st, torch.Generator().manual_seed(0))
+    assert st.count[:6].tolist() == [8, 9, 10, 11, 8, 9]
     text = sb.table([{"case": "decode x", "streaming ring": 3.5, "streaming fused": 12.5,
                       "floor": 1.5}], {"copy_bandwidth_gbs": 4000.0, "launch_floor_us": 2.0})
     assert "| decode x |  | 3.5 | 12.5 |  | 1.5 |" in text.splitlines()
@@ -350,3 +355,30 @@ def test_rotary_frequencies_are_made_once_a_state_and_never_while_capturing(monk
     table = (torch.zeros(64, 16), torch.zeros(64, 16))
     assert rows.settings(st, x, x, None, "fp32", ep, torch.ones(64), table,
                          "reference").inv_freq is None
+
+
+def test_long_coff_one_windows_keep_aligned_rings():
+    """Ratio 128 at coff 1 keeps a ring of one window (max_next_n 1) or two, so no window
+    wraps and decode pools it in place; other configurations keep coff*ratio + max_next_n
+    tokens."""
+    from csa_compressor.streaming.state import history
+
+    assert history(128, 1, 1) == (128, True) and history(128, 1, 4) == (256, True)
+    assert history(32, 1, 4) == (64, True)
+    assert history(16, 1, 4) == (20, False)  # short windows: the decode kernel's
+    assert history(4, 2, 4) == (12, False) and history(128, 2, 4) == (260, False)
+    assert history(128, 1, 129) == (257, False)  # a step past a whole window
+    st = streaming.StreamState(2, 16, ratio=128, coff=1, max_next_n=2)
+    assert st.kv.shape == (3, 256, 16) and st.aligned
+
+
+@pytest.mark.parametrize("max_n", [1, 4])
+def test_aligned_decode_on_the_fused_path_is_the_training_rows(fused_on_cpu, max_n):
+    """steps._in_place (the kernels stood in by a row-by-row reference of their contract):
+    chunked prefill, decode of up to max_n tokens with take-backs, every row the
+    reference training forward's."""
+    st = streaming.StreamState(3, 32, ratio=128, coff=1, max_next_n=max_n)
+    run = Stream(st, [300, 129, 260, 140], seed=max_n, pooling="auto", max_n=max_n)
+    run.run()
+    run.check()
+    assert fused_on_cpu

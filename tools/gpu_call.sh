@@ -27,7 +27,9 @@
 #   streaming_host       tools/streaming_host_probe.py (host time by piece, timelines);
 #                        streaming_host_base the same over $BASE_SRC's package
 #   streaming_sync       tools/streaming_sync_probe.py: which host op of a prefill waits
-#   streaming_sanitize   compute-sanitizer memcheck over examples/streaming_generation.py
+#   streaming_sanitize   compute-sanitizer memcheck over examples/streaming_generation.py;
+#                        streaming_inplace_sanitize over ratio 128's in-place decode tests
+#   unpack_hf            .megatron/transformers-*.tar.xz alone into /tmp/hf (for hf, hf_bench)
 #   hf                   tests/test_transformers_gpu.py with transformers 5.23 (/tmp/hf) first
 #   hf_bench             tools/hf_bench.py (the adapter installed against not, training and generate)
 #   bench_fp32r2         the fused pooling of fp32 8x4096 d512 ratio 2 coff 1 against its floor
@@ -131,6 +133,8 @@ cmd_of() {
         streaming_host) echo "python3 tools/streaming_host_probe.py && python3 tools/streaming_host_probe.py 64" ;;
         streaming_sync) echo "python3 tools/streaming_sync_probe.py" ;;
         streaming_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/streaming_host_probe.py" ;;
+        streaming_inplace_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_gpu.py -k 'aligned_rings or (captured and 128)' -p no:cacheprovider" ;;
+        unpack_hf) echo "mkdir -p /tmp/hf && for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
         streaming_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 examples/streaming_generation.py" ;;
         hf) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 -m pytest -q -m gpu tests/test_transformers_gpu.py -rs" ;;
         hf_bench) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 tools/hf_bench.py" ;;

@@ -6,11 +6,14 @@ training forward over the same tokens (compress_thd_fused) and the streaming pla
 path: wall time, CUDA events around each call (prefill reads its offsets on the host, so
 it is timed outside graphs, and so is the training forward it is compared with), and GPU
 time, each call enqueued behind a spin that hides its host time. Decode: one step of 256 slots in a CUDA graph of
-20 steps, with and without the epilogue: the one-launch kernel (pooling "ring"; at ratio
-128 it takes the gather path), the gather path ("fused") and the plain-torch path,
-captured alike; the floor is the bytes a step must move (read the new tokens, write them
-into the state, read every emitting slot's window, write its row) over the copy
-bandwidth, and the launch floor one captured elementwise kernel's time.
+20 steps, with and without the epilogue, the slots at staggered counts (slot ``b``
+prefilled with ``coff*ratio + b % ratio`` tokens), so every step closes the windows of
+``256 / ratio`` slots, as a server's slots at different lengths do: the one-launch kernel
+(pooling "ring"; at ratio 128 the training op's pooling over the rings in place), the
+gather path ("fused") and the plain-torch path, captured alike; the floor is the bytes
+such a step must move (read the new tokens, write them into the state, read each closing
+window, write every slot's row) over the copy bandwidth, and the launch floor one captured
+elementwise kernel's time.
 """
 
 from __future__ import annotations
@@ -112,11 +115,23 @@ def _measured(measure):
 
 
 def decode_floor_bytes(ratio, coff, d, elem, slots=DECODE_SLOTS) -> int:
-    """A step where every slot emits: new tokens read and written to the state (kv and
-    score), the window's ``coff*ratio`` tokens of ``d`` channels read (kv and score), the
-    row written."""
+    """A step of staggered slots: every slot's new token read and written to the state
+    (kv and score) and its row written; ``slots / ratio`` windows of ``coff*ratio`` tokens
+    of ``d`` channels read (kv and score)."""
     W = coff * d
-    return slots * (2 * 2 * W * elem + 2 * coff * ratio * d * elem + d * elem)
+    return slots * (2 * 2 * W * elem + d * elem) + slots // ratio * 2 * coff * ratio * d * elem
+
+
+def staggered(st, gen):
+    """Slot ``b`` of ``st`` prefilled with ``coff*ratio + b % ratio`` random tokens."""
+    r, W = st.ratio, st.width
+    lens = [st.coff * r + b % r for b in range(st.num_slots)]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    kv = torch.randn(cu[-1], W, device=st.device, generator=gen).to(st.dtype)
+    sc = torch.randn(cu[-1], W, device=st.device, generator=gen).to(st.dtype)
+    streaming.prefill(st, kv, sc, None, cu, list(range(st.num_slots)), emit=False)
 
 
 def _decode_row(ratio, coff, d, dtype, dev, epilogue, bandwidth, progress):
@@ -132,6 +147,7 @@ def _decode_row(ratio, coff, d, dtype, dev, epilogue, bandwidth, progress):
     for name, pooling in (("streaming ring", "ring"), ("streaming fused", "fused"),
                           ("streaming torch", "reference")):
         st = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=dtype, device=dev)
+        staggered(st, gen)
         progress(f"{row['case']} {name} ...")
         try:
             row[name] = time_graph(lambda i: streaming.decode(st, kv, sc, ape, slots, epilogue=ep,

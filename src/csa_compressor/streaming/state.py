@@ -2,8 +2,10 @@
 
 Each slot keeps a ring of its last ``history = coff*ratio + max_next_n`` tokens: what the
 next rows need (the unfinished block and, at coff 2, the block before it) plus the tokens
-a decode step may take back. One spare slot past the last takes the writes of entries a
-captured step rejects, so a bad index never lands in a caller's slot.
+a decode step may take back. Long windows at coff 1 (ratio > ALIGNED_MIN_RATIO) keep
+``ratio`` tokens (``max_next_n`` 1) or ``2 * ratio``: every window then lies whole in its
+ring, and decode pools it there (steps.py). One spare slot past the last takes the writes
+of entries a captured step rejects, so a bad index never lands in a caller's slot.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import torch
 
 from ..checks import SUPPORTED_DTYPES, check_int, check_ratio_coff, check_tensor
 from .uploads import CudaRuntime, Staging, device_ints
+
+# coff-1 windows longer than this many tokens (the long-window kernels' windows at the
+# default tuning) keep aligned rings (history)
+ALIGNED_MIN_RATIO = 16
 
 _CONFIG = ("num_slots", "head_dim", "ratio", "coff", "max_next_n", "max_seqlen")
 _TENSORS = ("kv", "score", "count", "last_n", "bad")
@@ -41,7 +47,8 @@ class StreamState:
         self.num_slots, self.head_dim, self.ratio, self.coff = num_slots, head_dim, ratio, coff
         self.max_next_n, self.max_seqlen, self.dtype = max_next_n, max_seqlen, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.history = coff * ratio + max_next_n
+        # aligned: every window lies whole in its ring, and a step closes one at most
+        self.history, self.aligned = history(ratio, coff, max_next_n)
         shape = (num_slots + 1, self.history, coff * head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.device = self.kv.device  # "cuda" resolved to "cuda:0", as the caller's tensors say it
@@ -207,6 +214,16 @@ class StreamState:
                                  f"{tuple(getattr(t, 'shape', ()))}")
             mine.copy_(t)
         self.host_counts = None  # read again at the next prefill
+
+
+def history(ratio: int, coff: int, max_next_n: int) -> tuple:
+    """(the ring's tokens a slot, aligned): ``coff*ratio + max_next_n``, or for long coff-1
+    windows a multiple of ``ratio`` that holds a window and a step's tokens past it, so
+    that no window wraps (aligned: decode pools it in place, where the gather path copied
+    every slot's window every step)."""
+    if coff == 1 and ratio > ALIGNED_MIN_RATIO and max_next_n <= ratio:
+        return (ratio if max_next_n == 1 else 2 * ratio), True
+    return coff * ratio + max_next_n, False
 
 
 def which(slots):

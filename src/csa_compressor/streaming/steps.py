@@ -117,6 +117,8 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
         state.follow(which(slots), lambda v: v + n, capturing)
         return Step(rows, emitted, positions)
     _check_step(state, idx, n, capturing, host_slots)
+    if ring_asked and st.fused and state.aligned:
+        return _in_place(state, kv, score, idx, st, c, capturing, which(slots))
     count = state.count[idx]
     # the new tokens into the rings, then each slot's segment gathered from its ring
     base = idx[:, None] * H
@@ -145,6 +147,36 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     state.last_n.index_fill_(0, idx, n)
     state.follow(which(slots), lambda v: v + n, capturing)
     return Step(out, c["R"] < m[:, None], (i0[:, None] + c["R"]) * r)
+
+
+def _in_place(state, kv, score, idx, st, c, capturing: bool, known) -> Step:
+    """A step of aligned rings (StreamState.aligned, coff 1): the new tokens into the
+    rings, then the training op's pooling over the flat rings, a segment a slot whose one
+    row's window starts where the closing window lies in its ring (whole there), or where
+    no window closes, outside the tokens, so the kernel reads nothing for it and writes
+    zeros. The same kernel over the same tokens as the training forward: the same bits,
+    reading only closing windows (the gather path copied every slot's window each step)."""
+    B, n, W = kv.shape
+    r, H, d = state.ratio, state.history, state.head_dim
+    count = state.count[idx]
+    base = idx * H
+    ring_kv, ring_sc = state.flat_rings()
+    dst = (base[:, None] + (count[:, None] + c["k"]) % H).view(-1)
+    ring_kv.index_copy_(0, dst, kv.reshape(-1, W))
+    ring_sc.index_copy_(0, dst, score.reshape(-1, W))
+    emit = (count + n) // r > count // r  # n <= ratio: one window closes at most
+    first = count // r * r  # the open window's first token, the closing one's where emit
+    cu = torch.cat([torch.where(emit, base + first % H, -1), c["k"][:1] - 1]).to(torch.int32)
+    pos = None
+    if st.epilogue is not None:  # rows not emitted sit at position 0 (inside any table)
+        pos = torch.cat([torch.where(emit, first, 0), c["pad"]])
+    out = pool_rows(st, ring_kv, ring_sc, cu, c["cuc"], c["cap"], pos)[:B].view(B, 1, d)
+    if capturing:  # eager calls raised in _check_step instead
+        out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
+    state.count.index_copy_(0, idx, count + n)
+    state.last_n.index_fill_(0, idx, n)
+    state.follow(known, lambda v: v + n, capturing)
+    return Step(out, emit[:, None], first[:, None])
 
 
 def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
