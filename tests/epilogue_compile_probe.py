@@ -19,6 +19,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import column_sum as cs  # noqa: E402
+from csa_compressor.kernels import decode_entries as de  # noqa: E402
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
 from csa_compressor.kernels import offsets as off  # noqa: E402
 from csa_compressor.kernels import prefill_tail as pt  # noqa: E402
@@ -33,7 +34,8 @@ cute.compile = lambda *a, options="", **k: _orig(*a, options=options + " --ptxas
 def build(spec):
     """The kernel and its arguments:
     ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``, ``guard:ratio`` (the offsets' guard),
-    ``colsum:head_dim:lanes:finish`` (column_sum), ``tail:dtype:width:ratio`` (prefill_tail)."""
+    ``colsum:head_dim:lanes:finish`` (column_sum), ``tail:dtype:width:ratio`` (prefill_tail),
+    ``entries:dtype:width:ratio`` (decode_entries)."""
     if spec.startswith("colsum:"):
         _, d, lanes, finish = spec.split(":")
         return cs.ColumnSum(int(d), int(lanes), finish == "1"), cs.compile_args(int(d))
@@ -44,6 +46,11 @@ def build(spec):
         cdt, w = cutlass_dtype(getattr(torch, dt)), int(width)
         vec = pt.tail_vector(w, getattr(torch, dt).itemsize)
         return pt.PrefillTail(cdt, w, vec, int(ratio)), pt.compile_args(cdt, w)
+    if spec.startswith("entries:"):
+        _, dt, width, ratio = spec.split(":")
+        cdt, w = cutlass_dtype(getattr(torch, dt)), int(width)
+        vec = pt.tail_vector(w, getattr(torch, dt).itemsize)
+        return de.DecodeEntries(cdt, w, vec, int(ratio)), de.compile_args(cdt, w)
     if spec.startswith("guard:"):
         return off.OffsetsGuard(int(spec.split(":")[1])), off.guard_compile_args()
     if spec == "positions":

@@ -128,3 +128,38 @@ class PrefillTailStandin:
             for j in range((c + n) // r - i0):
                 slots[row0 + j], pos[row0 + j] = slot, (i0 + j) * r
             count[slot], last_n[slot] = c + n, 0
+
+
+class DecodeEntriesStandin:
+    """kernels/decode_entries.DecodeEntries' contract on the CPU, with its launch's
+    arguments (streaming/ring.in_place): per entry its slot checked (out of range: the
+    spare; repeated, bad, past ``limit``: malformed), its tokens into the ring where well
+    formed, the count advanced, ``cu`` the closing window's first ring row or -1, the NaN
+    and emitted flags and the position."""
+
+    def __init__(self, ratio):
+        self.ratio, self.calls = ratio, 0
+
+    def fn(self, kv, score, ring_kv, ring_sc, slots, count, last_n, bad, cu, nan, emit, pos,
+           n, H, limit):
+        self.calls += 1
+        r, raw = self.ratio, slots.tolist()
+        spare = count.shape[0] - 1
+        cu[-1], pos[:] = -1, 0
+        for b, s in enumerate(raw):
+            inside = 0 <= s < spare
+            slot = s if inside else spare
+            c = int(count[slot])
+            is_bad = not inside or raw.count(s) > 1 or bool(bad[slot]) or c + n > limit
+            if not is_bad:
+                for k in range(n):
+                    ring_kv[slot * H + (c + k) % H] = kv[b * n + k]
+                    ring_sc[slot * H + (c + k) % H] = score[b * n + k]
+            closes = (c + n) // r > c // r
+            first = c // r * r
+            emit[b], nan[b] = int(closes), int(is_bad)
+            pos[b] = first if closes else 0
+            cu[b] = slot * H + first % H if closes and not is_bad else -1
+            count[slot], last_n[slot] = c + n, n
+            if is_bad:
+                bad[slot] = 1

@@ -382,3 +382,35 @@ def test_aligned_decode_on_the_fused_path_is_the_training_rows(fused_on_cpu, max
     run.run()
     run.check()
     assert fused_on_cpu
+
+
+@pytest.mark.parametrize("max_n", [1, 3])
+def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on_cpu,
+                                                                       monkeypatch, max_n):
+    """ring.in_place (kernels/decode_entries stood in by its contract, the pooling by a
+    row-by-row reference of its kernels'): every row the reference training forward's,
+    and the state the torch ops' (steps._in_place)."""
+    from kernel_standin import DecodeEntriesStandin
+    from csa_compressor.streaming import ring
+
+    made = []
+
+    def launcher(state, kv, score):
+        made.append(DecodeEntriesStandin(state.ratio))
+        return made[-1].fn
+
+    lens = [300, 129, 260, 140]
+    states = {}
+    for kernel in (True, False):
+        if kernel:
+            monkeypatch.setattr(ring, "entries_launcher", launcher)
+        else:
+            monkeypatch.undo()
+        st = states[kernel] = streaming.StreamState(3, 32, ratio=128, coff=1, max_next_n=max_n)
+        torch.manual_seed(0)  # the drafts' noise tokens, taken back, alike both ways
+        run = Stream(st, lens, seed=max_n, pooling="auto", max_n=max_n)
+        run.run()
+        run.check()
+    assert made and sum(k.calls for k in made) > 0
+    for name in ("kv", "score", "count", "last_n", "bad"):
+        assert torch.equal(getattr(states[True], name), getattr(states[False], name)), name

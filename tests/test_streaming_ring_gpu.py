@@ -103,6 +103,40 @@ def test_captured_decode_poisons_malformed_entries(pooling):
         streaming.decode(st, kv, kv, ape, torch.tensor([1, 0, 2, 3]), pooling=pooling)
 
 
+def test_captured_in_place_decode_poisons_malformed_entries():
+    """Ratio 128's step over aligned rings (kernels/decode_entries, then the pooling in
+    place) inside a graph: a slot out of range and a repeated one get NaN rows and bad
+    slots (the spare's too); the well-formed entry's closing window is the gather path's
+    row, bit for bit."""
+    dev, d = "cuda", 128
+    g = torch.Generator(device=dev).manual_seed(7)
+    prompt = torch.randn(4 * 126, d, device=dev, generator=g).bfloat16()
+    step = torch.randn(4, 1, d, device=dev, generator=g).bfloat16()
+    ape = torch.randn(128, d, device=dev, generator=g)
+    states = {}
+    for pooling in ("ring", "fused"):
+        st = states[pooling] = streaming.StreamState(4, d, ratio=128, coff=1, device=dev)
+        streaming.prefill(st, prompt, prompt, ape, [0, 126, 252, 378, 504], [0, 1, 2, 3],
+                          pooling=pooling)
+        streaming.decode(st, step, step, ape, torch.arange(4, device=dev), pooling=pooling)
+    st = states["ring"]
+    slots = torch.arange(4, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = streaming.decode(st, step, step, ape, slots, pooling="ring")
+    slots.copy_(torch.tensor([0, 1, 9, 1], device=dev))  # 9: out of range; 1 twice
+    graph.replay()  # slot 0's 128th token: its first window closes
+    want = streaming.decode(states["fused"], step[:1], step[:1], ape, torch.tensor([0]),
+                            pooling="fused")
+    rows = out.rows.float()
+    assert rows[1].isnan().all() and rows[2].isnan().all() and rows[3].isnan().all()
+    assert bool(out.emitted[0, 0]) and int(out.positions[0, 0]) == 0
+    assert torch.equal(out.rows[0], want.rows[0]) and bool(want.emitted[0, 0])
+    assert st.bad[:4].tolist() == [False, True, False, False] and bool(st.bad[4])  # spare
+    with pytest.raises(ValueError, match="reset it"):
+        streaming.decode(st, step, step, ape, torch.tensor([1, 0, 2, 3]), pooling="ring")
+
+
 @pytest.mark.parametrize("ratio,coff,dtype", [(4, 2, torch.bfloat16), (128, 1, torch.float32),
                                               (1, 1, torch.float16)])
 def test_ring_prefill_is_the_gather_prefill(ratio, coff, dtype):

@@ -26,6 +26,7 @@
 #                        the same over $BASE_SRC's package
 #   streaming_host       tools/streaming_host_probe.py (host time by piece, timelines);
 #                        streaming_host_base the same over $BASE_SRC's package
+#   decode_profile       tools/decode_profile.py: a captured decode step's kernels, r128 and r4
 #   streaming_sync       tools/streaming_sync_probe.py: which host op of a prefill waits
 #   streaming_sanitize   compute-sanitizer memcheck over examples/streaming_generation.py;
 #                        streaming_inplace_sanitize over ratio 128's in-place decode tests
@@ -131,9 +132,10 @@ cmd_of() {
         streaming_bench) echo "python3 -m csa_compressor bench --streaming" ;;
         streaming_bench_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 -m csa_compressor bench --streaming" ;;
         streaming_host) echo "python3 tools/streaming_host_probe.py && python3 tools/streaming_host_probe.py 64" ;;
+        decode_profile) echo "python3 tools/decode_profile.py" ;;
         streaming_sync) echo "python3 tools/streaming_sync_probe.py" ;;
         streaming_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/streaming_host_probe.py" ;;
-        streaming_inplace_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_gpu.py -k 'aligned_rings or (captured and 128)' -p no:cacheprovider" ;;
+        streaming_inplace_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_gpu.py -k 'aligned_rings or (captured and 128)' -p no:cacheprovider && compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k in_place -p no:cacheprovider" ;;
         unpack_hf) echo "mkdir -p /tmp/hf && for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
         streaming_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 examples/streaming_generation.py" ;;
         hf) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 -m pytest -q -m gpu tests/test_transformers_gpu.py -rs" ;;

@@ -1,7 +1,9 @@
 """The one-launch paths of ``pooling="ring"``: decode's kernels/pool_decode reads the
 slots' rings in place, so a step is one kernel (and the epilogue's) where the gather path
 is some thirty small ones, its rows the training forward's (the forward's row math, in
-its order); prefill's kernels/prefill_tail stores the chunks into the rings and writes
+its order); over aligned rings (long windows) kernels/decode_entries does a step's
+bookkeeping in one launch and the training forward's kernel pools the closing windows
+in place; prefill's kernels/prefill_tail stores the chunks into the rings and writes
 the rows' slots and positions after its pooling, where torch ops took some fourteen."""
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..epilogue_op import apply_epilogue
+from ..kernels.decode_entries import decode_entries
 from ..kernels.launch import decode_kernel, launch_decode
 from ..kernels.prefill_tail import prefill_tail
-from .rows import zero_ape
+from .rows import pool_rows, zero_ape
 from .windows import min_rows
 
 
@@ -107,3 +110,34 @@ def tail(fn, state, kv, score, slot_list: list, counts: list, meta: torch.Tensor
        slots, positions, state.history)
     state.set_host_counts(slot_list, counts)
     return (slots, positions) if rows else (slots[:0], positions[:0])
+
+
+def entries_launcher(state, kv, score):
+    """The decode-entries kernel for a step over aligned rings (StreamState.aligned), or
+    None where it cannot take it (then steps._in_place's torch ops): not on a GPU, inputs
+    not contiguous and 16-byte aligned, or no compiled kernel while a CUDA graph captures."""
+    if not state.aligned or state.device.type != "cuda" or not _kernel_ready(kv, score):
+        return None
+    return decode_entries(state.dtype, state.width, state.ratio, state.device)
+
+
+def in_place(fn, state, kv, score, idx: torch.Tensor, settings, cap: int, cuc: torch.Tensor):
+    """A decode step over aligned rings: kernel ``fn`` (entries_launcher) takes the
+    entries (``idx``, int64 slots on the device, unchecked: malformed ones get NaN rows and
+    bad slots), then the training forward's pooling over the flat rings reads each closing
+    window where it lies (``cuc``: one row a segment, ``cap`` rows: windows.min_rows).
+    Returns (rows ``(B, 1, head_dim)``, emitted ``(B, 1)``, positions ``(B, 1)``)."""
+    B, n, W = kv.shape
+    dev = state.device
+    rings = state.flat_rings()
+    cu = torch.empty(B + 1, dtype=torch.int32, device=dev)
+    flags = torch.empty(2 * B, dtype=torch.uint8, device=dev)  # NaN, emitted
+    positions = torch.empty(cap, dtype=torch.int64, device=dev)
+    fn(kv.view(B * n, W), score.view(B * n, W), *rings, idx.contiguous(), state.count,
+       state.last_n, state.bad.view(torch.uint8), cu, flags[:B], flags[B:], positions, n,
+       state.history, state.position_limit)
+    pos = positions if settings.epilogue is not None else None
+    out = pool_rows(settings, *rings, cu, cuc, cap, pos)[:B]
+    out.masked_fill_(flags[:B].view(torch.bool)[:, None], float("nan"))
+    return (out.view(B, 1, state.head_dim), flags[B:].view(torch.bool)[:, None],
+            positions[:B, None])

@@ -99,21 +99,27 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     ring_asked = pooling in ("auto", "ring")
     st = settings(state, kv.reshape(B * n, W), score.reshape(B * n, W), ape, numerics, epilogue,
                   norm_weight, rope_table, pooling, epilogue_inside)
-    kernel = None
+    kernel = entries = None
     if ring_asked:
         kernel = ring.launcher(state, kv, score, ape, st)
-    if kernel is not None and capturing and slots is not None:
-        # unchecked: the kernel gives malformed entries NaN rows and marks their slots bad
+        if kernel is None and st.fused:
+            entries = ring.entries_launcher(state, kv, score)
+    if (kernel is not None or entries is not None) and capturing and slots is not None:
+        # unchecked: the kernels give malformed entries NaN rows and mark their slots bad
         idx = state.slot_index(slots)
         if idx.numel() != B:
             raise ValueError(f"slots: expected {B} slots (kv's first dimension), got {idx.numel()}")
     else:
         idx = _slots(state, slots, B)
     host_slots = list(range(B)) if slots is None else host_list(slots)
-    if kernel is not None:
+    if kernel is not None or entries is not None:
         if not capturing:
             _check_step(state, idx, n, False, host_slots)
-        rows, emitted, positions = ring.step(kernel, state, kv, score, idx, st)
+        if kernel is not None:
+            rows, emitted, positions = ring.step(kernel, state, kv, score, idx, st)
+        else:
+            rows, emitted, positions = ring.in_place(entries, state, kv, score, idx, st,
+                                                     c["cap"], c["cuc"])
         state.follow(which(slots), lambda v: v + n, capturing)
         return Step(rows, emitted, positions)
     _check_step(state, idx, n, capturing, host_slots)
@@ -150,12 +156,13 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
 
 
 def _in_place(state, kv, score, idx, st, c, capturing: bool, known) -> Step:
-    """A step of aligned rings (StreamState.aligned, coff 1): the new tokens into the
-    rings, then the training op's pooling over the flat rings, a segment a slot whose one
-    row's window starts where the closing window lies in its ring (whole there), or where
-    no window closes, outside the tokens, so the kernel reads nothing for it and writes
-    zeros. The same kernel over the same tokens as the training forward: the same bits,
-    reading only closing windows (the gather path copied every slot's window each step)."""
+    """A step of aligned rings (StreamState.aligned, coff 1) in torch ops, where
+    ring.in_place's kernel cannot be had: the new tokens into the rings, then the training
+    op's pooling over the flat rings, a segment a slot whose one row's window starts where
+    the closing window lies in its ring (whole there), or where no window closes, outside
+    the tokens, so the kernel reads nothing for it and writes zeros. The same kernel over
+    the same tokens as the training forward: the same bits, reading only closing windows
+    (the gather path copied every slot's window each step)."""
     B, n, W = kv.shape
     r, H, d = state.ratio, state.history, state.head_dim
     count = state.count[idx]
