@@ -391,9 +391,13 @@ def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on
     row-by-row reference of its kernels'): every row the reference training forward's,
     and the state the torch ops' (steps._in_place)."""
     from kernel_standin import DecodeEntriesStandin
+    from csa_compressor import dispatch
     from csa_compressor.streaming import ring
 
-    made = []
+    made, ring_checks = [], []
+    check = dispatch.validate  # fused_on_cpu's
+    monkeypatch.setattr(dispatch, "validate", lambda kv, *a, **k: ring_checks.append(
+        kv.shape[0] == 4 * st.history) or check(kv, *a, **k))
 
     def launcher(state, kv, score):
         made.append(DecodeEntriesStandin(state.ratio))
@@ -412,5 +416,8 @@ def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on
         run.run()
         run.check()
     assert made and sum(k.calls for k in made) > 0
+    # the rings take the verdict kept for the state's tensor layout (rows.fused_problem):
+    # no validation of theirs in any step, a few of the callers' tensors in all
+    assert ring_checks and not any(ring_checks) and len(ring_checks) <= 3
     for name in ("kv", "score", "count", "last_n", "bad"):
         assert torch.equal(getattr(states[True], name), getattr(states[False], name)), name

@@ -14,7 +14,7 @@ from ..epilogue_op import apply_epilogue
 from ..kernels.decode_entries import decode_entries
 from ..kernels.launch import decode_kernel, launch_decode
 from ..kernels.prefill_tail import prefill_tail
-from .rows import pool_rows, zero_ape
+from .rows import fused_problem, pool_rows, zero_ape
 from .windows import min_rows
 
 
@@ -137,7 +137,10 @@ def in_place(fn, state, kv, score, idx: torch.Tensor, settings, cap: int, cuc: t
        state.last_n, state.bad.view(torch.uint8), cu, flags[:B], flags[B:], positions, n,
        state.history, state.position_limit)
     pos = positions if settings.epilogue is not None else None
-    out = pool_rows(settings, *rings, cu, cuc, cap, pos)[:B]
+    # the rings' validated problem, kept a state (as the caller's): not validated each step
+    p = fused_problem(state, *rings, settings.ape)
+    out = pool_rows(settings if p is None else settings._replace(problem=p), *rings, cu, cuc,
+                    cap, pos)[:B]
     out.masked_fill_(flags[:B].view(torch.bool)[:, None], float("nan"))
     return (out.view(B, 1, state.head_dim), flags[B:].view(torch.bool)[:, None],
             positions[:B, None])

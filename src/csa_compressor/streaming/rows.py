@@ -57,7 +57,7 @@ def _layout(t) -> tuple | None:
     return (t.dtype, t.device, t.shape[1:], t.is_contiguous(), t.data_ptr() % KERNEL_ALIGN_BYTES)
 
 
-def _fused_problem(state, kv, score, ape):
+def fused_problem(state, kv, score, ape):
     """The fused path's validated problem for the caller's tensors, or None where the
     kernels cannot take them. The verdict is kept a state per tensor layout: validating
     anew cost some 35 µs of host time a prefill call on the H100 host, and the same
@@ -109,7 +109,7 @@ def settings(state, kv, score, ape, numerics, epilogue, norm_weight, rope_table,
         raise TypeError("norm_weight: expected a torch.Tensor with epilogue=")
     fused, problem = pooling == "fused", None
     if pooling in ("auto", "ring"):
-        problem = _fused_problem(state, kv, score, ape)
+        problem = fused_problem(state, kv, score, ape)
         fused = problem is not None
     return Settings(ape, state.ratio, state.coff, numerics, epilogue, norm_weight, rope_table,
                     fused, None if epilogue_inside is None else EpilogueInside.of(epilogue_inside),
