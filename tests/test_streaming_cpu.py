@@ -421,3 +421,17 @@ def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on
     assert ring_checks and not any(ring_checks) and len(ring_checks) <= 3
     for name in ("kv", "score", "count", "last_n", "bad"):
         assert torch.equal(getattr(states[True], name), getattr(states[False], name)), name
+
+
+def test_the_kept_verdict_holds_only_for_the_ape_shape_it_checked(fused_on_cpu):
+    """rows.fused_problem keeps the kernels' verdict a tensor layout: an APE of another
+    row count after a good one is checked anew (the kernels read ``ratio`` of its rows),
+    and the call then raises a clear error instead of reading past it."""
+    from csa_compressor.streaming import rows
+
+    st = streaming.StreamState(2, 16, ratio=4, coff=2, dtype=torch.float32)
+    kv = torch.zeros(8, 32)
+    assert rows.fused_problem(st, kv, kv, torch.zeros(4, 32)) is not None
+    assert rows.fused_problem(st, kv, kv, torch.zeros(3, 32)) is None
+    with pytest.raises(ValueError, match="ape"):
+        streaming.prefill(st, kv, kv, torch.zeros(3, 32), [0, 8], [0])

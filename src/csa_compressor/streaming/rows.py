@@ -51,10 +51,12 @@ def _probe(state) -> torch.Tensor:
 
 
 def _layout(t) -> tuple | None:
-    """What the kernels' check reads of a tensor, its row count aside."""
+    """What the kernels' check reads of ``ape``: its whole shape too (the kernels read
+    ``ratio`` rows of it)."""
     if t is None:
         return None
-    return (t.dtype, t.device, t.shape[1:], t.is_contiguous(), t.data_ptr() % KERNEL_ALIGN_BYTES)
+    return (t.dtype, t.device, tuple(t.shape), t.is_contiguous(),
+            t.data_ptr() % KERNEL_ALIGN_BYTES)
 
 
 def fused_problem(state, kv, score, ape):
