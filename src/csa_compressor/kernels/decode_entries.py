@@ -8,9 +8,8 @@ forward's (its kernel over the same tokens); torch ops took some fifty small lau
 step for this bookkeeping.
 
 One CTA an entry, its threads copying the new tokens' vectors. Malformed entries as
-pool_decode's: a slot out of range takes the spare slot, and an entry whose slot is out
-of range, repeated in the step, already bad, or pushed past the position limit writes no
-ring, marks its slot bad and is flagged NaN (its count still advances).
+pool_decode's (pool_decode.decode_entry): such an entry writes no ring, marks its slot bad
+and is flagged NaN (its count still advances).
 """
 
 import cutlass
@@ -18,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
 
 from .jit import small_kernel
+from .pool_decode import decode_entry
 
 THREADS = 128
 
@@ -50,33 +50,7 @@ class DecodeEntries:
         b, _, _ = cute.arch.block_idx()
         r = self.ratio
         entries = mSlots.shape[0]
-        spare = mCount.shape[0] - 1
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 16)
-        if tid == 0:
-            flag[0] = Int32(0)
-        cute.arch.sync_threads()
-        raw = mSlots[b]
-        repeated = Int32(0)
-        for j in cutlass.range(tid, entries, THREADS, unroll=1):
-            if (mSlots[j] == raw) & (j != b):
-                repeated = Int32(1)
-        if repeated != 0:
-            flag[0] = Int32(1)  # any writer's 1 will do
-        inside = (raw >= Int64(0)) & (raw < Int64(spare))
-        slot = Int32(spare)
-        if inside:
-            slot = raw.to(Int32)
-        c = mCount[slot]
-        was_bad = mBad[slot] != Uint8(0)
-        cute.arch.sync_threads()  # the flag is whole; every thread has read the slot's state
-        # token positions in 32 bits: a count past that is malformed
-        sane = (c >= Int64(0)) & (c + Int64(next_n) <= Int64(2**31 - 1))
-        bad = (flag[0] != 0) | (~inside) | was_bad | (~sane)
-        bad = bad | (c + Int64(next_n) > Int64(limit))
-        c32 = Int32(0)
-        if sane:
-            c32 = c.to(Int32)
+        slot, c, c32, bad = decode_entry(mSlots, mCount, mBad, b, tid, THREADS, next_n, limit)
         if tid == 0:
             mCount[slot] = c + Int64(next_n)
             mLastN[slot] = Int64(next_n)

@@ -26,6 +26,47 @@ from .pool_fwd import PoolForward
 from .staging import Tiles
 
 
+@cute.jit
+def decode_entry(mSlots: cute.Tensor, mCount: cute.Tensor, mBad: cute.Tensor, b: Int32,
+                 tid: Int32, threads: cutlass.Constexpr[int], next_n: Int32, limit: Int32):
+    """Entry ``b``'s slot as a decode step's CTA of ``threads`` takes it: (slot, its count,
+    the count in 32 bits, malformed). Out of range: the spare slot; malformed: out of range,
+    repeated in the step (every CTA scans the step's slots for its own, so both entries of
+    a repeated slot see it, with no atomics), already bad, or pushed past ``limit``. Ends
+    with a barrier after every thread has read the slot's state (16 bytes of shared
+    memory: the repeated-slot flag)."""
+    entries = mSlots.shape[0]
+    spare = mCount.shape[0] - 1
+    smem = cutlass.memory.SmemAllocator()
+    flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 16)
+    if tid == 0:
+        flag[0] = Int32(0)
+    cute.arch.sync_threads()
+    raw = mSlots[b]
+    repeated = Int32(0)
+    for j in cutlass.range(tid, entries, threads, unroll=1):
+        if (mSlots[j] == raw) & (j != b):
+            repeated = Int32(1)
+    if repeated != 0:
+        flag[0] = Int32(1)  # any writer's 1 will do
+    inside = (raw >= Int64(0)) & (raw < Int64(spare))
+    slot = Int32(spare)
+    if inside:
+        slot = raw.to(Int32)
+    c = mCount[slot]
+    was_bad = mBad[slot] != Uint8(0)
+    cute.arch.sync_threads()  # the flag is whole; every thread has read the slot's state
+    # token positions in 32 bits (a 64-bit remainder is a subroutine with a stack frame):
+    # a count past that is malformed, and a bad entry reads and writes no ring
+    sane = (c >= Int64(0)) & (c + Int64(next_n) <= Int64(2**31 - 1))
+    bad = (flag[0] != 0) | (~inside) | was_bad | (~sane)
+    bad = bad | (c + Int64(next_n) > Int64(limit))
+    c32 = Int32(0)
+    if sane:
+        c32 = c.to(Int32)
+    return slot, c, c32, bad
+
+
 class PoolDecode(PoolForward):
     def __init__(self, dtype, ratio: int, coff: int, head_dim: int, arch_major: int = 9,
                  tuning=None, numerics: str = "fp32"):
@@ -66,34 +107,7 @@ class PoolDecode(PoolForward):
         b, _, _ = cute.arch.block_idx()
         vec, CH, r = self.vec, self.slots, self.ratio
         entries = mSlots.shape[0]
-        spare = mCount.shape[0] - 1
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 16)
-        if chunk == 0:
-            flag[0] = Int32(0)
-        cute.arch.sync_threads()
-        raw = mSlots[b]
-        repeated = Int32(0)
-        for j in cutlass.range(chunk, entries, self.lanes, unroll=1):
-            if (mSlots[j] == raw) & (j != b):
-                repeated = Int32(1)
-        if repeated != 0:
-            flag[0] = Int32(1)  # any writer's 1 will do
-        inside = (raw >= Int64(0)) & (raw < Int64(spare))
-        slot = Int32(spare)
-        if inside:
-            slot = raw.to(Int32)
-        c = mCount[slot]
-        was_bad = mBad[slot] != Uint8(0)
-        cute.arch.sync_threads()  # the flag is whole; every thread has read the slot's state
-        # token positions in 32 bits (a 64-bit remainder is a subroutine with a stack frame):
-        # a count past that is malformed, and a bad entry reads and writes no ring
-        sane = (c >= Int64(0)) & (c + Int64(next_n) <= Int64(2**31 - 1))
-        bad = (flag[0] != 0) | (~inside) | was_bad | (~sane)
-        bad = bad | (c + Int64(next_n) > Int64(limit))
-        c32 = Int32(0)
-        if sane:
-            c32 = c.to(Int32)
+        slot, c, c32, bad = decode_entry(mSlots, mCount, mBad, b, chunk, self.lanes, next_n, limit)
         # every thread read the slot's state before the barrier: advance it now
         if chunk == 0:
             mCount[slot] = c + Int64(next_n)
