@@ -136,11 +136,19 @@ def in_place(fn, state, kv, score, idx: torch.Tensor, settings, cap: int, cuc: t
     fn(kv.view(B * n, W), score.view(B * n, W), *rings, idx.contiguous(), state.count,
        state.last_n, state.bad.view(torch.uint8), cu, flags[:B], flags[B:], positions, n,
        state.history, state.position_limit)
-    pos = positions if settings.epilogue is not None else None
-    # the rings' validated problem, kept a state (as the caller's): not validated each step
-    p = fused_problem(state, *rings, settings.ape)
-    out = pool_rows(settings if p is None else settings._replace(problem=p), *rings, cu, cuc,
-                    cap, pos)[:B]
+    out = pool_rings(state, settings, cu, cuc, cap,
+                     positions if settings.epilogue is not None else None)[:B]
     out.masked_fill_(flags[:B].view(torch.bool)[:, None], float("nan"))
     return (out.view(B, 1, state.head_dim), flags[B:].view(torch.bool)[:, None],
             positions[:B, None])
+
+
+def pool_rings(state, settings, cu, cuc, cap: int, positions) -> torch.Tensor:
+    """rows.pool_rows over the flat rings as a token array (aligned rings: each closing
+    window a segment whose row starts at ``cu``; -1 reads nothing), with the kernels'
+    verdict kept for the state's tensor layout (rows.fused_problem), not validated each
+    step."""
+    rings = state.flat_rings()
+    p = fused_problem(state, *rings, settings.ape)
+    return pool_rows(settings if p is None else settings._replace(problem=p), *rings, cu, cuc,
+                     cap, positions)

@@ -177,7 +177,7 @@ def _in_place(state, kv, score, idx, st, c, capturing: bool, known) -> Step:
     pos = None
     if st.epilogue is not None:  # rows not emitted sit at position 0 (inside any table)
         pos = torch.cat([torch.where(emit, first, 0), c["pad"]])
-    out = pool_rows(st, ring_kv, ring_sc, cu, c["cuc"], c["cap"], pos)[:B].view(B, 1, d)
+    out = ring.pool_rings(state, st, cu, c["cuc"], c["cap"], pos)[:B].view(B, 1, d)
     if capturing:  # eager calls raised in _check_step instead
         out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
     state.count.index_copy_(0, idx, count + n)
