@@ -57,3 +57,24 @@ def print_cprofile(fn, calls: int, sync=None, shown=(30, 30)) -> None:
     st = pstats.Stats(prof)
     st.sort_stats("tottime").print_stats(shown[0])
     st.sort_stats("cumulative").print_stats(shown[1])
+
+
+def kernel_table(prof, steps: int, digits: int = 1) -> tuple:
+    """torch.profiler ``prof``'s CUDA kernels grouped by name (cut to 90 characters), a step
+    of ``steps``: (µs a step, launches a step, a markdown table of each kernel's launches
+    and µs a step, the largest first, µs to ``digits`` decimals)."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            k = e.name if len(e.name) < 90 else e.name[:87] + "..."
+            groups[k][0] += 1
+            groups[k][1] += e.self_device_time_total
+    lines = ["| kernel | launches a step | µs a step |", "|---|---|---|"]
+    for k, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| `{k}` | {n / steps:g} | {us / steps:.{digits}f} |")
+    return (sum(v[1] for v in groups.values()) / steps,
+            sum(v[0] for v in groups.values()) / steps, "\n".join(lines))

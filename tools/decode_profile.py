@@ -7,12 +7,11 @@ graph, each kernel's launches and GPU µs a step, beside the graph's µs a step.
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
-from _tool import start  # noqa: E402
+from _tool import kernel_table, start  # noqa: E402
 
 start(__doc__, gpu=True)
 
 import sys
-from collections import defaultdict
 
 import torch
 
@@ -22,7 +21,6 @@ from csa_compressor.cli.streaming_bench import DECODE_SLOTS, staggered
 
 
 def main(cases):
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     dev, d, B, replays = torch.device("cuda"), 512, DECODE_SLOTS, 3
@@ -43,20 +41,10 @@ def main(cases):
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
-        steps = replays * CALLS_PER_GRAPH
-        groups = defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                k = e.name if len(e.name) < 90 else e.name[:87] + "..."
-                groups[k][0] += 1
-                groups[k][1] += e.self_device_time_total
-        total = sum(v[1] for v in groups.values()) / steps
-        n = sum(v[0] for v in groups.values()) / steps
+        total, n, table = kernel_table(prof, replays * CALLS_PER_GRAPH, digits=2)
         print(f"\nr{ratio} coff {coff} {pooling}: graph {us:.1f} µs a step; kernels {total:.1f} µs "
               f"a step in {n:g} launches")
-        print("| kernel | launches a step | µs a step |\n|---|---|---|")
-        for k, (c, t) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-            print(f"| `{k}` | {c / steps:g} | {t / steps:.2f} |")
+        print(table)
         del graph
 
 

@@ -8,11 +8,10 @@ bench (`python -m csa_compressor bench --module`) times the step; this says what
 
 import os as _os, sys as _sys  # noqa: E401
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
-from _tool import start  # noqa: E402
+from _tool import kernel_table, start  # noqa: E402
 
 start(__doc__, gpu=True)
 import sys
-from collections import defaultdict
 
 import torch
 
@@ -49,7 +48,6 @@ def inputs(dev):
 
 
 def main(argv):
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     steps = 5
@@ -63,19 +61,10 @@ def main(argv):
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
-        groups = defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                k = e.name if len(e.name) < 90 else e.name[:87] + "..."
-                groups[k][0] += 1
-                groups[k][1] += e.self_device_time_total
-        total = sum(v[1] for v in groups.values()) / steps
-        launches = sum(v[0] for v in groups.values()) / steps
+        total, launches, table = kernel_table(prof, steps)
         print(f"\n{name}: {total:.0f} µs a step in {launches:.0f} kernels ({torch.cuda.get_device_name()}, "
               f"torch {torch.__version__})")
-        print("| kernel | launches a step | µs a step |\n|---|---|---|")
-        for k, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-            print(f"| `{k}` | {n / steps:g} | {us / steps:.1f} |")
+        print(table)
 
 
 if __name__ == "__main__":
