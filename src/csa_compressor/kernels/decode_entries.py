@@ -4,8 +4,8 @@ ring, its count advanced, and what the training forward's pooling then reads in 
 ``cu[b]``, the ring row where entry ``b``'s closing window starts, or -1 (no window
 closed, or the entry is malformed: the pooling reads nothing and writes zeros), with the
 row's emitted flag, its position and a NaN flag. The rows are then the training
-forward's (its kernel over the same tokens); torch ops took some fifty small launches a
-step for this bookkeeping.
+forward's (its kernel over the same tokens); in torch ops this bookkeeping is some fifty
+small launches a step (steps._in_place and its slot checks).
 
 One CTA an entry, its threads copying the new tokens' vectors. Malformed entries as
 pool_decode's (pool_decode.decode_entry): such an entry writes no ring, marks its slot bad
