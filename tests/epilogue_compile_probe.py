@@ -22,6 +22,7 @@ from csa_compressor.kernels import column_sum as cs  # noqa: E402
 from csa_compressor.kernels import decode_entries as de  # noqa: E402
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
 from csa_compressor.kernels import offsets as off  # noqa: E402
+from csa_compressor.kernels import prefill_offsets as po  # noqa: E402
 from csa_compressor.kernels import prefill_tail as pt  # noqa: E402
 from csa_compressor.kernels import rope_angles as ra  # noqa: E402
 from csa_compressor.kernels.jit import compile_kernel as _compile  # noqa: E402
@@ -35,7 +36,11 @@ def build(spec):
     """The kernel and its arguments:
     ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``, ``guard:ratio`` (the offsets' guard),
     ``colsum:head_dim:lanes:finish`` (column_sum), ``tail:dtype:width:ratio`` (prefill_tail),
-    ``entries:dtype:width:ratio`` (decode_entries)."""
+    ``entries:dtype:width:ratio`` (decode_entries), ``poffsets:capacity:ratio``
+    (prefill_offsets)."""
+    if spec.startswith("poffsets:"):
+        _, cap, ratio = spec.split(":")
+        return po._build(int(cap), int(ratio))
     if spec.startswith("colsum:"):
         _, d, lanes, finish = spec.split(":")
         return cs.ColumnSum(int(d), int(lanes), finish == "1"), cs.compile_args(int(d))

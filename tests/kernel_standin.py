@@ -163,3 +163,25 @@ class DecodeEntriesStandin:
             count[slot], last_n[slot] = c + n, n
             if is_bad:
                 bad[slot] = 1
+
+
+class PrefillOffsetsStandin:
+    """kernels/prefill_offsets' contract on the CPU, with its launch's arguments
+    (streaming/ring.fresh_offsets): from ``values`` (the offsets padded to ``cap + 1``, the
+    slots padded to ``cap``) the offsets, the row offsets and each call slot's tail ints
+    into ``out``."""
+
+    def __init__(self, ratio, cap):
+        self.ratio, self.cap, self.calls = ratio, cap, 0
+
+    def fn(self, out, values, n):
+        self.calls += 1
+        cap, r = self.cap, self.ratio
+        assert len(values) == 2 * cap + 1 and 0 < n <= cap
+        cu, slots = list(values[:n + 1]), list(values[cap + 1:cap + 1 + n])
+        cuc, meta = [0], []
+        for b in range(n):
+            new = cu[b + 1] - cu[b]
+            meta += [slots[b], cu[b], new, 0, cuc[-1]]
+            cuc.append(cuc[-1] + new // r)
+        out.copy_(torch.tensor(cu + cuc + meta, dtype=out.dtype))

@@ -316,8 +316,8 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
     """kernels.epilogue_rows, forward and backward, at the Compressor's geometries (head_dim
     128 with rotation, 512 without, both rotary layouts, rope_dim 0, fp32; an fp32 weight
     beside bf16 rows), with and without the norm's math, kernels.rope_angles, kernels.offsets,
-    kernels.column_sum, kernels.prefill_tail and kernels.decode_entries: they compile, with no
-    spills or stack."""
+    kernels.column_sum, kernels.prefill_tail, kernels.decode_entries and
+    kernels.prefill_offsets: they compile, with no spills or stack."""
     specs = ["bfloat16:128:64:1:1:0", "bfloat16:128:64:1:1:1", "bfloat16:512:64:1:0:0",
              "bfloat16:512:64:1:0:1", "bfloat16:128:64:0:1:0", "bfloat16:128:64:0:1:1",
              "bfloat16:256:0:1:1:1", "float16:256:0:1:1:0", "float32:512:512:1:1:0",
@@ -339,7 +339,9 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              # kernels.prefill_tail: 16-byte copies, 8-byte ones, 2-byte ones
              "tail:bfloat16:1024:4", "tail:float32:512:128", "tail:float16:130:2",
              # kernels.decode_entries: ratio 128's rings, 16-byte and 8-byte copies
-             "entries:bfloat16:512:128", "entries:float32:64:128", "entries:float16:132:32"]
+             "entries:bfloat16:512:128", "entries:float32:64:128", "entries:float16:132:32",
+             # kernels.prefill_offsets: the smallest and largest capacities
+             "poffsets:8:4", "poffsets:64:128", "poffsets:16:1"]
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],
@@ -351,7 +353,7 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
         assert info["regs"] and all(s == 0 for s in info["spills"] + info["stack"]), info
         # the row kernels and the column sum launch as programmatic dependents (use_pdl)
         if info["spec"].split(":")[0] not in ("positions", "angles", "trig", "offsets", "guard",
-                                              "tail", "entries"):
+                                              "tail", "entries", "poffsets"):
             assert info["ptx"] and info["pdl_wait"] and info["pdl_wait_first"], info
 
 

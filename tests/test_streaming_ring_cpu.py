@@ -223,3 +223,51 @@ def test_no_number_is_assigned_through_a_tensor_index(fused_on_cpu, standin, tai
     st.reset(torch.tensor([1, 3]))
     st.reset([0])
     assert hits == []
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (1, 1)])
+def test_fresh_prefill_writes_its_offsets_by_launch_not_upload(fused_on_cpu, standin,
+                                                               tail_standin, monkeypatch,
+                                                               ratio, coff):
+    """A prefill into empty slots takes its offsets and the tail's ints from
+    kernels/prefill_offsets (its stand-in here) in a scratch twin, uploads nothing, and
+    gives the training rows; with more slots than the largest capacity, or no twin free,
+    it uploads them as before."""
+    from csa_compressor.kernels.prefill_offsets import CAPACITIES
+    from csa_compressor.streaming import chunks, state as state_mod, uploads
+    from kernel_standin import PrefillOffsetsStandin
+    from test_uploads_cpu import raw_staging
+
+    launched, uploads_seen = [], []
+    staging = raw_staging(buffers=2)
+    monkeypatch.setattr(state_mod.StreamState, "staging", lambda self: staging)
+
+    def launcher(state, slots):
+        cap = next((c for c in CAPACITIES if c >= slots), None)
+        if cap is None:
+            return None
+        k = PrefillOffsetsStandin(state.ratio, cap)
+        launched.append(k)
+        return k.fn, cap
+
+    monkeypatch.setattr(ring, "offsets_launcher", launcher)
+    real = uploads.device_ints
+    monkeypatch.setattr(chunks, "device_ints",
+                        lambda values, *a, **k: uploads_seen.append(values) or real(values, *a, **k))
+
+    def one_call(B):
+        launched.clear(), uploads_seen.clear()
+        st = streaming.StreamState(B, 16, ratio=ratio, coff=coff, dtype=torch.float32)
+        lens = [(7 * b + 3) % (3 * ratio + 5) for b in range(B)]
+        run = Stream(st, lens, seed=B, pooling="ring")
+        run.prefill([(B - 1 - b, b, lens[b]) for b in range(B)])  # slots in reverse
+        run.check()
+
+    for B in (3, 9, CAPACITIES[-1]):
+        one_call(B)
+        assert len(launched) == 1 and launched[0].calls == 1 and not uploads_seen
+    one_call(CAPACITIES[-1] + 1)
+    assert not launched and len(uploads_seen) == 1
+    staging.raw.stream_id = 7  # the next twin's last reader on another stream
+    one_call(2)
+    assert len(uploads_seen) == 1 and sum(k.calls for k in launched) == 0

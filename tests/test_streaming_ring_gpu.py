@@ -185,15 +185,17 @@ def test_prefill_into_empty_slots_is_the_training_forward(ratio, coff, with_ape,
     sc = torch.randn(sum(lens), W, device=dev, generator=g).bfloat16()
     ape = torch.randn(ratio, W, device=dev, generator=g) if with_ape else None
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
-    taken = []
-    fresh = chunks._fresh
+    taken, launched = [], []
+    fresh, offsets = chunks._fresh, ring.fresh_offsets
     monkeypatch.setattr(chunks, "_fresh", lambda *a: taken.append(1) or fresh(*a))
+    monkeypatch.setattr(ring, "fresh_offsets",
+                        lambda *a: launched.append(offsets(*a)) or launched[-1])
     got = {}
     for pooling in ("ring", "fused"):
         st = streaming.StreamState(5, d, ratio=ratio, coff=coff, device=dev)
         got[pooling] = (streaming.prefill(st, kv, sc, ape, cu, slots, pooling=pooling,
                                           numerics=numerics), st)
-    assert taken == [1]
+    assert taken == [1] and len(launched) == 1 and launched[0] is not None  # prefill_offsets
     rows = [n // ratio for n in lens]
     cuc = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     want = compress_thd_fused(kv, sc, ape, torch.tensor(cu, dtype=torch.int32, device=dev), cuc,
@@ -205,6 +207,29 @@ def test_prefill_into_empty_slots_is_the_training_forward(ratio, coff, with_ape,
     for name in ("count", "last_n", "bad", "kv", "score"):
         assert torch.equal(getattr(st_a, name), getattr(st_b, name)), name
     assert st_a.count[:5].tolist() == [lens[1], lens[3], 0, lens[0], lens[2]]
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_prefill_offsets_writes_what_the_upload_carried(ratio):
+    """kernels/prefill_offsets (ring.fresh_offsets) writes, for 1 to 64 call slots, the
+    values a prefill into empty slots uploads otherwise: the offsets, the row offsets and
+    the tail kernel's ints; past its largest capacity it declines (the upload)."""
+    import itertools
+    import random
+
+    rng = random.Random(ratio)
+    st = streaming.StreamState(80, 64, ratio=ratio, coff=1, device="cuda")
+    for B in (1, 5, 8, 9, 16, 17, 40, 64):
+        lens = [rng.choice([0, 1, ratio - 1, ratio, 3 * ratio + 1, rng.randint(0, 70000)])
+                for _ in range(B)]
+        cu = [0, *itertools.accumulate(lens)]
+        slots = rng.sample(range(80), B)
+        rows = [n // ratio for n in lens]
+        meta = ring.tail_meta(slots, cu, lens, [0] * B, rows)
+        got = ring.fresh_offsets(st, cu, slots)
+        assert [t.tolist() for t in got] == [cu, [0, *itertools.accumulate(rows)],
+                                             [meta[5 * b:5 * b + 5] for b in range(B)]], B
+    assert ring.fresh_offsets(st, list(range(66)), list(range(65))) is None
 
 
 @pytest.mark.parametrize("pooling", ["fused", "ring"])

@@ -247,3 +247,26 @@ def test_states_on_threads_share_a_ring_without_mixing_their_values():
     for t in threads:
         t.join()
     assert not bad and raw.copies == 6000
+
+
+def test_scratch_hands_out_the_twins_in_turn_on_their_stream_only():
+    """Staging.scratch (values a kernel writes): the twins' kept views, in the same turn
+    as scratch uploads; declined (None, never a fresh tensor the caller would not expect)
+    on another stream, another device, or past a twin's bytes."""
+    s = raw_staging(buffers=2)
+    shapes = ((3,), (3,), (2, 5))
+    flat, parts = s.scratch(torch.int32, 16, shapes)
+    assert flat.shape == (16,) and flat.data_ptr() == s.twins[0].data_ptr()
+    assert [tuple(p.shape) for p in parts] == [(3,), (3,), (2, 5)]
+    assert parts[2].data_ptr() == flat.data_ptr() + 6 * 4
+    up = s.upload([1], torch.int32, scratch=True)  # twin 1: the turn is shared
+    assert up.data_ptr() == s.twins[1].data_ptr()
+    again = s.scratch(torch.int32, 16, shapes)
+    assert again[0] is flat and all(a is b for a, b in zip(again[1], parts))
+    s.raw.stream_id = 2  # twin 1's last reader is on stream 1
+    assert s.scratch(torch.int32, 16, shapes) is None
+    s.raw.stream_id = 1
+    assert s.scratch(torch.int32, s.nbytes // 4 + 1, ((s.nbytes // 4 + 1,),)) is None
+    s.raw.is_current = False
+    assert s.scratch(torch.int32, 16, shapes) is None
+    assert staging().scratch(torch.int32, 4, ((4,),)) is None  # no runtime: no twins

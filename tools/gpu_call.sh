@@ -22,6 +22,7 @@
 #                        the whole call), .megatron/transformers-*.tar.xz into /tmp/hf
 #   streaming            tests/test_uploads_gpu.py, test_streaming_gpu.py,
 #                        test_streaming_ring_gpu.py and examples/streaming_generation.py
+#   fresh_sanitize       compute-sanitizer memcheck over the prefill-into-empty-slots tests
 #   streaming_bench      python -m csa_compressor bench --streaming; streaming_bench_base
 #                        the same over $BASE_SRC's package
 #   streaming_host       tools/streaming_host_probe.py (host time by piece, timelines);
@@ -137,6 +138,7 @@ cmd_of() {
         streaming_host_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/streaming_host_probe.py" ;;
         streaming_inplace_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_gpu.py -k 'aligned_rings or (captured and 128)' -p no:cacheprovider && compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k in_place -p no:cacheprovider" ;;
         unpack_hf) echo "mkdir -p /tmp/hf && for t in .megatron/transformers-*.tar.xz; do tar -C /tmp/hf -xJf \$t || exit 1; done" ;;
+        fresh_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu tests/test_streaming_ring_gpu.py -k 'empty_slots or prefill_offsets' -p no:cacheprovider" ;;
         streaming_sanitize) echo "compute-sanitizer --tool memcheck --report-api-errors no python3 examples/streaming_generation.py" ;;
         hf) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 -m pytest -q -m gpu tests/test_transformers_gpu.py -rs" ;;
         hf_bench) echo "PYTHONPATH=/tmp/hf:\$PYTHONPATH python3 tools/hf_bench.py" ;;

@@ -175,18 +175,21 @@ def _check_room(state, slot_list, counts, lens, rope_table) -> None:
 def _fresh(state, st, fn, kv, score, cu, slot_list, lens) -> Rows:
     """A call whose slots all start empty (a prompt's first chunk), on the kernels, with
     no epilogue and no gradient: its rows are the training op's over the chunks as they
-    are (a segment a slot, the caller's offsets), so one upload carries the offsets and
-    the tail kernel's ints, then the pooling and the tail launch, with no window plan."""
+    are (a segment a slot, the caller's offsets), so one launch writes the offsets and
+    the tail kernel's ints from its parameters (ring.fresh_offsets; else one upload
+    carries them), then the pooling and the tail launch, with no window plan."""
     r, k = state.ratio, len(cu)
     rows = [n // r for n in lens]
-    cuc = [0]
-    for m in rows:
-        cuc.append(cuc[-1] + m)
-    total = cuc[-1]
-    meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
-    cu_d, cuc_d, meta_d = device_ints(cu + cuc + meta, state.device, torch.int32,
-                                      state.staging(), scratch=True,
-                                      shapes=((k,), (k,), (k - 1, ring.META)))
+    total = sum(rows)
+    got = ring.fresh_offsets(state, cu, slot_list)
+    if got is None:
+        cuc = [0]
+        for m in rows:
+            cuc.append(cuc[-1] + m)
+        meta = ring.tail_meta(slot_list, cu, lens, (0 for _ in lens), rows)  # nothing before
+        got = device_ints(cu + cuc + meta, state.device, torch.int32, state.staging(),
+                          scratch=True, shapes=((k,), (k,), (k - 1, ring.META)))
+    cu_d, cuc_d, meta_d = got
     n = min_rows(total, state.head_dim)
     out = pool_kept(state, st, cu_d, cuc_d, n)
     # checked once the pooling is queued (its host time then overlaps the GPU's): the

@@ -13,7 +13,9 @@ import torch
 from ..epilogue_op import apply_epilogue
 from ..kernels.decode_entries import decode_entries
 from ..kernels.launch import decode_kernel, launch_decode
+from ..kernels.prefill_offsets import CAPACITIES, prefill_offsets
 from ..kernels.prefill_tail import prefill_tail
+from ..checks import INT32_MAX
 from .rows import fused_problem, pool_rows, zero_ape
 from .windows import min_rows
 
@@ -94,6 +96,51 @@ def tail_meta(slot_list, starts, lens, before, rows) -> list:
         meta += (s, start, n, c, row0)
         row0 += k
     return meta
+
+
+_PAD = (0,) * CAPACITIES[-1]
+
+
+def offsets_launcher(state, slots: int):
+    """``(kernel, capacity)`` of kernels/prefill_offsets for a call of ``slots`` slots,
+    or None where it cannot take it (then the caller uploads the values): not on a GPU,
+    more slots than the largest capacity, or no compiled kernel while a CUDA graph
+    captures."""
+    if state.device.type != "cuda":
+        return None
+    cap = next((c for c in CAPACITIES if c >= slots), None)
+    if cap is None:
+        return None
+    key = ("prefill_offsets", cap)
+    fn = state.constants.get(key)
+    if fn is None:
+        fn = prefill_offsets(cap, state.ratio, state.device)
+        if fn is not None:
+            state.constants[key] = fn
+    return None if fn is None else (fn, cap)
+
+
+def fresh_offsets(state, cu: list, slot_list: list):
+    """A prefill into empty slots: its offsets ``cu``, its row offsets and tail_meta's
+    ints (nothing before, a slot's rows its new tokens // ratio) on the device, written by
+    one launch from its parameters into a scratch buffer of the state's staging, with no
+    host copy: ``(cu, cuc, meta (slots, META))``, or None where the kernel cannot take the
+    call (offsets_launcher; no scratch buffer free; offsets past int32; capture, where the
+    caller's plain copy is what a graph should hold)."""
+    B = len(slot_list)
+    if cu[-1] > INT32_MAX or (state.device.type == "cuda"
+                              and torch.cuda.is_current_stream_capturing()):
+        return None
+    found = offsets_launcher(state, B)
+    staging = state.staging() if found is not None else None
+    got = staging.scratch(torch.int32, 2 * (B + 1) + META * B,
+                          ((B + 1,), (B + 1,), (B, META))) if staging is not None else None
+    if got is None:
+        return None
+    (fn, cap), (flat, parts) = found, got
+    pad = _PAD[:cap - B]
+    fn(flat, (*cu, *pad, *slot_list, *pad), B)
+    return parts
 
 
 def tail(fn, state, kv, score, slot_list: list, counts: list, meta: torch.Tensor, rows: int):

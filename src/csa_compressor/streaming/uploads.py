@@ -249,7 +249,7 @@ class Staging:
         j = self.next
         twin = scratch and self.twin_streams[j] in (None, stream)
         if twin:
-            got = self._twin_parts(j, dtype, len(arr), shapes)
+            got = self._twin_parts(j, dtype, len(arr), shapes)[1]
             dst = self.twins[j].data_ptr()
         else:
             out = torch.empty(len(arr), dtype=dtype, device=self.device)
@@ -261,10 +261,29 @@ class Staging:
             self.next = (j + 1) % len(self.twin_streams)
         return got
 
+    def scratch(self, dtype, count: int, shapes: tuple):
+        """A scratch twin for values the caller writes on the device itself (a kernel
+        launched on the current stream) rather than copies: ``(flat, parts)``, its first
+        ``count`` values as ``dtype`` and those split as ``shapes``; as a scratch upload's
+        result it must not outlive the call. None where the twins are not this state's to
+        hand out now (no runtime, another device current, the next twin's last use on
+        another stream, more bytes than a twin holds)."""
+        raw = self.raw
+        if raw is None or not raw.current() or count * dtype.itemsize > self.nbytes:
+            return None
+        stream = raw.stream()
+        j = self.next
+        if self.twin_streams[j] not in (None, stream):
+            return None
+        got = self._twin_parts(j, dtype, count, shapes)
+        self.twin_streams[j] = stream
+        self.next = (j + 1) % len(self.twin_streams)
+        return got
+
     def _twin_parts(self, k: int, dtype, count: int, shapes):
-        """The first ``count`` values of twin ``k`` as ``dtype``, split as
-        ``shapes``: views made once a key and kept (a slice or view costs 2 µs of host
-        time on the H100 host), up to _VIEWS_KEPT keys."""
+        """``(flat, parts)``: the first ``count`` values of twin ``k`` as ``dtype``, and
+        those split as ``shapes``: views made once a key and kept (a slice or view costs
+        2 µs of host time on the H100 host), up to _VIEWS_KEPT keys."""
         key = (k, dtype, count, shapes)
         got = self.views.get(key)
         if got is None:
@@ -274,7 +293,8 @@ class Staging:
                                                     device=self.device)
             if len(self.views) >= _VIEWS_KEPT:
                 self.views.clear()
-            got = self.views[key] = split(whole.view(dtype)[:count], shapes)
+            flat = whole.view(dtype)[:count]
+            got = self.views[key] = (flat, split(flat, shapes))
         return got
 
 
