@@ -134,14 +134,14 @@ class DecodeEntriesStandin:
     """kernels/decode_entries.DecodeEntries' contract on the CPU, with its launch's
     arguments (streaming/ring.in_place): per entry its slot checked (out of range: the
     spare; repeated, bad, past ``limit``: malformed), its tokens into the ring where well
-    formed, the count advanced, ``cu`` the closing window's first ring row or -1, the NaN
-    and emitted flags and the position."""
+    formed, the count advanced, ``cu`` the closing window's first ring row, -1, or the NaN
+    window's row ``poison`` for a malformed entry, the emitted flag and the position."""
 
     def __init__(self, ratio):
         self.ratio, self.calls = ratio, 0
 
-    def fn(self, kv, score, ring_kv, ring_sc, slots, count, last_n, bad, cu, nan, emit, pos,
-           n, H, limit):
+    def fn(self, kv, score, ring_kv, ring_sc, slots, count, last_n, bad, cu, emit, pos,
+           n, H, limit, poison):
         self.calls += 1
         r, raw = self.ratio, slots.tolist()
         spare = count.shape[0] - 1
@@ -157,9 +157,9 @@ class DecodeEntriesStandin:
                     ring_sc[slot * H + (c + k) % H] = score[b * n + k]
             closes = (c + n) // r > c // r
             first = c // r * r
-            emit[b], nan[b] = int(closes), int(is_bad)
+            emit[b] = int(closes)
             pos[b] = first if closes else 0
-            cu[b] = slot * H + first % H if closes and not is_bad else -1
+            cu[b] = poison if is_bad else slot * H + first % H if closes else -1
             count[slot], last_n[slot] = c + n, n
             if is_bad:
                 bad[slot] = 1

@@ -397,7 +397,7 @@ def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on
     made, ring_checks = [], []
     check = dispatch.validate  # fused_on_cpu's
     monkeypatch.setattr(dispatch, "validate", lambda kv, *a, **k: ring_checks.append(
-        kv.shape[0] == 4 * st.history) or check(kv, *a, **k))
+        kv.shape[0] == st.flat_rings()[0].shape[0]) or check(kv, *a, **k))
 
     def launcher(state, kv, score):
         made.append(DecodeEntriesStandin(state.ratio))
@@ -425,6 +425,40 @@ def test_aligned_decode_through_the_entries_kernel_is_the_training_rows(fused_on
     assert ring_checks and not any(ring_checks) and len(ring_checks) <= 6
     for name in ("kv", "score", "count", "last_n", "bad"):
         assert torch.equal(getattr(states[True], name), getattr(states[False], name)), name
+
+
+def test_malformed_entries_over_aligned_rings_read_the_nan_window(fused_on_cpu, monkeypatch):
+    """ring.in_place as a captured step runs it (kernels/decode_entries stood in, the slots
+    unchecked as a device tensor's are): a slot out of range and a repeated one read the
+    rings' NaN window (StreamState.poison_row), so their rows are NaN with no mask after
+    the pooling, and their slots go bad; the window stays NaN; the well-formed entry's row
+    is the training row."""
+    from kernel_standin import DecodeEntriesStandin
+    from stream_driver import training_rows
+    from csa_compressor.streaming import ring, steps
+
+    made = []
+    monkeypatch.setattr(steps, "_capturing", lambda t: True)
+    monkeypatch.setattr(streaming.StreamState, "slot_index", lambda self, slots, name="": slots)
+    monkeypatch.setattr(ring, "entries_launcher", lambda state, kv, score: made.append(
+        DecodeEntriesStandin(state.ratio)) or made[-1].fn)
+    g = torch.Generator().manual_seed(3)
+    st = streaming.StreamState(4, 16, ratio=128, coff=1, dtype=torch.float32)
+    assert st.aligned and st.poison_row == 5 * st.history
+    prompt, ape = torch.randn(4 * 127, 16, generator=g), torch.randn(128, 16, generator=g)
+    streaming.prefill(st, prompt, prompt, ape, [0, 127, 254, 381, 508], [0, 1, 2, 3])
+    step = torch.randn(4, 1, 16, generator=g)
+    out = streaming.decode(st, step, step, ape, torch.tensor([0, 1, 9, 1]))
+    assert made and made[-1].calls == 1
+    assert out.rows[1:].isnan().all() and not out.rows[0].isnan().any()
+    assert bool(out.emitted[0, 0])  # slot 0's 128th token: its first window closes
+    want = training_rows(torch.cat([prompt[:127], step[0]]), torch.cat([prompt[:127], step[0]]),
+                         ape, [128], 128, 1, "fp32", None, None, True)
+    assert torch.equal(out.rows[0, 0], want[0][0])
+    assert st.bad.tolist() == [False, True, False, False, True]  # the spare's too
+    for ring_t in st.flat_rings():
+        assert ring_t.shape[0] == st.poison_row + 128
+        assert ring_t[st.poison_row:].isnan().all() and not ring_t[:st.poison_row].isnan().any()
 
 
 def test_the_kept_verdict_holds_only_for_the_ape_shape_it_checked(fused_on_cpu):

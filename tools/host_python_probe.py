@@ -51,6 +51,21 @@ def stubbed(stack, launches: list):
     return lambda spec: stack.enter_context(cc.stand_in(spec, cpu, noop))
 
 
+def _scratch_staging():
+    """A stream state's Staging with a stand-in runtime: its scratch twins as a GPU's."""
+    from csa_compressor.streaming.uploads import PinnedRing, Staging
+
+    class Runtime:
+        def current(self):
+            return True
+
+        def stream(self):
+            return 1
+
+    raw = Runtime()
+    return Staging(torch.device("cpu"), raw=raw, ring=PinnedRing(raw, pinned=False))
+
+
 def host_us(fn, calls):
     return _tool.host_us(fn, calls, warm=20, rounds=5)
 
@@ -91,8 +106,13 @@ def main(calls=2000):
         stack.enter_context(mock.patch.object(runtime, "device_reason", lambda device: None))
         stack.enter_context(mock.patch.object(ring, "tail_launcher",
                                               lambda st, kv, sc: lambda *a: launches.append(a)))
+        # the offsets kernel's launch into a scratch twin, as on a GPU (a runtime stand-in)
+        stack.enter_context(mock.patch.object(ring, "offsets_launcher",
+                                              lambda st, B: (lambda *a: launches.append(a), 8)))
         B = 8
         state = streaming.StreamState(B, d, ratio=ratio, coff=coff, dtype=torch.bfloat16)
+        stg = _scratch_staging()
+        stack.enter_context(mock.patch.object(streaming.StreamState, "staging", lambda self: stg))
         chunk = torch.zeros(B * T, coff * d, dtype=torch.bfloat16)
         cu_host, slots = [b * T for b in range(B + 1)], list(range(B))
 

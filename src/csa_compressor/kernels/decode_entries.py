@@ -1,15 +1,16 @@
 """A decode step's entries over rings that hold whole windows (streaming/state.py's
 aligned rings, coff 1), in one launch: each entry's slot checked, its new tokens into the
 ring, its count advanced, and what the training forward's pooling then reads in place:
-``cu[b]``, the ring row where entry ``b``'s closing window starts, or -1 (no window
-closed, or the entry is malformed: the pooling reads nothing and writes zeros), with the
-row's emitted flag, its position and a NaN flag. The rows are then the training
+``cu[b]``, the ring row where entry ``b``'s closing window starts, -1 where none closed
+(the pooling reads nothing and writes zeros), or the rings' NaN window (``poison``) where
+the entry is malformed (its row NaN), with the row's emitted flag and its position. The
+rows are then the training
 forward's (its kernel over the same tokens); in torch ops this bookkeeping is some fifty
 small launches a step (steps._in_place and its slot checks).
 
 One CTA an entry, its threads copying the new tokens' vectors. Malformed entries as
 pool_decode's (pool_decode.decode_entry): such an entry writes no ring, marks its slot bad
-and is flagged NaN (its count still advances).
+and reads the NaN window (its count still advances).
 """
 
 import cutlass
@@ -30,22 +31,22 @@ class DecodeEntries:
     @cute.jit
     def __call__(self, mKV: cute.Tensor, mScore: cute.Tensor, mRingKV: cute.Tensor,
                  mRingSc: cute.Tensor, mSlots: cute.Tensor, mCount: cute.Tensor,
-                 mLastN: cute.Tensor, mBad: cute.Tensor, mCu: cute.Tensor, mNan: cute.Tensor,
+                 mLastN: cute.Tensor, mBad: cute.Tensor, mCu: cute.Tensor,
                  mEmit: cute.Tensor, mPos: cute.Tensor, next_n: Int32, history: Int32,
-                 limit: Int32, stream):
+                 limit: Int32, poison: Int32, stream):
         tiler = (1, self.vec)
         self.kernel(cute.zipped_divide(mKV, tiler), cute.zipped_divide(mScore, tiler),
                     cute.zipped_divide(mRingKV, tiler), cute.zipped_divide(mRingSc, tiler),
-                    mSlots, mCount, mLastN, mBad, mCu, mNan, mEmit, mPos, next_n, history,
-                    limit).launch(grid=[mSlots.shape[0], 1, 1], block=[THREADS, 1, 1], smem=16,
+                    mSlots, mCount, mLastN, mBad, mCu, mEmit, mPos, next_n, history,
+                    limit, poison).launch(grid=[mSlots.shape[0], 1, 1], block=[THREADS, 1, 1], smem=16,
                                   stream=stream)
 
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gRingKV: cute.Tensor,
                gRingSc: cute.Tensor, mSlots: cute.Tensor, mCount: cute.Tensor,
-               mLastN: cute.Tensor, mBad: cute.Tensor, mCu: cute.Tensor, mNan: cute.Tensor,
+               mLastN: cute.Tensor, mBad: cute.Tensor, mCu: cute.Tensor,
                mEmit: cute.Tensor, mPos: cute.Tensor, next_n: Int32, history: Int32,
-               limit: Int32):
+               limit: Int32, poison: Int32):
         tid, _, _ = cute.arch.thread_idx()
         b, _, _ = cute.arch.block_idx()
         r = self.ratio
@@ -59,15 +60,13 @@ class DecodeEntries:
             at = Int32(-1)
             mEmit[b] = Uint8(0)
             mPos[b] = Int64(0)
-            mNan[b] = Uint8(0)
             if (c32 + next_n) // r > i0:  # next_n <= ratio: one window closes at most
                 mEmit[b] = Uint8(1)
                 mPos[b] = Int64(first)
                 at = slot * history + first % history
             if bad:
                 mBad[slot] = Uint8(1)
-                mNan[b] = Uint8(1)
-                at = Int32(-1)
+                at = poison
             mCu[b] = at
             if b == 0:
                 mCu[entries] = Int32(-1)
@@ -92,8 +91,8 @@ def compile_args(cdt, width: int) -> tuple:
     return (_fake(cdt, (T, width), 16), _fake(cdt, (T, width), 16), _fake(cdt, (R, width), 16),
             _fake(cdt, (R, width), 16), _fake(Int64, (B,), 8), _fake(Int64, (S,), 8),
             _fake(Int64, (S,), 8), _fake(Uint8, (S,), 1), _fake(Int32, (B1,), 4),
-            _fake(Uint8, (B,), 1), _fake(Uint8, (B,), 1), _fake(Int64, (M,), 8), Int32(1),
-            Int32(1), Int32(1), stream)
+            _fake(Uint8, (B,), 1), _fake(Int64, (M,), 8), Int32(1), Int32(1), Int32(1),
+            Int32(1), stream)
 
 
 def decode_entries(dtype, width: int, ratio: int, device):

@@ -170,23 +170,23 @@ def entries_launcher(state, kv, score):
 
 def in_place(fn, state, kv, score, idx: torch.Tensor, settings, cap: int, cuc: torch.Tensor):
     """A decode step over aligned rings: kernel ``fn`` (entries_launcher) takes the
-    entries (``idx``, int64 slots on the device, unchecked: malformed ones get NaN rows and
-    bad slots), then the training forward's pooling over the flat rings reads each closing
-    window where it lies (``cuc``: one row a segment, ``cap`` rows: windows.min_rows).
+    entries (``idx``, int64 slots on the device, unchecked: malformed ones get bad slots
+    and read the rings' NaN window, their rows NaN), then the training forward's pooling
+    over the flat rings reads each closing window where it lies (``cuc``: one row a
+    segment, ``cap`` rows: windows.min_rows).
     Returns (rows ``(B, 1, head_dim)``, emitted ``(B, 1)``, positions ``(B, 1)``)."""
     B, n, W = kv.shape
     dev = state.device
     rings = state.flat_rings()
     cu = torch.empty(B + 1, dtype=torch.int32, device=dev)
-    flags = torch.empty(2 * B, dtype=torch.uint8, device=dev)  # NaN, emitted
+    emitted = torch.empty(B, dtype=torch.uint8, device=dev)
     positions = torch.empty(cap, dtype=torch.int64, device=dev)
     fn(kv.view(B * n, W), score.view(B * n, W), *rings, idx.contiguous(), state.count,
-       state.last_n, state.bad.view(torch.uint8), cu, flags[:B], flags[B:], positions, n,
-       state.history, state.position_limit)
+       state.last_n, state.bad.view(torch.uint8), cu, emitted, positions, n,
+       state.history, state.position_limit, state.poison_row)
     out = pool_rings(state, settings, cu, cuc, cap,
                      positions if settings.epilogue is not None else None)[:B]
-    out.masked_fill_(flags[:B].view(torch.bool)[:, None], float("nan"))
-    return (out.view(B, 1, state.head_dim), flags[B:].view(torch.bool)[:, None],
+    return (out.view(B, 1, state.head_dim), emitted.view(torch.bool)[:, None],
             positions[:B, None])
 
 

@@ -27,7 +27,8 @@ class StreamState:
     """What ``num_slots`` sequences being generated need for their next compressed rows.
 
     ``kv`` / ``score`` ``(num_slots + 1, history, coff*head_dim)`` in the input dtype (token
-    ``t`` of slot ``s`` at ``[s, t % history]``), ``count`` the tokens seen, ``last_n`` the
+    ``t`` of slot ``s`` at ``[s, t % history]``; flat_rings adds the aligned rings' NaN
+    window, ``poison_row``), ``count`` the tokens seen, ``last_n`` the
     tokens of the slot's last decode step (what take_back may return), ``bad`` set where a
     captured step met malformed input for the slot (its rows are NaN until reset).
     ``max_seqlen``: the most tokens a slot may see (None: int32 positions).
@@ -50,10 +51,18 @@ class StreamState:
         # aligned: every window lies whole in its ring, and a step closes one at most
         self.history, self.aligned = history(ratio, coff, max_next_n)
         shape = (num_slots + 1, self.history, coff * head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        rows = shape[0] * self.history
+        # Aligned rings end in one window of NaN tokens that nothing writes: a malformed
+        # decode entry pools it, so its row is NaN with no mask after the pooling.
+        self.poison_row = rows if self.aligned else None
+        flat = [torch.zeros((rows + (ratio if self.aligned else 0), shape[2]), dtype=dtype,
+                            device=self.device) for _ in range(2)]
+        for t in flat:
+            t[rows:] = float("nan")
+        self._flat = tuple(flat)
+        self.kv, self.score = (t[:rows].view(shape) for t in flat)
         self.device = self.kv.device  # "cuda" resolved to "cuda:0", as the caller's tensors say it
         self.device_index = self.kv.get_device()  # -1 off CUDA
-        self.score = torch.zeros(shape, dtype=dtype, device=self.device)
         self.count = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self.last_n = torch.zeros_like(self.count)
         self.bad = torch.zeros(num_slots + 1, dtype=torch.bool, device=self.device)
@@ -79,12 +88,9 @@ class StreamState:
         return got
 
     def flat_rings(self) -> tuple:
-        """``(kv, score)`` rings as ``(slots * history, width)`` views, made once."""
-        got = self.constants.get("flat_rings")
-        if got is None:
-            got = self.constants["flat_rings"] = (self.kv.view(-1, self.width),
-                                                  self.score.view(-1, self.width))
-        return got
+        """``(kv, score)`` rings as ``(slots * history, width)`` tensors (the rings' own
+        storage), then for aligned rings the ``ratio`` NaN tokens at ``poison_row``."""
+        return self._flat
 
     @property
     def width(self) -> int:
