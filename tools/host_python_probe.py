@@ -4,7 +4,7 @@ compiled) and the tensors live on the CPU, so what is timed is the package's own
 around the launches (checks, problem values, plans, autograd glue, allocations), not the
 driver's. A regression guard for the host figures that tools/op_host_profile.py and
 tools/launch_host_probe.py measure on a GPU host, where each launch adds its own cost.
-Also a streaming prefill into empty slots, its tail kernel stood in.
+Also a streaming prefill into empty slots, its offsets and tail kernels stood in.
 
     python tools/host_python_probe.py [calls]
 """
