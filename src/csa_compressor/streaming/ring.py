@@ -4,18 +4,20 @@ is some thirty small ones, its rows the training forward's (the forward's row ma
 its order); over aligned rings (long windows) kernels/decode_entries does a step's
 bookkeeping in one launch and the training forward's kernel pools the closing windows
 in place; prefill's kernels/prefill_tail stores the chunks into the rings and writes
-the rows' slots and positions after its pooling, where torch ops took some fourteen."""
+the rows' slots and positions after its pooling, where torch ops took some fourteen, and
+into empty slots kernels/prefill_offsets writes the pack's offsets from its launch
+parameters before it, where a host copy took their values."""
 
 from __future__ import annotations
 
 import torch
 
+from ..checks import INT32_MAX
 from ..epilogue_op import apply_epilogue
 from ..kernels.decode_entries import decode_entries
 from ..kernels.launch import decode_kernel, launch_decode
 from ..kernels.prefill_offsets import CAPACITIES, prefill_offsets
 from ..kernels.prefill_tail import prefill_tail
-from ..checks import INT32_MAX
 from .rows import fused_problem, pool_rows, zero_ape
 from .windows import min_rows
 
