@@ -246,20 +246,13 @@ class Staging:
         if not raw.current():
             return None
         stream = raw.stream()
-        j = self.next
-        twin = scratch and self.twin_streams[j] in (None, stream)
-        if twin:
-            got = self._twin_parts(j, dtype, len(arr), shapes)[1]
-            dst = self.twins[j].data_ptr()
+        twin = self._take_twin(stream, dtype, len(arr), shapes) if scratch else None
+        if twin is not None:
+            flat, got = twin
         else:
-            out = torch.empty(len(arr), dtype=dtype, device=self.device)
-            got, dst = split(out, shapes), out.data_ptr()
-        if not self.ring.copy(arr, n, dst, stream):
-            return None
-        if twin:
-            self.twin_streams[j] = stream
-            self.next = (j + 1) % len(self.twin_streams)
-        return got
+            flat = torch.empty(len(arr), dtype=dtype, device=self.device)
+            got = split(flat, shapes)
+        return got if self.ring.copy(arr, n, flat.data_ptr(), stream) else None
 
     def scratch(self, dtype, count: int, shapes: tuple):
         """A scratch twin for values the caller writes on the device itself (a kernel
@@ -271,14 +264,19 @@ class Staging:
         raw = self.raw
         if raw is None or not raw.current() or count * dtype.itemsize > self.nbytes:
             return None
-        stream = raw.stream()
+        return self._take_twin(raw.stream(), dtype, count, shapes)
+
+    def _take_twin(self, stream: int, dtype, count: int, shapes):
+        """The next twin's ``(flat, parts)`` (_twin_parts), its turn taken for ``stream``,
+        or None where its last use was on another stream (its readers there may not have
+        run). A turn taken by an upload whose copy then declines stays taken: the twin was
+        not written, and its stream is still its last reader's."""
         j = self.next
         if self.twin_streams[j] not in (None, stream):
             return None
-        got = self._twin_parts(j, dtype, count, shapes)
         self.twin_streams[j] = stream
         self.next = (j + 1) % len(self.twin_streams)
-        return got
+        return self._twin_parts(j, dtype, count, shapes)
 
     def _twin_parts(self, k: int, dtype, count: int, shapes):
         """``(flat, parts)``: the first ``count`` values of twin ``k`` as ``dtype``, and
