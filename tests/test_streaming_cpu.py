@@ -461,6 +461,28 @@ def test_malformed_entries_over_aligned_rings_read_the_nan_window(fused_on_cpu, 
         assert ring_t[st.poison_row:].isnan().all() and not ring_t[:st.poison_row].isnan().any()
 
 
+def test_the_torch_in_place_step_gives_bad_slots_the_nan_window(fused_on_cpu, monkeypatch):
+    """steps._in_place (aligned rings in torch ops) as a captured step runs it: slots pushed
+    past max_seqlen go bad and their rows are NaN (the rings' NaN window, as the entries
+    kernel's), the other slot's row is not."""
+    from csa_compressor.streaming import steps
+
+    monkeypatch.setattr(steps, "_capturing", lambda t: True)
+    taken = []
+    torch_ops = steps._in_place
+    monkeypatch.setattr(steps, "_in_place", lambda *a: taken.append(1) or torch_ops(*a))
+    g = torch.Generator().manual_seed(4)
+    st = streaming.StreamState(3, 16, ratio=128, coff=1, dtype=torch.float32, max_seqlen=130)
+    prompt, ape = torch.randn(268, 16, generator=g), torch.randn(128, 16, generator=g)
+    streaming.prefill(st, prompt, prompt, ape, [0, 129, 258, 268], [0, 1, 2])
+    step = torch.randn(3, 2, 16, generator=g)
+    out = streaming.decode(st, step, step, ape, [0, 1, 2])  # 131, 131, 12 tokens seen
+    assert taken and st.bad[:3].tolist() == [True, True, False]
+    assert out.rows[:2].isnan().all() and not out.rows[2].isnan().any()
+    for ring_t in st.flat_rings():
+        assert ring_t[st.poison_row:].isnan().all()
+
+
 def test_the_kept_verdict_holds_only_for_the_ape_shape_it_checked(fused_on_cpu):
     """rows.fused_problem keeps the kernels' verdict a tensor layout: an APE of another
     row count after a good one is checked anew (the kernels read ``ratio`` of its rows),

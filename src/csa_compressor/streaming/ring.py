@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import INT32_MAX
 from ..epilogue_op import apply_epilogue
 from ..kernels.decode_entries import decode_entries
 from ..kernels.launch import decode_kernel, launch_decode
@@ -127,11 +126,11 @@ def fresh_offsets(state, cu: list, slot_list: list):
     ints (nothing before, a slot's rows its new tokens // ratio) on the device, written by
     one launch from its parameters into a scratch buffer of the state's staging, with no
     host copy: ``(cu, cuc, meta (slots, META))``, or None where the kernel cannot take the
-    call (offsets_launcher; no scratch buffer free; offsets past int32; capture, where the
-    caller's plain copy is what a graph should hold)."""
+    call (offsets_launcher; no scratch buffer free; capture, where the caller's plain copy
+    is what a graph should hold). The offsets fit its int32 parameters: the fused path it
+    serves checked ``T * width`` against int32 (rows.fused_problem)."""
     B = len(slot_list)
-    if cu[-1] > INT32_MAX or (state.device.type == "cuda"
-                              and torch.cuda.is_current_stream_capturing()):
+    if state.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     found = offsets_launcher(state, B)
     staging = state.staging() if found is not None else None

@@ -173,13 +173,14 @@ def _in_place(state, kv, score, idx, st, c, capturing: bool, known) -> Step:
     ring_sc.index_copy_(0, dst, score.reshape(-1, W))
     emit = (count + n) // r > count // r  # n <= ratio: one window closes at most
     first = count // r * r  # the open window's first token, the closing one's where emit
-    cu = torch.cat([torch.where(emit, base + first % H, -1), c["k"][:1] - 1]).to(torch.int32)
+    start = torch.where(emit, base + first % H, -1)
+    if capturing:  # a bad slot's row pools the rings' NaN window (eager calls raised instead)
+        start = torch.where(state.bad[idx], state.poison_row, start)
+    cu = torch.cat([start, c["k"][:1] - 1]).to(torch.int32)
     pos = None
     if st.epilogue is not None:  # rows not emitted sit at position 0 (inside any table)
         pos = torch.cat([torch.where(emit, first, 0), c["pad"]])
     out = ring.pool_rings(state, st, cu, c["cuc"], c["cap"], pos)[:B].view(B, 1, d)
-    if capturing:  # eager calls raised in _check_step instead
-        out = torch.where(state.bad[idx][:, None, None], torch.full_like(out, float("nan")), out)
     state.count.index_copy_(0, idx, count + n)
     state.last_n.index_fill_(0, idx, n)
     state.follow(known, lambda v: v + n, capturing)
