@@ -40,7 +40,7 @@ def fused_on_cpu(monkeypatch):
     """The fused path on the CPU: the device checks passed over and the launch replaced by
     the reference of its numerics on the validated problem (the kernels' contract), so the dispatch
     and its callers can be driven without a GPU. Yields the row counts launched."""
-    from csa_compressor import dispatch, ops, reference, runtime, validation
+    from csa_compressor import dispatch, grouped, ops, reference, runtime, validation
 
     def validate_any_device(*a, for_kernel=False, **k):
         return validation.validate(*a, **k)
@@ -100,6 +100,9 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(ops, "validate_sbhd", validate_sbhd_any_device)
     monkeypatch.setattr(ops, "validate_packed", validate_packed_any_device)
     monkeypatch.setattr(ops, "fused_from_problem", launch)
+    # compress_grouped's problem of built offsets (grouped._fused)
+    monkeypatch.setattr(grouped, "validate", validate_any_device)
+    monkeypatch.setattr(grouped, "fused_from_problem", launch)
     # streaming's kept forward (streaming.rows.pool_kept): the problem's specialisation
     # stands for the compiled kernel, the reference for its launch
     from csa_compressor.streaming import rows as stream_rows

@@ -16,6 +16,7 @@ os.environ["CUTE_DSL_KEEP"] = "ptx"  # as tests/compile_probe.py: ptxas' report 
 os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp()
 os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"
 
+import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
 from csa_compressor.kernels import column_sum as cs  # noqa: E402
@@ -23,6 +24,7 @@ from csa_compressor.kernels import decode_entries as de  # noqa: E402
 from csa_compressor.kernels import epilogue_rows as er  # noqa: E402
 from csa_compressor.kernels import offsets as off  # noqa: E402
 from csa_compressor.kernels import prefill_offsets as po  # noqa: E402
+from csa_compressor.kernels import grouped_offsets as go  # noqa: E402
 from csa_compressor.kernels import prefill_tail as pt  # noqa: E402
 from csa_compressor.kernels import rope_angles as ra  # noqa: E402
 from csa_compressor.kernels.jit import compile_kernel as _compile  # noqa: E402
@@ -37,7 +39,10 @@ def build(spec):
     ``dtype:head_dim:rope_dim:interleaved:rotate:backward[:norm[:weight_dtype]]`` (epilogue_rows), ``positions``, ``angles:pairs`` or ``trig:pairs`` (rope_angles), ``offsets:ratio``, ``guard:ratio`` (the offsets' guard),
     ``colsum:head_dim:lanes:finish`` (column_sum), ``tail:dtype:width:ratio`` (prefill_tail),
     ``entries:dtype:width:ratio`` (decode_entries), ``poffsets:capacity:ratio``
-    (prefill_offsets)."""
+    (prefill_offsets), ``goffsets:ratio:ids dtype`` (grouped_offsets)."""
+    if spec.startswith("goffsets:"):
+        _, ratio, ids = spec.split(":")
+        return go.GroupedOffsets(int(ratio)), go.compile_args(getattr(cutlass, ids.capitalize()))
     if spec.startswith("poffsets:"):
         _, cap, ratio = spec.split(":")
         return po._build(int(cap), int(ratio))

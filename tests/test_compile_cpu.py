@@ -341,7 +341,9 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
              # kernels.decode_entries: ratio 128's rings, 16-byte and 8-byte copies
              "entries:bfloat16:512:128", "entries:float32:64:128", "entries:float16:132:32",
              # kernels.prefill_offsets: the smallest and largest capacities
-             "poffsets:8:4", "poffsets:64:128", "poffsets:16:1"]
+             "poffsets:8:4", "poffsets:64:128", "poffsets:16:1",
+             # kernels.grouped_offsets: int32 and int64 group ids
+             "goffsets:4:int32", "goffsets:128:int64"]
     env = dict(os.environ, CUTE_DSL_ARCH=arch,
                PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "epilogue_compile_probe.py"), *specs],
@@ -353,7 +355,7 @@ def test_the_epilogue_row_kernels_compile_spill_free(arch):
         assert info["regs"] and all(s == 0 for s in info["spills"] + info["stack"]), info
         # the row kernels and the column sum launch as programmatic dependents (use_pdl)
         if info["spec"].split(":")[0] not in ("positions", "angles", "trig", "offsets", "guard",
-                                              "tail", "entries", "poffsets"):
+                                              "tail", "entries", "poffsets", "goffsets"):
             assert info["ptx"] and info["pdl_wait"] and info["pdl_wait_first"], info
 
 

@@ -161,3 +161,21 @@ def test_the_saved_problem_keeps_autograd_checks_and_hooks(monkeypatch):
     assert any(t.data_ptr() == kvs.data_ptr() and t.shape == kvs.shape for t in packed)
     assert any(t is not None and t.shape == cu.shape for t in packed)
     torch.autograd.grad(out, kvs, torch.ones_like(out))
+
+
+def test_a_grouped_step_launches_no_offsets_guard(launches, monkeypatch):
+    """compress_grouped's offsets are built well formed (grouped.grouped_offsets), so its
+    training step launches the pooling forward, backward and dape sum alone: the device
+    offsets guard that the THD op runs on a caller's offsets is skipped."""
+    from csa_compressor import grouped
+
+    monkeypatch.setattr(grouped, "validate",
+                        lambda *a, for_kernel=False, **k: validation.validate(*a, **k))
+    ids = torch.tensor([0, 1, -1, 0, 1, 2, 5])
+    G = ids.numel()
+    leaves = [torch.randn(G * 4, 16, requires_grad=True) for _ in range(2)]
+    leaves.append(torch.randn(4, 16, requires_grad=True))
+    out = grouped.compress_grouped(*leaves, ids, ratio=4, coff=2)
+    assert out.shape == (G, 8) and len(launches) == 1, [len(x) for x in launches]
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert len(launches) == 3, [len(x) for x in launches]

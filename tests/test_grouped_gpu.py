@@ -53,3 +53,28 @@ def test_kernel_level_grouped_is_the_op():
     assert torch.equal(out, want.detach())
     for got, ref in zip(grads, torch.autograd.grad(want, xs, g)):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_grouped_offsets_kernel_is_the_torch_ops(dtype, ratio):
+    """The one-launch offsets (kernels.grouped_offsets) give the torch ops' integers, for
+    group counts around the CTA's 1024 threads and ids with no starts, all starts, halos and
+    padding."""
+    from csa_compressor.grouped import _torch_grouped_offsets
+    from csa_compressor.kernels.grouped_offsets import grouped_offsets as launched
+
+    gen = torch.Generator().manual_seed(ratio)
+    cases = [torch.tensor(IDS), torch.zeros(5, dtype=torch.int64), torch.tensor([3, 4, 5]),
+             torch.tensor([-1]), torch.tensor([0])]
+    for G in (1023, 1024, 1025, 4099, 70001):
+        ids = torch.randint(-2, 6, (G,), generator=gen)
+        cases.append(ids)
+    cases.append(torch.zeros(3000, dtype=torch.int64))
+    for ids in cases:
+        ids = ids.to(dtype).cuda()
+        got = launched(ids, ratio)
+        assert got is not None
+        want = _torch_grouped_offsets(ids, ratio)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int32 and torch.equal(g, w), (ids.numel(), g, w)

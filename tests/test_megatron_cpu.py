@@ -220,11 +220,18 @@ def test_megatrons_sbhd_compressor_through_the_adapter(megatron_csa, fused_on_cp
     (4, [0, 1, 2, 3, 0, 0, 1]),            # starts at a sequence start; a one-block sequence
     (128, [7, 8, 0, 1, -1]),
 ])
-def test_megatrons_grouped_compressor_through_the_adapter(megatron_csa, fused_on_cpu, ratio, ids):
+def test_megatrons_grouped_compressor_through_the_adapter(megatron_csa, fused_on_cpu, ratio, ids,
+                                                          monkeypatch):
     """Megatron's context-parallel pre-grouped path installed, the fused pooling standing in
     as the fp32 reference: output and every gradient against Megatron's own eager region,
     row 0 excepted where it is an overlapping halo (Megatron fills its previous block from
-    the buffer's last group, the adapter leaves it empty; downstream never reads it)."""
+    the buffer's last group, the adapter leaves it empty; downstream never reads it). The
+    groups' offsets are built well formed, so the problem skips the device offsets guard."""
+    from csa_compressor import ops
+
+    built, inner = [], ops.fused_from_problem
+    monkeypatch.setattr(ops, "fused_from_problem",
+                        lambda p, finish=None: built.append(p.offsets_built) or inner(p, finish))
     comp = build_compressor(megatron_csa, hidden=64, head_dim=32, ratio=ratio, rope_dim=16)
     ids = torch.tensor(ids, dtype=torch.int32)
     x = torch.randn(ids.numel() * ratio, 1, 64, generator=torch.Generator().manual_seed(2))
@@ -234,6 +241,7 @@ def test_megatrons_grouped_compressor_through_the_adapter(megatron_csa, fused_on
     with megatron.installed():
         got = grouped_step(comp, x, ids, max_seqlen, halo)
     assert fused_on_cpu == [ids.numel()], "the fused pooling was not called once"
+    assert built == [True]
     assert got[0].shape == want[0].shape == (ids.numel(), 1, 32)
     rows = slice(1 if halo else 0, None)
     torch.testing.assert_close(got[0][rows], want[0][rows], rtol=1e-5, atol=1e-5)

@@ -24,16 +24,31 @@ from . import reference
 from .checks import check_ratio_coff
 from .kernel_api import pool_backward, pool_forward
 from .layout import compressed_cu_seqlens
-from .ops import compress_thd_fused
+from .ops import fused_from_problem
+from .runtime import small_kernels_usable
+from .validation import validate
 
 
 def grouped_offsets(group_ids: torch.Tensor, ratio: int):
     """``(cu_seqlens, cu_seqlens_comp)`` int32 ``(G+1,)`` of the THD pack whose rows are the
     groups in order: segment boundaries at the groups that start a sequence, empty
-    segments after the last."""
-    G = group_ids.numel()
-    dev = group_ids.device
-    starts = group_ids.reshape(-1) == 0
+    segments after the last. Well formed for any ids (every group is ``ratio`` tokens), so
+    the ops skip their device-side offsets check on them (Problem.offsets_built). One
+    launch on a GPU the kernels run on (kernels.grouped_offsets), else torch ops."""
+    ids = group_ids.reshape(-1)
+    if ids.is_cuda and ids.dtype in (torch.int32, torch.int64) and small_kernels_usable(ids):
+        from .kernels.grouped_offsets import grouped_offsets as launched
+
+        got = launched(ids.contiguous(), ratio)
+        if got is not None:  # None: not compiled while a CUDA graph captures
+            return got
+    return _torch_grouped_offsets(ids, ratio)
+
+
+def _torch_grouped_offsets(ids: torch.Tensor, ratio: int):
+    G = ids.numel()
+    dev = ids.device
+    starts = ids == 0
     starts[0:1] = True
     seg = torch.cumsum(starts.to(torch.int64), 0) - 1
     g = torch.arange(G, device=dev, dtype=torch.int64)
@@ -74,10 +89,16 @@ def _grouped(pool, kv, score, ape, group_ids, ratio, coff, **kwargs):
     return torch.where(keep, out, out.detach())  # padding groups take no gradient
 
 
+def _fused(kv, score, ape, cu, cuc, total_comp, *, ratio, coff):
+    p = validate(kv, score, ape, cu, cuc, total_comp, ratio=ratio, coff=coff, for_kernel=True)
+    p.offsets_built = True  # grouped_offsets' offsets: well formed whatever the ids
+    return fused_from_problem(p)
+
+
 def compress_grouped(kv, score, ape, group_ids, *, ratio: int, coff: int):
     """Fused gated pooling of grouped rows: ``(G, d)``; forward and backward under the THD
     contract (dkv / dscore bitwise to torch's eager fp32 region)."""
-    return _grouped(compress_thd_fused, kv, score, ape, group_ids, ratio, coff)
+    return _grouped(_fused, kv, score, ape, group_ids, ratio, coff)
 
 
 def compress_grouped_reference(kv, score, ape, group_ids, *, ratio: int, coff: int,

@@ -54,11 +54,13 @@ def maybe_compress_thd_fused(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_
 
 
 def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,
-                       packed=False, score_first=False, finish=None):
+                       packed=False, score_first=False, finish=None, offsets_built=False):
     """The fused pooling ``(total_comp, d)``, or None with the reason recorded; validated
     once, the problem going on to the launch. ``packed``: ``kv`` is ``[kv | score]`` (or
     ``[score | kv]`` where ``score_first``) as one ``(T, 2 * coff * d)`` tensor and
-    ``score`` is None. ``finish`` (_finish_for): the epilogue's output instead."""
+    ``score`` is None. ``finish`` (_finish_for): the epilogue's output instead.
+    ``offsets_built``: offsets well formed by construction (grouped_offsets'), which the
+    kernels need not check on the device."""
     try:
         reason, p = dispatch.unavailable(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio,
                                  coff, True, packed, score_first=score_first)
@@ -66,6 +68,7 @@ def _fused_or_fallback(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, 
         reason = str(exc)
     if reason is not None:
         return fallback(reason)
+    p.offsets_built = offsets_built
     return dispatch.fused_from_validated(p, numerics=options().numerics, finish=finish)
 
 
@@ -282,18 +285,19 @@ def forward_thd(self, x, cu_seqlens, max_seqlen_q=None, compressed_group_ids=Non
         fallback(reason)
         return eager()
     ratio, G = self.compress_ratio, ids.numel()
-    cu, cuc = grouped_offsets(ids.to(torch.int32), ratio)
+    cu, cuc = grouped_offsets(ids, ratio)
     # The THD op itself, not compress_grouped: padding groups (ids < 0) take gradient like
     # Megatron's continuations do.
     if _projection_on(self):
         kvs, score_first = _joint(self, x)
         pooled = _fused_or_fallback(kvs.view(G * ratio, -1), None, self.ape, cu, cuc, G, ratio,
-                                    self.coff, packed=True, score_first=score_first)
+                                    self.coff, packed=True, score_first=score_first,
+                                    offsets_built=True)
     else:
         kv, _ = self.linear_wkv(x)  # (G * ratio, 1, coff * head_dim)
         score, _ = self.linear_wgate(x)
         pooled = _fused_or_fallback(kv.view(G * ratio, -1), score.view(G * ratio, -1),
-                                    self.ape, cu, cuc, G, ratio, self.coff)
+                                    self.ape, cu, cuc, G, ratio, self.coff, offsets_built=True)
     if pooled is None:
         return eager()
     if _epilogue_on(self, grouped=True):
