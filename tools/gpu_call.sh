@@ -72,6 +72,7 @@
 #                        (needs MEGATRON_LM_PATH); megatron_bench_f16 the same with the norm
 #                        weight in bf16 as Float16Module leaves it, and the THD kernel lists;
 #                        megatron_bench_ddp inside Megatron's DDP (its parameter buffers)
+#                        megatron_bench_base the same over $BASE_SRC's package
 #   eager                the numerics="eager" GPU tests, with the printed ulps of the module
 #                        against Megatron's own eager Compressor (needs MEGATRON_LM_PATH)
 #   megatron_epilogue    the install(epilogue=True) GPU tests with their printed ulps against
@@ -161,6 +162,7 @@ cmd_of() {
         bench) echo "python3 -m csa_compressor bench --out $WORK/bench" ;;
         bench_eager) echo "python3 -m csa_compressor bench --impls eager,fused,fused_eager --out $WORK/bench_eager" ;;
         megatron_bench) echo "python3 tools/megatron_bench.py" ;;
+        megatron_bench_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/megatron_bench.py" ;;
         megatron_bench_f16) echo "python3 tools/megatron_bench.py --float16-module --kernels" ;;
         megatron_bench_ddp) echo "python3 tools/megatron_bench.py --ddp --kernels" ;;
         vs_megatron) echo "python3 tools/module_vs_megatron.py" ;;
