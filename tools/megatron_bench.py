@@ -15,9 +15,10 @@ eager and installed alike, and the row says so); d 512 ratio 128; on the THD pat
 (packed_seq_params, static capacity, as Megatron's forward passes), on the
 context-parallel pre-grouped path (``_forward_thd(..., compressed_group_ids=ids)``, the
 same tokens as groups) and on the SBHD path (no packed_seq_params: the B sequences as
-``(L, B, hidden)``). Per step: wall time (CUDA events around 10 back-to-back steps,
-median of 5; host time included, no CUDA graph: Megatron's step is not capturable as
-called), GPU time (the sum of the step's kernel and memory-op durations from
+``(L, B, hidden)``). Per step: wall time (CUDA events around 10 back-to-back steps, the
+median over 7 rounds in which the four setups take turns, and the median of the rounds'
+installed / eager ratios; host time included, no CUDA graph: Megatron's step is not
+capturable as called), GPU time (the sum of the step's kernel and memory-op durations from
 torch.profiler over 3 steps) and kernel launches. A row is reported only where the
 installed steps really ran the fused pooling and, where asked, the fused epilogue and the
 one projection GEMM (a fallback is an error in the row).
@@ -33,7 +34,9 @@ start(__doc__, gpu=True, own_help=True)
 
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import tempfile
 
@@ -54,13 +57,59 @@ def _csa():
     return csa
 
 
-def _measure(step):
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    wall = steps_us(step)
-    gpu, launches = profile_steps(step)
-    return {"wall_us": wall, "gpu_us": gpu, "launches": launches}
+VARIANTS = ("eager", "installed", "epilogue", "projection")
+ROUNDS = 7  # wall-time rounds, the four variants in turn in each
+
+
+def _contexts(megatron) -> dict:
+    return {"eager": contextlib.nullcontext, "installed": megatron.installed,
+            "epilogue": lambda: megatron.installed(epilogue=True),
+            "projection": lambda: megatron.installed(epilogue=True, projection=True)}
+
+
+def _variants(step, megatron, ddp) -> dict:
+    """Each variant's GPU time and launches (torch.profiler), checked to have run what it
+    names, then the wall times: ROUNDS rounds of 10 back-to-back steps of each variant in
+    turn, so a slow spell of the host falls on every variant of a round alike; a variant's
+    wall is the median over the rounds, and ``wall_ratio`` the median of the rounds'
+    installed / eager."""
+    from csa_compressor import dispatch, module
+
+    ctx, out = _contexts(megatron), {}
+    launched, fused = [], dispatch.fused_from_validated
+    concatenated, joint = [], module.joint_projection
+    dispatch.fused_from_validated = lambda p, *a, **k: launched.append(p.total_comp) or fused(p, *a, **k)
+    module.joint_projection = lambda *a: concatenated.append(1) or joint(*a)
+    try:
+        for key in VARIANTS:
+            megatron.clear_fallback_reasons()
+            with ctx[key]():
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                gpu, launches = profile_steps(step)
+            out[key] = {"gpu_us": gpu, "launches": launches}
+            if key == "installed" and not launched:
+                raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
+            if key in ("epilogue", "projection") and megatron.fallback_reasons():
+                raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
+    finally:
+        dispatch.fused_from_validated = fused
+        module.joint_projection = joint
+    # in DDP's buffer the GEMM reads the two weights in place
+    out["concatenated"] = bool(concatenated)
+    if ddp and concatenated:
+        raise RuntimeError("the weights were concatenated inside DDP's buffer")
+    walls = {key: [] for key in VARIANTS}
+    for _ in range(ROUNDS):
+        for key in VARIANTS:
+            with ctx[key]():
+                step()  # one untimed step after the switch
+                walls[key].append(steps_us(step, repeats=1))
+    for key in VARIANTS:
+        out[key]["wall_us"] = statistics.median(walls[key])
+    out["wall_ratio"] = statistics.median(i / e for i, e in zip(walls["installed"], walls["eager"]))
+    return out
 
 
 def kernel_table(step, n=3) -> list:
@@ -165,43 +214,14 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
         for path, step in (("thd", thd), ("grouped", grouped), ("sbhd", sbhd)):
             row = {"config": name, "path": path}
             try:
-                row["eager"] = _measure(step)
-                from csa_compressor import dispatch
-
-                launched = []
-                fused = dispatch.fused_from_validated
-                dispatch.fused_from_validated = lambda p, *a, **k: launched.append(p.total_comp) or fused(p, *a, **k)
-                try:
-                    with megatron.installed():
-                        row["installed"] = _measure(step)
-                    if not launched:
-                        raise RuntimeError(f"the fused pooling never ran: {megatron.fallback_reasons()}")
-                    from csa_compressor import module
-
-                    concatenated, joint = [], module.joint_projection
-                    module.joint_projection = lambda *a: concatenated.append(1) or joint(*a)
-                    try:
-                        for key, projection in (("epilogue", False), ("projection", True)):
-                            megatron.clear_fallback_reasons()
-                            with megatron.installed(epilogue=True, projection=projection):
-                                row[key] = _measure(step)
-                            if megatron.fallback_reasons():
-                                raise RuntimeError(f"a fallback: {megatron.fallback_reasons()}")
-                    finally:
-                        module.joint_projection = joint
-                    # in DDP's buffer the GEMM reads the two weights in place
-                    row["concatenated"] = bool(concatenated)
-                    if ddp and concatenated:
-                        raise RuntimeError("the weights were concatenated inside DDP's buffer")
-                    if kernels and path == "thd":
-                        with megatron.installed(epilogue=True, projection=True):
-                            table = kernel_table(step)
-                        print(f"{name} thd, install(epilogue=True, projection=True): kernels "
-                              "a step (launches, GPU µs)", file=sys.stderr)
-                        for k, c, t in table:
-                            print(f"  {c:5.1f} {t:8.1f}  {k[:110]}", file=sys.stderr)
-                finally:
-                    dispatch.fused_from_validated = fused
+                row.update(_variants(step, megatron, ddp))
+                if kernels and path == "thd":
+                    with megatron.installed(epilogue=True, projection=True):
+                        table = kernel_table(step)
+                    print(f"{name} thd, install(epilogue=True, projection=True): kernels "
+                          "a step (launches, GPU µs)", file=sys.stderr)
+                    for k, c, t in table:
+                        print(f"  {c:5.1f} {t:8.1f}  {k[:110]}", file=sys.stderr)
             except Exception as exc:  # report, never hide
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
@@ -211,20 +231,18 @@ def run(lens, configs=CONFIGS, device="cuda", hidden=HIDDEN, rope_dim=ROPE_DIM, 
     return rows
 
 
-VARIANTS = ("eager", "installed", "epilogue", "projection")
-
 
 def _row(r):
     if "error" in r:
-        return f"| {r['config']} | {r['path']} | {r['error']} | | | |"
+        return f"| {r['config']} | {r['path']} | {r['error']} | | | | |"
     m = [r[v] for v in VARIANTS]
 
     def cells(key):
         return " / ".join(f"{v[key]:.0f}" for v in m)
 
     speedup = " / ".join(f"{m[0]['gpu_us'] / v['gpu_us']:.2f}x" for v in m[1:])
-    return (f"| {r['config']} | {r['path']} | {cells('wall_us')} | {cells('gpu_us')} | {speedup} "
-            f"| {cells('launches')} |")
+    return (f"| {r['config']} | {r['path']} | {cells('wall_us')} | {r['wall_ratio']:.2f} "
+            f"| {cells('gpu_us')} | {speedup} | {cells('launches')} |")
 
 
 def main(argv=None):
@@ -253,9 +271,10 @@ def main(argv=None):
           f"{'bf16 (Float16Module)' if args.float16_module else 'fp32'}"
           f"{', inside Megatron DDP (distributed optimizer)' if args.ddp else ''}")
     cols = "eager / installed / + epilogue / + epilogue + projection"
-    print(f"| config | path | wall µs {cols} | GPU µs {cols} | GPU speedup over eager: "
-          f"installed / + epilogue / + epilogue + projection | kernels a step {cols} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| config | path | wall µs {cols} | wall installed / eager | GPU µs {cols} | GPU "
+          f"speedup over eager: installed / + epilogue / + epilogue + projection | kernels a "
+          f"step {cols} |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))
     return 0
