@@ -67,6 +67,8 @@
 #   colsum_time          the same probe's timing mode: the column sum's µs a call in graphs
 #                        against torch's; colsum_time_base the same of $BASE_SRC's tree
 #   sbhd_bench           python -m csa_compressor bench --sbhd (SBHD in place vs transposed)
+#   megatron_host        tools/megatron_host_probe.py: Megatron's d512 r128 SBHD and pre-grouped
+#                        steps, eager and installed: host µs, syncs, cProfile (MEGATRON_LM_PATH)
 #   grouped_tests        the grouped layout's GPU tests, Megatron's (its pre-grouped path) and
 #                        the malformed-offsets ones
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
@@ -151,6 +153,7 @@ cmd_of() {
         fp32_wide_tests) echo "export CSA_CONFIG=BWD_FP32_VEC_BYTES=8 && python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
         v41_tests) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py tests/test_module_v41_gpu.py tests/test_no_ape_gpu.py tests/test_fp32_dscore_gpu.py -rs && python3 -m pytest -q -m gpu tests/test_fused_gpu.py -k float32 -rs" ;;
         fp32_wide_bench) echo "CSA_CONFIG=BWD_FP32_VEC_BYTES=8 python3 tools/csa2_bench.py && python3 tools/csa2_bench.py" ;;
+        megatron_host) echo "python3 tools/megatron_host_probe.py d512r128 sbhd && python3 tools/megatron_host_probe.py d512r128 grouped" ;;
         grouped_tests) echo "python3 -m pytest -q -m gpu tests/test_grouped_gpu.py tests/test_megatron_gpu.py tests/test_malformed_gpu.py -rs" ;;
         csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
         v41_module) echo "python3 -m pytest -q -m gpu tests/test_module_v41_gpu.py -rs" ;;
