@@ -1,5 +1,6 @@
-"""The kernel-level API: caller-provided buffers, no hidden allocation except the optional
-dape workspace, safe to capture in CUDA graphs once compiled (``precompile`` first)."""
+"""The kernel-level API: caller-provided buffers (allocated here: the dape workspace where
+none is passed, and the offsets check's small APE copy), safe to capture in CUDA graphs
+once compiled (``precompile`` first)."""
 
 from __future__ import annotations
 
