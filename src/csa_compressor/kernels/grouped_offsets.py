@@ -6,8 +6,9 @@ group 0 and at every group whose id is 0; ``cu[s]`` is segment ``s``'s first gro
 ids, and offsets well formed by construction (every group is ``ratio`` tokens).
 
 One CTA: thread ``t`` counts the starts in a contiguous run of groups, the CTA scans the
-counts in shared memory (Hillis-Steele), then each thread writes its run's starts and the
-threads together fill the entries past the last segment.
+counts in shared memory (offsets.runs_before, as the compressed offsets do), then each
+thread writes its run's starts and the threads together fill the entries past the last
+segment.
 """
 
 import cutlass
@@ -15,9 +16,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .jit import small_kernel
-
-THREADS = 1024
-SCAN_STEPS = 10  # log2(THREADS)
+from .offsets import THREADS, runs_before, thread_run
 
 
 class GroupedOffsets:
@@ -41,24 +40,13 @@ class GroupedOffsets:
     def kernel(self, mIds: cute.Tensor, mCu: cute.Tensor, mCuc: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         G = mIds.shape[0]
-        per = (G + THREADS - 1) // THREADS
-        lo = cutlass.min(tid * per, G)
-        hi = cutlass.min(lo + per, G)
+        lo, hi = thread_run(tid, G)
         smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(Int32, cute.make_layout((THREADS,)), 16)
         own = Int32(0)
         for g in cutlass.range(lo, hi):
             own = own + self.starts(mIds, g)
-        sums[tid] = own
-        cute.arch.sync_threads()
-        for k in cutlass.range_constexpr(SCAN_STEPS):
-            v = Int32(0)
-            if tid >= (1 << k):
-                v = sums[tid - (1 << k)]
-            cute.arch.sync_threads()
-            sums[tid] = sums[tid] + v
-            cute.arch.sync_threads()
-        seg = sums[tid] - own  # the segments that start before this thread's run
+        seg = runs_before(sums, tid, own)  # the segments that start before this thread's run
         for g in cutlass.range(lo, hi):
             s = self.starts(mIds, g)
             if s != 0:

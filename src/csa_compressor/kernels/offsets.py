@@ -17,6 +17,31 @@ THREADS = 1024
 SCAN_STEPS = 10  # log2(THREADS)
 
 
+@cute.jit
+def thread_run(tid: Int32, n: Int32):
+    """``(lo, hi)``: thread ``tid``'s contiguous run of ``n`` items, THREADS threads."""
+    per = (n + THREADS - 1) // THREADS
+    lo = cutlass.min(tid * per, n)
+    return lo, cutlass.min(lo + per, n)
+
+
+@cute.jit
+def runs_before(sums: cute.Tensor, tid: Int32, own):
+    """The sum of the values ``own`` of the threads before ``tid``: a Hillis-Steele scan
+    in the shared memory ``sums`` (THREADS values of own's type), whose last entry then
+    holds the total."""
+    sums[tid] = own
+    cute.arch.sync_threads()
+    for k in cutlass.range_constexpr(SCAN_STEPS):
+        v = sums.element_type(0)
+        if tid >= (1 << k):
+            v = sums[tid - (1 << k)]
+        cute.arch.sync_threads()
+        sums[tid] = sums[tid] + v
+        cute.arch.sync_threads()
+    return sums[tid] - own
+
+
 class CompressedOffsets:
     def __init__(self, ratio: int):
         # a compile-time divisor: a multiply-high sequence, where a runtime 64-bit divide
@@ -38,24 +63,13 @@ class CompressedOffsets:
     def kernel(self, mCu: cute.Tensor, mOut: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         segs = mCu.shape[0] - 1
-        per = (segs + THREADS - 1) // THREADS
-        lo = cutlass.min(tid * per, segs)
-        hi = cutlass.min(lo + per, segs)
+        lo, hi = thread_run(tid, segs)
         smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), 16)
         own = Int64(0)
         for s in cutlass.range(lo, hi):
             own = own + self.blocks(mCu, s)
-        sums[tid] = own
-        cute.arch.sync_threads()
-        for k in cutlass.range_constexpr(SCAN_STEPS):
-            v = Int64(0)
-            if tid >= (1 << k):
-                v = sums[tid - (1 << k)]
-            cute.arch.sync_threads()
-            sums[tid] = sums[tid] + v
-            cute.arch.sync_threads()
-        run = sums[tid] - own  # the runs before this thread's
+        run = runs_before(sums, tid, own)
         if tid == 0:
             mOut[0] = Int32(0)
         for s in cutlass.range(lo, hi):
