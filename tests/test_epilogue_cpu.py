@@ -229,8 +229,26 @@ def test_rotary_table_arguments_are_checked():
         apply_epilogue(x, w, pos, ep, rope_table=(cos[:0], sin[:0]))
     with pytest.raises(ValueError, match="rope_table: cos and sin must have one shape"):
         apply_epilogue(x, w, pos, ep, rope_table=(cos, sin[:5]))
-    with pytest.raises(IndexError):  # a position past the table: an indexing error, no read
-        apply_epilogue(x, w, torch.tensor([0, 1, 2, 8]), ep, rope_table=(cos, sin))
+    with pytest.raises(ValueError, match=r"inv_freq: expected a floating-point \(16,\) tensor"):
+        apply_epilogue(x, w, pos, ep, inv_freq=torch.ones(15, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fn", [apply_epilogue, eager_epilogue])
+def test_positions_outside_the_rotary_table_give_nan_rows_and_nothing_else(fn):
+    """A position outside [0, P) reads no table row and makes its row's rotary channels NaN
+    (on the GPU an unclamped gather is a device-side assert); every other row keeps its
+    bits."""
+    x, w, g = torch.randn(5, 64), 1 + 0.1 * torch.randn(64), torch.randn(5, 64)
+    ep = Epilogue(rope_dim=32)
+    table = _table(8, 32, 10000.0)
+    good, bad = torch.tensor([0, 1, 2, 7, 3]), torch.tensor([0, 8, 2, -1, 3])
+    want = fn(x, w, good, ep, rope_table=table)
+    xi = x.clone().requires_grad_(True)
+    got = fn(xi, w, bad, ep, rope_table=table)
+    assert got[[1, 3], -32:].isnan().all() and not got[[1, 3], :-32].isnan().any()
+    assert torch.equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    got.backward(g)
+    assert xi.grad[[1, 3]].isnan().all() and not xi.grad[[0, 2, 4]].isnan().any()
 
 
 def test_the_weight_column_sum_takes_the_kernel_only_where_its_check_agreed(monkeypatch):

@@ -114,3 +114,51 @@ def test_megatrons_installed_compressor_gives_nan_or_raises_for_malformed_offset
     assert not megatron.fallback_reasons(), megatron.fallback_reasons()
     if options:
         assert not raised, "every step is the package's: NaN, not an error"
+
+
+def test_rotary_table_positions_outside_it_give_nan_rows_not_a_device_assert():
+    """A device-side assert would end the process's CUDA use: positions outside the table
+    make their rows NaN through the kernels' epilogue, the others keep their bits, and the
+    device works on."""
+    from csa_compressor import Epilogue, apply_epilogue
+
+    dev = torch.device("cuda")
+    x, w = torch.randn(6, 128, device=dev).bfloat16(), torch.ones(128, device=dev).bfloat16()
+    ep = Epilogue(rope_dim=64, rotate=True)
+    table = tuple(torch.randn(16, 32, device=dev) for _ in range(2))
+    good = torch.tensor([0, 1, 2, 15, 3, 4], device=dev)
+    want = apply_epilogue(x, w, good, ep, rope_table=table)
+    got = apply_epilogue(x, w, torch.tensor([0, 16, 2, -1, 3, 1 << 40], device=dev), ep,
+                         rope_table=table)
+    torch.cuda.synchronize()
+    assert got[[1, 3, 5]].isnan().all()
+    assert torch.equal(got[[0, 2, 4]], want[[0, 2, 4]])
+
+
+def test_a_reorder_index_out_of_range_on_the_gpu_raises_or_marks_the_slot_bad():
+    """Beam search's reorder with a device index: out of range (negative ones included,
+    which torch would wrap onto another slot) is an error eagerly; inside a capture the
+    slot goes bad (NaN rows, an error at its next eager step) and no other slot changes."""
+    from csa_compressor import streaming
+
+    st = streaming.StreamState(3, 64, ratio=4, coff=1, dtype=torch.float32, device="cuda",
+                               max_next_n=1)
+    kv, ape = torch.randn(12, 64, device="cuda"), torch.randn(4, 64, device="cuda")
+    streaming.prefill(st, kv, kv, ape, [0, 5, 9, 12], [0, 1, 2])
+    for bad in ([0, 1, 3], [0, -1, 2]):
+        with pytest.raises(ValueError, match="index: the slot at index"):
+            st.reorder(torch.tensor(bad, device="cuda"))
+    assert st.count[:3].tolist() == [5, 4, 3]
+    st.reorder(torch.tensor([2, 2, 0], device="cuda"))
+    assert st.count[:3].tolist() == [3, 3, 5]
+    index = torch.tensor([0, 1, 2], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st.reorder(index)
+    index.copy_(torch.tensor([1, 7, 0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert st.bad[:3].tolist() == [False, True, False]
+    assert st.count[0].item() == 3 and st.count[2].item() == 3
+    with pytest.raises(ValueError, match="slots"):
+        streaming.decode(st, kv[:3].view(3, 1, 64), kv[:3].view(3, 1, 64), ape)

@@ -69,6 +69,31 @@ def test_state_dict_round_trip_continues_the_stream():
         other.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("count", -5, r"state_dict\['count'\]: slot 0 has seen -5 tokens"),
+    ("count", 25, r"seen 25 tokens, expected 0 to 24"),  # past max_seqlen
+    ("last_n", 3, r"state_dict\['last_n'\]: slot 0 took 3 tokens"),  # past max_next_n
+    ("last_n", -1, r"took -1 tokens"),
+])
+def test_load_state_dict_checks_the_counts(key, value, match):
+    """Decode and prefill index the rings and place rows by the counts: a state_dict whose
+    counts no stream could have is an error, and the state is left as it was."""
+    st = _state()
+    kv, ape = torch.randn(8, 32), torch.randn(4, 32)
+    streaming.prefill(st, kv, kv, ape, [0, 6, 8], [0, 1])
+    saved = st.state_dict()
+    saved[key][0] = value
+    fresh = _state()
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(saved)
+    assert fresh.count.tolist() == [0, 0, 0]
+    saved[key][0] = 2 if key == "last_n" else 6  # last_n 2 is at most its count of 6
+    fresh.load_state_dict(saved)
+    assert fresh.count[:2].tolist() == [6, 2]
+    with pytest.raises(TypeError, match="sd: expected a dict"):
+        fresh.load_state_dict([("count", 1)])
+
+
 def test_decode_shapes_are_static():
     st = streaming.StreamState(4, 16, ratio=2, coff=1, dtype=torch.float32, max_next_n=3)
     kv, sc, ape = torch.randn(4, 3, 16), torch.randn(4, 3, 16), torch.randn(2, 16)
@@ -99,6 +124,17 @@ def _state():
     (lambda st, kv, ape: streaming.take_back(st, 1), "k: 1 tokens"),
     (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 8], [0], numerics="bf16"),
      "numerics"),
+    # torch.tensor would round 4.5 to 4: offsets are ints or an error
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 4.5, 8], [0, 1]),
+     "cu_seqlens: expected integer offsets"),
+    (lambda st, kv, ape: streaming.prefill(object(), kv, kv, ape, [0, 8], [0]), "state: expected"),
+    (lambda st, kv, ape: streaming.decode({}, kv[:2].view(1, 2, 32), kv[:2].view(1, 2, 32), ape),
+     "state: expected"),
+    (lambda st, kv, ape: streaming.take_back(st, -1), "k: expected 0 or more tokens, got -1"),
+    (lambda st, kv, ape: streaming.take_back(st, 1.0), "k: expected an int or an integer tensor"),
+    (lambda st, kv, ape: st.reorder([1, 2]), "index: slot 2 at index 1 is out of range"),
+    (lambda st, kv, ape: st.reorder(torch.tensor([-1, 0])), "index: slot -1 at index 0"),
+    (lambda st, kv, ape: st.reorder([0.0, 1]), "index: expected slot indices as ints"),
 ])
 def test_malformed_input_is_an_error(call, match):
     st = _state()

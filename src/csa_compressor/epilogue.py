@@ -124,8 +124,13 @@ def rope_cos_sin(positions: torch.Tensor, ep: Epilogue, inv_freq: torch.Tensor |
     """fp32 ``(N, rope_dim // 2)`` cosines and sines of the rows' angles (fp64 angles, as
     apply_rope makes them), or the rows ``positions`` of a caller's ``rope_table``."""
     if rope_table is not None:
+        # Positions outside the table read a clamped row made NaN: on the GPU an
+        # unclamped index_select is a device-side assert, which ends the process's CUDA use.
         idx = positions.to(torch.int64)
-        return rope_table[0].index_select(0, idx), rope_table[1].index_select(0, idx)
+        held = idx.clamp(0, rope_table[0].shape[0] - 1)
+        inside = (held == idx).unsqueeze(1)
+        return tuple(torch.where(inside, t.index_select(0, held), float("nan"))
+                     for t in rope_table)
     if inv_freq is None:
         inv_freq = rope_inv_freq(ep.rope_dim, ep.rope_theta, ep.rope_yarn, device=positions.device)
     return _cos_sin(positions, inv_freq)
@@ -175,8 +180,8 @@ def hadamard_backward(g: torch.Tensor) -> torch.Tensor:
 
 def check_rope_table(rope_table, rope_dim: int, device):
     """``(cos, sin)`` of a caller's rotary table, checked: fp32 ``(P, rope_dim // 2)`` each,
-    ``P >= 1``, on ``device``. Positions outside ``[0, P)`` are an indexing error (on the
-    GPU torch's device-side bounds assert), never a read past the table."""
+    ``P >= 1``, on ``device``. Rows at positions outside ``[0, P)`` get NaN angles
+    (rope_cos_sin), never a read past the table."""
     if not isinstance(rope_table, (tuple, list)) or len(rope_table) != 2:
         raise TypeError(f"rope_table: expected a (cos, sin) pair of tensors, got {type(rope_table).__name__}")
     cos, sin = rope_table

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import kernel_aligned
+from .checks import check_tensor, kernel_aligned
 from .epilogue import (Epilogue, YaRN, hadamard_backward, rotate, check_rope_table, hadamard,
                        rope_cos_sin)
 from .runtime import small_kernels_usable
@@ -267,8 +267,8 @@ def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: t
     autograd node (differentiable in ``pooled`` and ``norm_weight``): fp32 math, the
     pooled dtype out. ``inv_freq``: the rotary frequencies, where the caller keeps them.
     ``rope_table``: the caller's ``(cos, sin)``, fp32 ``(P, rope_dim // 2)`` each, row
-    ``p`` the angles of position ``p`` (``ep``'s theta and YaRN are then not used;
-    positions must lie in ``[0, P)``)."""
+    ``p`` the angles of position ``p`` (``ep``'s theta and YaRN are then not used; a row
+    whose position lies outside ``[0, P)`` gets NaN rotary channels)."""
     if not isinstance(ep, Epilogue):
         raise TypeError(f"ep: expected a csa_compressor.Epilogue, got {type(ep).__name__}")
     for name, t in (("pooled", pooled), ("norm_weight", norm_weight), ("positions", positions)):
@@ -289,6 +289,13 @@ def apply_epilogue(pooled: torch.Tensor, norm_weight: torch.Tensor, positions: t
         raise ValueError(f"norm_weight: expected shape ({pooled.shape[1]},), got {tuple(norm_weight.shape)}")
     if tuple(positions.shape) != (pooled.shape[0],):
         raise ValueError(f"positions: expected shape ({pooled.shape[0]},), got {tuple(positions.shape)}")
+    if inv_freq is not None:
+        check_tensor("inv_freq", inv_freq)
+        if not inv_freq.is_floating_point() or tuple(inv_freq.shape) != (ep.rope_dim // 2,) \
+                or inv_freq.device != pooled.device:
+            raise ValueError(f"inv_freq: expected a floating-point ({ep.rope_dim // 2},) tensor "
+                             f"(rope_dim // 2 frequencies) on {pooled.device}, got "
+                             f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}")
     cos_table = sin_table = None
     if rope_table is not None:
         cos_table, sin_table = check_rope_table(rope_table, ep.rope_dim, pooled.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -10,6 +11,7 @@ from ..checks import check_tensor
 from ..validation import check_token_offsets
 from . import ring
 from .rows import pool_kept, pool_rows, settings
+from .state import check_state
 from .uploads import device_ints
 from .windows import HOST_INDEX_MAX, min_rows, plan, seg_arange, seg_list
 
@@ -25,6 +27,7 @@ class Rows(NamedTuple):
 
 
 def _inputs(state, kv, score, cu_seqlens, slots):
+    check_state(state)
     W = state.width
     for name, t in (("kv", kv), ("score", score)):
         check_tensor(name, t)
@@ -43,7 +46,10 @@ def _inputs(state, kv, score, cu_seqlens, slots):
         cu = list(cu_seqlens)
     else:
         if isinstance(cu_seqlens, (list, tuple)):
-            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+            if any(isinstance(v, (bool, float)) or not hasattr(v, "__index__")
+                   for v in cu_seqlens):  # torch.tensor would round 8.5 to 8
+                raise TypeError(f"cu_seqlens: expected integer offsets, got {list(cu_seqlens)!r}")
+            cu_seqlens = torch.tensor([operator.index(v) for v in cu_seqlens], dtype=torch.int64)
         check_tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
                 or cu_seqlens.numel() < 1:

@@ -119,17 +119,50 @@ class StreamState:
         self.follow(which(slots), lambda c: 0, self.capturing())
 
     def reorder(self, index) -> None:
-        """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place."""
+        """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place.
+        Indices out of ``[0, num_slots)``: an error (one sync where ``index`` lives on the
+        GPU); under capture, where nothing can be read, those slots go bad instead."""
+        if isinstance(index, (list, tuple)):
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in index):
+                raise TypeError(f"index: expected slot indices as ints, got {list(index)!r}")
+        else:
+            check_tensor("index", index)
+            if index.dtype.is_floating_point or index.dtype == torch.bool:
+                raise TypeError(f"index: expected integer slot indices, got {index.dtype}")
         idx = torch.as_tensor(index, dtype=torch.int64, device=self.device)
         if idx.dim() != 1 or idx.numel() != self.num_slots:
             raise ValueError(f"index: expected {self.num_slots} slot indices, got shape {tuple(idx.shape)}")
+        order = host_list(index)
+        if order is not None:
+            bad = next((j for j, v in enumerate(order) if not 0 <= v < self.num_slots), None)
+            if bad is not None:
+                raise ValueError(f"index: slot {order[bad]} at index {bad} is out of range "
+                                 f"[0, {self.num_slots})")
+        if order is None:
+            # a negative index would read another slot (torch wraps it), a large one assert
+            inside = (idx >= 0) & (idx < self.num_slots)
+            idx = torch.where(inside, idx, torch.full_like(idx, self.spare))
+            self.require(inside, torch.arange(self.num_slots, device=self.device),
+                         lambda j: f"index: the slot at index {j} is out of range "
+                                   f"[0, {self.num_slots})", self.capturing())
         for t in (self.kv, self.score, self.count, self.last_n, self.bad):
             t[: self.num_slots] = t[idx]
-        order = host_list(index)
+        if order is None:  # a rejected entry took the spare's: it stays bad until reset
+            self.bad[: self.num_slots] |= ~inside
         if order is None or self.host_counts is None:
             self.host_counts = None
         else:
             self.host_counts = [self.host_counts[i] for i in order]
+
+    def require(self, ok: torch.Tensor, slots: torch.Tensor, message, capturing: bool) -> None:
+        """Eager: raise ``message(j)`` for the first entry ``j`` where ``ok`` is False (one
+        sync). Under capture, where nothing can be read: mark those slots bad."""
+        if capturing:
+            hits = torch.zeros_like(self.count).index_add_(0, slots, (~ok).to(torch.int64))
+            self.bad |= hits > 0
+            return
+        if not bool(ok.all()):
+            raise ValueError(message(int((~ok).nonzero()[0])))
 
     def capturing(self) -> bool:
         return torch.compiler.is_compiling() or (
@@ -208,6 +241,11 @@ class StreamState:
         return out
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore a state_dict of a state built alike; its counts are checked (read on the
+        host: one sync where they live on the GPU), since decode and prefill index the
+        rings and place rows by them."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"sd: expected a dict (StreamState.state_dict()), got {type(sd).__name__}")
         for k in _CONFIG:
             if k not in sd or sd[k] != getattr(self, k):
                 raise ValueError(f"state_dict[{k!r}]: expected {getattr(self, k)!r} (this state's), "
@@ -218,8 +256,30 @@ class StreamState:
                 raise ValueError(f"state_dict[{k!r}]: expected a {mine.dtype} tensor of shape "
                                  f"{tuple(mine.shape)}, got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
-            mine.copy_(t)
+        _check_counts(sd["count"][: self.num_slots].tolist(),
+                      sd["last_n"][: self.num_slots].tolist(), self.position_limit,
+                      self.max_next_n)
+        for k in _TENSORS:
+            getattr(self, k).copy_(sd[k])
         self.host_counts = None  # read again at the next prefill
+
+
+def _check_counts(count: list, last_n: list, limit: int, max_next_n: int) -> None:
+    """A slot has seen 0 to ``limit`` tokens, the last ``last_n`` of them (at most
+    ``max_next_n``, at most all it has seen) in its last decode step."""
+    for s, (c, n) in enumerate(zip(count, last_n)):
+        if not 0 <= c <= limit:
+            raise ValueError(f"state_dict['count']: slot {s} has seen {c} tokens, expected "
+                             f"0 to {limit} (the state's position limit)")
+        if not 0 <= n <= min(c, max_next_n):
+            raise ValueError(f"state_dict['last_n']: slot {s} took {n} tokens in its last "
+                             f"step, expected 0 to min(its count {c}, max_next_n {max_next_n})")
+
+
+def check_state(state) -> None:
+    if not isinstance(state, StreamState):
+        raise TypeError(f"state: expected a csa_compressor.streaming.StreamState, got "
+                        f"{type(state).__name__}")
 
 
 def history(ratio: int, coff: int, max_next_n: int) -> tuple:

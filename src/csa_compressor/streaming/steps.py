@@ -10,7 +10,7 @@ import torch
 from ..checks import check_int, check_tensor
 from . import ring
 from .rows import pool_rows, settings
-from .state import host_list, which
+from .state import check_state, host_list, which
 from .windows import decode_geometry, min_rows
 
 
@@ -32,14 +32,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _require(state, ok: torch.Tensor, slots: torch.Tensor, message) -> None:
-    """Eager: raise ``message(j)`` for the first entry ``j`` where ``ok`` is False (one
-    sync). Under capture, where nothing can be read: mark those slots bad."""
-    if _capturing(ok):
-        hits = torch.zeros_like(state.count).index_add_(0, slots, (~ok).to(torch.int64))
-        state.bad |= hits > 0
-        return
-    if not bool(ok.all()):
-        raise ValueError(message(int((~ok).nonzero()[0])))
+    state.require(ok, slots, message, _capturing(ok))
 
 
 def _slots(state, slots, batch: int | None) -> torch.Tensor:
@@ -75,6 +68,7 @@ def decode(state, kv, score, ape, slots=None, *, numerics: str = "fp32", epilogu
     capture, malformed slots cannot raise and make their rows NaN instead (state.bad).
     ``pooling="auto"`` (or "ring"): one kernel for the step where it takes it
     (streaming/ring.py), else the gather path. The other arguments: prefill's."""
+    check_state(state)
     W = state.width
     for name, t in (("kv", kv), ("score", score)):
         check_tensor(name, t)
@@ -232,20 +226,23 @@ def take_back(state, k, slots=None) -> None:
     ``(B,)`` integer tensor, for ``slots`` as decode takes them), restoring the state as if
     they had never come. Rows already emitted from them are the caller's to discard.
     ``k`` beyond the last step's tokens is an error (under capture: the slot goes bad)."""
+    check_state(state)
     idx = _slots(state, slots, None)
     host_k = [k] * idx.numel() if isinstance(k, int) and not isinstance(k, bool) else (
         host_list(k) if isinstance(k, torch.Tensor) else None)
     if isinstance(k, int) and not isinstance(k, bool):
         k = torch.full_like(idx, k)
-    check_tensor("k", k)
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k: expected an int or an integer tensor, got {type(k).__name__}")
     if k.dtype.is_floating_point or k.dtype == torch.bool or tuple(k.shape) != tuple(idx.shape):
         raise ValueError(f"k: expected an int or an integer tensor of shape {tuple(idx.shape)}, "
                          f"got {k.dtype} {tuple(k.shape)}")
     k = k.to(device=state.device, dtype=torch.int64)
     last = state.last_n[idx]
     _require(state, (k >= 0) & (k <= last), idx,
-             lambda j: f"k: {int(k[j])} tokens at index {j} is more than the {int(last[j])} of "
-                       "that slot's last decode step")
+             lambda j: f"k: expected 0 or more tokens, got {int(k[j])} at index {j}" if k[j] < 0
+             else f"k: {int(k[j])} tokens at index {j} is more than the {int(last[j])} of "
+                  "that slot's last decode step")
     k = torch.minimum(k.clamp(min=0), last)
     state.count.index_copy_(0, idx, state.count[idx] - k)
     state.last_n.index_copy_(0, idx, last - k)
