@@ -71,6 +71,7 @@
 #                        steps, eager and installed: host µs, syncs, cProfile (MEGATRON_LM_PATH)
 #   grouped_tests        the grouped layout's GPU tests, Megatron's (its pre-grouped path) and
 #                        the malformed-offsets ones
+#   epilogue_tests       the epilogue node's and the pooling-with-epilogue kernels' GPU tests
 #   megatron_bench       tools/megatron_bench.py: Megatron's Compressor step, eager vs installed
 #                        vs installed with the fused epilogue and one projection GEMM
 #                        (needs MEGATRON_LM_PATH); megatron_bench_f16 the same with the norm
@@ -155,6 +156,7 @@ cmd_of() {
         fp32_wide_bench) echo "CSA_CONFIG=BWD_FP32_VEC_BYTES=8 python3 tools/csa2_bench.py && python3 tools/csa2_bench.py" ;;
         megatron_host) echo "python3 tools/megatron_host_probe.py d512r128 sbhd && python3 tools/megatron_host_probe.py d512r128 grouped" ;;
         grouped_tests) echo "python3 -m pytest -q -m gpu tests/test_grouped_gpu.py tests/test_megatron_gpu.py tests/test_malformed_gpu.py -rs" ;;
+        epilogue_tests) echo "python3 -m pytest -q -m gpu tests/test_epilogue_gpu.py tests/test_pool_epilogue_gpu.py -rs" ;;
         csa2) echo "python3 -m pytest -q -m gpu tests/test_megatron_csa2_gpu.py -rs" ;;
         v41_module) echo "python3 -m pytest -q -m gpu tests/test_module_v41_gpu.py -rs" ;;
         check) echo "python3 -m csa_compressor check" ;;
