@@ -94,6 +94,23 @@ def test_load_state_dict_checks_the_counts(key, value, match):
         fresh.load_state_dict([("count", 1)])
 
 
+def test_a_loaded_bad_slot_is_an_error_until_reset():
+    """A state saved with a slot gone bad (NaN rows) loads, and prefill and decode on that
+    slot raise until it is reset; the other slot goes on."""
+    st = _state()
+    kv, ape = torch.randn(8, 32), torch.randn(4, 32)
+    saved = st.state_dict()
+    saved["bad"][1] = True
+    st.load_state_dict(saved)
+    streaming.prefill(st, kv[:4], kv[:4], ape, [0, 4], [0])
+    with pytest.raises(ValueError, match="slots: slot 1 met malformed input"):
+        streaming.prefill(st, kv[:4], kv[:4], ape, [0, 4], [1])
+    with pytest.raises(ValueError, match="slots: a slot met malformed input"):
+        streaming.decode(st, kv[:2].view(1, 2, 32), kv[:2].view(1, 2, 32), ape, [1])
+    st.reset([1])
+    assert streaming.prefill(st, kv[:4], kv[:4], ape, [0, 4], [1]).rows.shape[0] == 1
+
+
 def test_decode_shapes_are_static():
     st = streaming.StreamState(4, 16, ratio=2, coff=1, dtype=torch.float32, max_next_n=3)
     kv, sc, ape = torch.randn(4, 3, 16), torch.randn(4, 3, 16), torch.randn(2, 16)

@@ -160,7 +160,8 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
 def _check_room(state, slot_list, counts, lens, rope_table) -> None:
     """Each slot's new tokens within its capacity (and the rotary table's rows), no slot
     left bad by a captured step: before anything writes to the state."""
-    # only a captured step sets a slot bad
+    # after a capture the counts come from the device every call; counts_of checked the
+    # slots a device reorder or a loaded state left bad when it read them
     bad = state.bad[: state.num_slots].tolist() if state.captured else None
     limit = state.position_limit
     for b, s in enumerate(slot_list):

@@ -30,7 +30,8 @@ class StreamState:
     ``t`` of slot ``s`` at ``[s, t % history]``; flat_rings adds the aligned rings' NaN
     window, ``poison_row``), ``count`` the tokens seen, ``last_n`` the
     tokens of the slot's last decode step (what take_back may return), ``bad`` set where a
-    captured step met malformed input for the slot (its rows are NaN until reset).
+    captured step or a device reorder met malformed input for the slot (its rows are NaN
+    until reset).
     ``max_seqlen``: the most tokens a slot may see (None: int32 positions).
     """
 
@@ -120,8 +121,8 @@ class StreamState:
 
     def reorder(self, index) -> None:
         """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place.
-        Indices out of ``[0, num_slots)``: an error (one sync where ``index`` lives on the
-        GPU); under capture, where nothing can be read, those slots go bad instead."""
+        Indices out of ``[0, num_slots)``: an error where ``index`` lives on the host; on
+        the GPU (read nowhere: no sync, capturable) their slots go bad instead."""
         if isinstance(index, (list, tuple)):
             if any(isinstance(v, bool) or not isinstance(v, int) for v in index):
                 raise TypeError(f"index: expected slot indices as ints, got {list(index)!r}")
@@ -139,30 +140,19 @@ class StreamState:
                 raise ValueError(f"index: slot {order[bad]} at index {bad} is out of range "
                                  f"[0, {self.num_slots})")
         if order is None:
-            # a negative index would read another slot (torch wraps it), a large one assert
+            # checked on the device, no sync: a negative index would read another slot
+            # (torch wraps it), a large one is a device-side assert; such a slot takes the
+            # spare's and goes bad (NaN rows, an error at its next eager decode or prefill)
             inside = (idx >= 0) & (idx < self.num_slots)
             idx = torch.where(inside, idx, torch.full_like(idx, self.spare))
-            self.require(inside, torch.arange(self.num_slots, device=self.device),
-                         lambda j: f"index: the slot at index {j} is out of range "
-                                   f"[0, {self.num_slots})", self.capturing())
         for t in (self.kv, self.score, self.count, self.last_n, self.bad):
             t[: self.num_slots] = t[idx]
-        if order is None:  # a rejected entry took the spare's: it stays bad until reset
+        if order is None:
             self.bad[: self.num_slots] |= ~inside
         if order is None or self.host_counts is None:
             self.host_counts = None
         else:
             self.host_counts = [self.host_counts[i] for i in order]
-
-    def require(self, ok: torch.Tensor, slots: torch.Tensor, message, capturing: bool) -> None:
-        """Eager: raise ``message(j)`` for the first entry ``j`` where ``ok`` is False (one
-        sync). Under capture, where nothing can be read: mark those slots bad."""
-        if capturing:
-            hits = torch.zeros_like(self.count).index_add_(0, slots, (~ok).to(torch.int64))
-            self.bad |= hits > 0
-            return
-        if not bool(ok.all()):
-            raise ValueError(message(int((~ok).nonzero()[0])))
 
     def capturing(self) -> bool:
         return torch.compiler.is_compiling() or (
@@ -189,10 +179,17 @@ class StreamState:
 
     def counts_of(self, slots: list) -> list:
         """The counts of ``slots``: the host's, else read from the device (one sync),
-        which the host then keeps unless a capture happened."""
+        which the host then keeps unless a capture happened; a bad slot among them is an
+        error."""
         if self.host_counts is None:
+            # only then may a slot be bad (a capture's, a device reorder's, a loaded state's)
+            flags = self.bad[: self.num_slots].tolist()
+            bad = [s for s in slots if flags[s]]
+            if bad:
+                raise ValueError(f"slots: slot {bad[0]} met malformed input (its rows are NaN); "
+                                 "reset it before reuse")
             counts = self.count[: self.num_slots].tolist()
-            if not self.captured:
+            if not self.captured and not any(flags):  # bad slots are checked at every read
                 self.host_counts = counts
             return [counts[s] for s in slots]
         return [self.host_counts[s] for s in slots]

@@ -32,7 +32,14 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _require(state, ok: torch.Tensor, slots: torch.Tensor, message) -> None:
-    state.require(ok, slots, message, _capturing(ok))
+    """Eager: raise ``message(j)`` for the first entry ``j`` where ``ok`` is False (one
+    sync). Under capture, where nothing can be read: mark those slots bad."""
+    if _capturing(ok):
+        hits = torch.zeros_like(state.count).index_add_(0, slots, (~ok).to(torch.int64))
+        state.bad |= hits > 0
+        return
+    if not bool(ok.all()):
+        raise ValueError(message(int((~ok).nonzero()[0])))
 
 
 def _slots(state, slots, batch: int | None) -> torch.Tensor:
@@ -191,7 +198,7 @@ def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
                 f"{state.position_limit} tokens")
 
     if not capturing and host_slots is not None and state.host_counts is not None:
-        # a slot goes bad only in a captured step, after which the host keeps no counts
+        # a slot goes bad only where the host keeps no counts (a capture, a device reorder)
         for j, s in enumerate(host_slots):
             if state.host_counts[s] + n > state.position_limit:
                 raise ValueError(past(j))
@@ -199,8 +206,8 @@ def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
     if state.max_seqlen is not None:
         _require(state, state.count[idx] + n <= state.position_limit, idx, past)
     if not capturing and bool(state.bad[idx].any()):
-        raise ValueError("slots: a slot met malformed input in a captured step (its rows are "
-                         "NaN); reset it before reuse")
+        raise ValueError("slots: a slot met malformed input (in a captured step or a device "
+                         "reorder; its rows are NaN); reset it before reuse")
 
 
 def _constants(state, B: int, n: int, epilogue: bool) -> dict:
