@@ -152,6 +152,10 @@ def _state():
     (lambda st, kv, ape: st.reorder([1, 2]), "index: slot 2 at index 1 is out of range"),
     (lambda st, kv, ape: st.reorder(torch.tensor([-1, 0])), "index: slot -1 at index 0"),
     (lambda st, kv, ape: st.reorder([0.0, 1]), "index: expected slot indices as ints"),
+    (lambda st, kv, ape: streaming.prefill(st, kv, kv, ape, [0, 8], [0], emit="no"),
+     "emit: expected True or False"),
+    (lambda st, kv, ape: streaming.StreamState(2, 16, ratio=4, coff=2, device="nodev"),
+     "device: expected a torch.device"),
 ])
 def test_malformed_input_is_an_error(call, match):
     st = _state()

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checks import check_tensor
+from ..checks import check_flag, check_tensor
 from ..validation import check_token_offsets
 from . import ring
 from .rows import pool_kept, pool_rows, settings
@@ -87,7 +87,7 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
     counts = state.counts_of(slot_list)
     lens = [cu[b + 1] - cu[b] for b in range(len(slot_list))]
     dev = state.device
-    if not emit:
+    if not check_flag("emit", emit):
         _check_room(state, slot_list, counts, lens, rope_table)
         _store(state, kv, score, slot_list, plan(counts, lens, state.ratio, state.coff))
         none = torch.empty(0, dtype=torch.int64, device=dev)

@@ -48,7 +48,10 @@ class StreamState:
             raise TypeError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {dtype!r}")
         self.num_slots, self.head_dim, self.ratio, self.coff = num_slots, head_dim, ratio, coff
         self.max_next_n, self.max_seqlen, self.dtype = max_next_n, max_seqlen, dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: expected a torch.device or its name, got {device!r}") from exc
         # aligned: every window lies whole in its ring, and a step closes one at most
         self.history, self.aligned = history(ratio, coff, max_next_n)
         shape = (num_slots + 1, self.history, coff * head_dim)
