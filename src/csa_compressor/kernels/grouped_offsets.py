@@ -6,7 +6,7 @@ group 0 and at every group whose id is 0; ``cu[s]`` is segment ``s``'s first gro
 ids, and offsets well formed by construction (every group is ``ratio`` tokens).
 
 One CTA: thread ``t`` counts the starts in a contiguous run of groups, the CTA scans the
-counts in shared memory (offsets.runs_before, as the compressed offsets do), then each
+counts in shared memory (offsets.RunScan, as the compressed offsets do), then each
 thread writes its run's starts and the threads together fill the entries past the last
 segment.
 """
@@ -16,10 +16,10 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .jit import small_kernel
-from .offsets import THREADS, runs_before, thread_run
+from .offsets import THREADS, RunScan
 
 
-class GroupedOffsets:
+class GroupedOffsets(RunScan):
     def __init__(self, ratio: int):
         self.ratio = ratio
 
@@ -36,17 +36,16 @@ class GroupedOffsets:
             s = Int32(1)
         return s
 
+    item = starts  # RunScan's
+
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mCu: cute.Tensor, mCuc: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         G = mIds.shape[0]
-        lo, hi = thread_run(tid, G)
         smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(Int32, cute.make_layout((THREADS,)), 16)
-        own = Int32(0)
-        for g in cutlass.range(lo, hi):
-            own = own + self.starts(mIds, g)
-        seg = runs_before(sums, tid, own)  # the segments that start before this thread's run
+        # seg: the segments that start before this thread's run
+        lo, hi, seg = self.scanned_run(mIds, sums, tid, G)
         for g in cutlass.range(lo, hi):
             s = self.starts(mIds, g)
             if s != 0:

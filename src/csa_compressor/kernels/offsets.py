@@ -42,7 +42,22 @@ def runs_before(sums: cute.Tensor, tid: Int32, own):
     return sums[tid] - own
 
 
-class CompressedOffsets:
+class RunScan:
+    """One CTA's exclusive scan of ``self.item(m, i)`` over ``n`` items: each thread sums
+    its contiguous run (thread_run), the CTA scans the runs' sums (runs_before)."""
+
+    @cute.jit
+    def scanned_run(self, m: cute.Tensor, sums: cute.Tensor, tid: Int32, n: Int32):
+        """``(lo, hi, before)``: thread ``tid``'s run and the items' sum over the runs
+        before it; ``sums`` (THREADS values of the items' type) then ends with the total."""
+        lo, hi = thread_run(tid, n)
+        own = sums.element_type(0)
+        for i in cutlass.range(lo, hi):
+            own = own + self.item(m, i)
+        return lo, hi, runs_before(sums, tid, own)
+
+
+class CompressedOffsets(RunScan):
     def __init__(self, ratio: int):
         # a compile-time divisor: a multiply-high sequence, where a runtime 64-bit divide
         # is a subroutine with a stack frame
@@ -59,17 +74,14 @@ class CompressedOffsets:
         ``rounding_mode="floor"`` (negative lengths of corrupt offsets included)."""
         return (Int64(mCu[s + 1]) - Int64(mCu[s])) // Int64(self.ratio)
 
+    item = blocks  # RunScan's
+
     @cute.kernel
     def kernel(self, mCu: cute.Tensor, mOut: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
-        segs = mCu.shape[0] - 1
-        lo, hi = thread_run(tid, segs)
         smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), 16)
-        own = Int64(0)
-        for s in cutlass.range(lo, hi):
-            own = own + self.blocks(mCu, s)
-        run = runs_before(sums, tid, own)
+        lo, hi, run = self.scanned_run(mCu, sums, tid, mCu.shape[0] - 1)
         if tid == 0:
             mOut[0] = Int32(0)
         for s in cutlass.range(lo, hi):
