@@ -158,16 +158,10 @@ def prefill(state, kv, score, ape, cu_seqlens, slots, *, numerics: str = "fp32",
 
 
 def _check_room(state, slot_list, counts, lens, rope_table) -> None:
-    """Each slot's new tokens within its capacity (and the rotary table's rows), no slot
-    left bad by a captured step: before anything writes to the state."""
-    # after a capture the counts come from the device every call; counts_of checked the
-    # slots a device reorder or a loaded state left bad when it read them
-    bad = state.bad[: state.num_slots].tolist() if state.captured else None
+    """Each slot's new tokens within its capacity (and the rotary table's rows): before
+    anything writes to the state (counts_of refused bad slots)."""
     limit = state.position_limit
     for b, s in enumerate(slot_list):
-        if bad is not None and bad[s]:
-            raise ValueError(f"slots: slot {s} met malformed input in a captured step (its rows "
-                             "are NaN); reset it before reuse")
         if counts[b] + lens[b] > limit:
             raise ValueError(f"kv: {lens[b]} new tokens take slot {s} past its capacity of "
                              f"{limit} tokens (it holds {counts[b]})")

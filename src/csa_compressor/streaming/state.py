@@ -126,22 +126,11 @@ class StreamState:
         """Slot ``i`` takes what slot ``index[i]`` held (beam search's reorder), in place.
         Indices out of ``[0, num_slots)``: an error where ``index`` lives on the host; on
         the GPU (read nowhere: no sync, capturable) their slots go bad instead."""
-        if isinstance(index, (list, tuple)):
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in index):
-                raise TypeError(f"index: expected slot indices as ints, got {list(index)!r}")
-        else:
-            check_tensor("index", index)
-            if index.dtype.is_floating_point or index.dtype == torch.bool:
-                raise TypeError(f"index: expected integer slot indices, got {index.dtype}")
-        idx = torch.as_tensor(index, dtype=torch.int64, device=self.device)
-        if idx.dim() != 1 or idx.numel() != self.num_slots:
+        order = self.host_slots(index, "index", unique=False)  # a slot may go to several
+        idx = torch.as_tensor(index if order is None else order, dtype=torch.int64,
+                              device=self.device)
+        if idx.numel() != self.num_slots:
             raise ValueError(f"index: expected {self.num_slots} slot indices, got shape {tuple(idx.shape)}")
-        order = host_list(index)
-        if order is not None:
-            bad = next((j for j, v in enumerate(order) if not 0 <= v < self.num_slots), None)
-            if bad is not None:
-                raise ValueError(f"index: slot {order[bad]} at index {bad} is out of range "
-                                 f"[0, {self.num_slots})")
         if order is None:
             # checked on the device, no sync: a negative index would read another slot
             # (torch wraps it), a large one is a device-side assert; such a slot takes the
@@ -197,10 +186,10 @@ class StreamState:
             return [counts[s] for s in slots]
         return [self.host_counts[s] for s in slots]
 
-    def host_slots(self, slots, name: str = "slots") -> list | None:
+    def host_slots(self, slots, name: str = "slots", unique: bool = True) -> list | None:
         """``slots`` (ints, a list or a 1-D integer tensor) checked for type, and for range
-        and duplicates where they live on the host: a host list of ints, or None for a
-        tensor on the device (checked by its users there)."""
+        and (``unique``) duplicates where they live on the host: a host list of ints, or
+        None for a tensor on the device (checked by its users there)."""
         if isinstance(slots, int) and not isinstance(slots, bool):
             slots = [slots]
         if isinstance(slots, (list, tuple)):
@@ -221,7 +210,7 @@ class StreamState:
             j, v = next((j, v) for j, v in enumerate(got) if not 0 <= v < self.num_slots)
             raise ValueError(f"{name}: slot {v} at index {j} is out of range "
                              f"[0, {self.num_slots})")
-        if len(set(got)) != len(got):
+        if unique and len(set(got)) != len(got):
             dup = next(v for v in got if got.count(v) > 1)
             raise ValueError(f"{name}: slot {dup} appears more than once in one call")
         return got

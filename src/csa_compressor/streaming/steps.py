@@ -198,7 +198,8 @@ def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
                 f"{state.position_limit} tokens")
 
     if not capturing and host_slots is not None and state.host_counts is not None:
-        # a slot goes bad only where the host keeps no counts (a capture, a device reorder)
+        # a slot goes bad only where the host keeps no counts (a capture, a device
+        # reorder, a loaded state)
         for j, s in enumerate(host_slots):
             if state.host_counts[s] + n > state.position_limit:
                 raise ValueError(past(j))
@@ -206,8 +207,8 @@ def _check_step(state, idx, n: int, capturing: bool, host_slots=None) -> None:
     if state.max_seqlen is not None:
         _require(state, state.count[idx] + n <= state.position_limit, idx, past)
     if not capturing and bool(state.bad[idx].any()):
-        raise ValueError("slots: a slot met malformed input (in a captured step or a device "
-                         "reorder; its rows are NaN); reset it before reuse")
+        raise ValueError("slots: a slot met malformed input (its rows are NaN); reset it "
+                         "before reuse")
 
 
 def _constants(state, B: int, n: int, epilogue: bool) -> dict:
