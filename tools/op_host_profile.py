@@ -1,7 +1,10 @@
 """Developer probe: where the host time of the op layer's calls goes, by Python function
 (cProfile over back-to-back calls, one sync at the end), beside each call's host µs
 without the profiler. The calls: the packed op's forward + autograd.grad and its no-grad
-forward (1x8192 tokens, d128, ratio 4, the launch probe's case), the kernel API's
+forward (1x8192 tokens, d128, ratio 4, the launch probe's case); the floor of that step's
+design, a Python autograd.Function that only allocates what the op allocates and launches
+as many small kernels (the compressed-offsets kernel in place of each), no validation, no
+plans; a bare launch of that small kernel; the kernel API's
 pool_forward / pool_backward into caller buffers, the training forward and streaming's
 fused prefill of 8 prompts of 4096 tokens at d512 ratio 4 (bench --streaming's case).
 
@@ -26,6 +29,8 @@ def host_us(fn, calls):
 
 def cases():
     from csa_compressor import compress_thd_fused, compress_thd_fused_packed
+    from csa_compressor.kernels.jit import small_kernel
+    from csa_compressor.kernels.offsets import CompressedOffsets, compile_args
     from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
     try:  # an older tree (BASE_SRC) may predate the kernel API and streaming
         from csa_compressor import streaming
@@ -51,11 +56,42 @@ def cases():
         out = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
         torch.autograd.grad(out, k, g_rows)
 
+    launch = small_kernel(("offsets", ratio), dev, lambda: (CompressedOffsets(ratio), compile_args()))
+    tiny = torch.empty_like(cu)
+
+    class Floor(torch.autograd.Function):
+        # the op's step without its Python: its five allocations (the guarded APE and the
+        # rows, then dkvs, dape and the dape partials) and four launches of a small kernel
+        # (the offsets guard, the forward, the backward, the dape sum)
+        @staticmethod
+        def forward(ctx, p, a, k):
+            ctx.save_for_backward(k, a)
+            torch.empty_like(a)
+            launch(cu, tiny)
+            out = torch.empty(n, d, device=dev, dtype=k.dtype)
+            launch(cu, tiny)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            k, a = ctx.saved_tensors
+            dk, da = torch.empty_like(k), torch.empty_like(a)
+            torch.empty((64, a.numel()), device=dev)
+            launch(cu, tiny)
+            launch(cu, tiny)
+            return None, da, dk
+
+    def floor_step():
+        k = kvs.detach().requires_grad_(True)
+        torch.autograd.grad(Floor.apply(None, ape, k), k, g_rows)
+
     kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
     bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
     out = torch.empty(n, d, device=dev, dtype=torch.bfloat16)
     yield "autograd.grad of a torch mul", lambda: torch.autograd.grad(small * 2, small, g_small)
     yield "packed op fwd + autograd.grad", op_step
+    yield "floor: a Python Function with the op's allocations and launches", floor_step
+    yield "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)", lambda: launch(cu, tiny)
     yield "packed op, no grad", lambda: compress_thd_fused_packed(kvs, ape, cu, cuc, n, ratio=ratio,
                                                                    coff=coff)
     if streaming is None:
