@@ -9,6 +9,7 @@ shared memory (Hillis-Steele), then each thread writes its run's offsets.
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Int32, Int64
 
 from .jit import small_kernel
@@ -101,8 +102,6 @@ def compile_args() -> tuple:
 def compressed_offsets(cu, ratio: int):
     """``(B+1,)`` int32 compressed offsets of the int32 token offsets ``cu``, or None
     where the kernel cannot be had now (jit.small_kernel)."""
-    import torch
-
     fn = small_kernel(("offsets", ratio), cu.device,
                       lambda: (CompressedOffsets(ratio), compile_args()))
     if fn is None:
@@ -186,8 +185,6 @@ def guarded_ape(cu, cuc, ape, num_tokens: int, total_comp: int, ratio: int, shap
     """``ape`` as the pooling should read it: a copy, NaN where the offsets are malformed
     (OffsetsGuard, one launch; its torch version where the kernel cannot be had now). An
     empty ``ape`` (no position bias) gives the flag alone: zeros of ``shape``, or NaN."""
-    import torch
-
     shape = tuple(ape.shape) if shape is None else tuple(shape)
     fn = small_kernel(("offsets_guard", ratio), cu.device,
                       lambda: (OffsetsGuard(ratio), guard_compile_args()))
