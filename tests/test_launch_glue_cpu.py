@@ -278,3 +278,50 @@ def test_offsets_the_package_built_skip_the_device_check(fake_compile, monkeypat
     assert flag.shape == (4, 256) and (flag == 0).all() and len(guarded) == 1
     bwd = [c for k in ("bwd", "bwd_large") if k in fake_compile for c in fake_compile[k].calls]
     assert bwd[-1][8].shape == (1, 256)  # no dape partials: a one-row workspace stands in
+
+
+
+@pytest.mark.parametrize("case", ["out_kv", "grad_kv_kv", "grad_kv_grad_score", "grad_ape_ape",
+                                  "workspace_grad_out", "grad_score_cu_seqlens"])
+def test_the_kernel_level_api_refuses_an_output_that_shares_memory(fake_compile, monkeypatch, case):
+    """An output buffer that overlaps an input or another output is refused by name before any
+    launch (the kernels would read what they write); outputs in one buffer's disjoint parts
+    pass."""
+    from csa_compressor import validation
+
+    monkeypatch.setattr(kernel_api, "validate",
+                        lambda *a, for_kernel=False, **k: validation.validate(*a, **k))
+    d, ratio, coff = 128, 4, 2
+    kv, score, ape, cu, cuc, N = make_pack([37, 0, 64], d, ratio, coff, dtype=torch.bfloat16)
+    g, out = torch.randn(N, d).to(torch.bfloat16), torch.empty(N, d, dtype=torch.bfloat16)
+    both = torch.empty((2,) + tuple(kv.shape), dtype=kv.dtype)
+    grads, workspace = [both[0], both[1], torch.empty_like(ape)], None
+    kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+    kernel_api.pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=ratio, coff=coff)
+    launched = sum(len(r.calls) for r in fake_compile.values())
+    assert launched >= 2
+    if case == "out_kv":
+        out = kv.view(-1)[:N * d].view(N, d)
+    elif case == "grad_kv_kv":
+        grads[0] = kv
+    elif case == "grad_kv_grad_score":
+        grads[1] = grads[0]
+    elif case == "grad_ape_ape":
+        grads[2] = ape
+    elif case == "workspace_grad_out":
+        workspace = torch.empty(N * d, dtype=torch.float32)
+        g = workspace.view(torch.bfloat16)[:N * d].view(N, d).copy_(g)
+    else:  # the offsets inside grad_score's buffer
+        grads[1] = torch.empty_like(score)
+        cu = grads[1].view(-1).view(torch.int32)[:cu.numel()].copy_(cu)
+    name, other = {"out_kv": ("out", "kv"), "grad_kv_kv": ("grad_kv", "kv"),
+                   "grad_kv_grad_score": ("grad_kv", "grad_score"),
+                   "grad_ape_ape": ("grad_ape", "ape"), "workspace_grad_out": ("workspace", "grad_out"),
+                   "grad_score_cu_seqlens": ("grad_score", "cu_seqlens")}[case]
+    with pytest.raises(ValueError, match=f"^{name}: shares memory with {other} "):
+        if case == "out_kv":
+            kernel_api.pool_forward(kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)
+        else:
+            kernel_api.pool_backward(kv, score, ape, cu, cuc, g, *grads, ratio=ratio, coff=coff,
+                                     workspace=workspace)
+    assert sum(len(r.calls) for r in fake_compile.values()) == launched

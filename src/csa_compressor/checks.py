@@ -132,6 +132,30 @@ def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.devi
     return t
 
 
+def check_disjoint(outputs: tuple, inputs: tuple) -> None:
+    """The kernel API's output buffers (``(name, contiguous tensor)`` pairs, as check_out
+    leaves them) share no byte with one another or with an input (``(name, tensor)``, each
+    contiguous): a kernel reading what another CTA writes gives a silently wrong result.
+    Empty tensors and None take no part. One sorted walk over the byte ranges; only where
+    two ranges meet (inputs may share memory) is each output compared with the rest."""
+    spans = sorted((t.data_ptr(), t.nbytes) for _, t in outputs + inputs
+                   if t is not None and t.nbytes)
+    end = 0
+    for lo, size in spans:
+        if lo < end:
+            break
+        end = lo + size
+    else:
+        return
+    named = [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in outputs + inputs
+             if t is not None and t.nbytes]
+    for i, (name, lo, hi) in enumerate(named[:len(outputs)]):
+        for other, lo2, hi2 in named[i + 1:]:
+            if lo < hi2 and lo2 < hi:
+                raise ValueError(f"{name}: shares memory with {other} (the kernels would read "
+                                 f"what they write); expected a buffer of its own")
+
+
 def poison_if_malformed(t: torch.Tensor, cu, cuc, num_tokens: int, total_comp: int, ratio: int):
     """``t``, or NaN where the offsets break the pack's rules (those of
     validation.check_offset_contents), in torch ops on the offsets' device: no host sync,

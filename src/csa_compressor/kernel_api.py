@@ -1,13 +1,14 @@
 """The kernel-level API: caller-provided buffers (allocated here: the dape workspace where
-none is passed, and the offsets check's small APE copy), safe to capture in CUDA graphs
-once compiled (``precompile`` first)."""
+none is passed, and the offsets check's small APE copy), each its own memory (no output
+may share a byte with an input or another output), safe to capture in CUDA graphs once
+compiled (``precompile`` first)."""
 
 from __future__ import annotations
 
 import torch
 
-from .checks import (check_cuda_device, check_flag, check_int, check_out, check_pool_numerics,
-                     check_specialisation)
+from .checks import (check_cuda_device, check_disjoint, check_flag, check_int, check_out,
+                     check_pool_numerics, check_specialisation)
 from .epilogue import Epilogue
 from .kernels import compile as _compile
 from .kernels.launch import backward_plan, launch_backward, launch_forward
@@ -27,6 +28,12 @@ def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, cof
     return p
 
 
+def _inputs(p, *more) -> tuple:
+    """``(name, tensor)`` of what the kernels read, for check_disjoint."""
+    return (("kv", p.kv), ("score", p.score), ("ape", p.ape), ("cu_seqlens", p.cu_seqlens),
+            ("cu_seqlens_comp", p.cu_seqlens_comp)) + more
+
+
 def _tuning(tuning):
     if tuning is not None and not isinstance(tuning, Tuning):
         raise TypeError(f"tuning: expected None or a kernels.tuning.Tuning, got {type(tuning).__name__}")
@@ -43,6 +50,7 @@ def pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio: int
     p = _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, out.shape[0], ratio, coff,
                  check_offsets, numerics, tuning)
     check_out("out", out, (p.total_comp, p.head_dim), p.kv.dtype, p.kv.device)
+    check_disjoint((("out", out),), _inputs(p))
     return launch_forward(p, out)
 
 
@@ -86,6 +94,8 @@ def pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv
         grad_ape = p.ape
     if workspace is not None:
         check_out("workspace", workspace, workspace.shape, torch.float32, dev)
+    check_disjoint((("grad_kv", grad_kv), ("grad_score", grad_score), ("grad_ape", grad_ape),
+                    ("workspace", workspace)), _inputs(p, ("grad_out", grad_out)))
     return launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace)
 
 
