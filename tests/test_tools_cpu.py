@@ -36,11 +36,13 @@ def test_a_gpu_tool_says_it_needs_one_and_exits_2(name):
 
 def test_the_host_python_probe_runs_without_a_gpu():
     """The launches-stubbed probe of the op layer's Python share runs anywhere (CPU tensors,
-    the kernels' designs built, nothing compiled) and reports each row."""
+    the kernels' designs built, nothing compiled) and reports each row, the floor of the
+    step's design among them."""
     res = subprocess.run([sys.executable, os.path.join(TOOLS, "host_python_probe.py"), "20"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.count(" µs  ") == 6 and "Python share" in res.stdout, res.stdout
+    assert res.stdout.count(" µs  ") == 7 and "Python share" in res.stdout, res.stdout
+    assert "above the floor of its design" in res.stdout, res.stdout
     # the empty-slot prefill launches its offsets kernel, the pooling and the tail, nothing
     # else (its offsets are no copy: kernels/prefill_offsets)
     assert "streaming prefill into 8 empty slots (3 launches)" in res.stdout, res.stdout
