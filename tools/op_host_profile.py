@@ -29,14 +29,14 @@ def host_us(fn, calls):
 
 def cases():
     from csa_compressor import compress_thd_fused, compress_thd_fused_packed
-    from csa_compressor.kernels.jit import small_kernel
-    from csa_compressor.kernels.offsets import CompressedOffsets, compile_args
     from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
-    try:  # an older tree (BASE_SRC) may predate the kernel API and streaming
+    try:  # an older tree (BASE_SRC) may predate the kernel API, streaming and small kernels
         from csa_compressor import streaming
         from csa_compressor.kernel_api import pool_backward, pool_forward
+        from csa_compressor.kernels.jit import small_kernel
+        from csa_compressor.kernels.offsets import CompressedOffsets, compile_args
     except ImportError as e:
-        print(f"kernel API / streaming cases skipped: {e}")
+        print(f"floor, kernel API and streaming cases skipped: {e}")
         streaming = None
 
     dev = torch.device("cuda")
@@ -56,8 +56,10 @@ def cases():
         out = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
         torch.autograd.grad(out, k, g_rows)
 
-    launch = small_kernel(("offsets", ratio), dev, lambda: (CompressedOffsets(ratio), compile_args()))
-    tiny = torch.empty_like(cu)
+    if streaming is not None:
+        launch = small_kernel(("offsets", ratio), dev,
+                              lambda: (CompressedOffsets(ratio), compile_args()))
+        tiny = torch.empty_like(cu)
 
     class Floor(torch.autograd.Function):
         # the op's step without its Python: its five allocations (the guarded APE and the
@@ -90,8 +92,10 @@ def cases():
     out = torch.empty(n, d, device=dev, dtype=torch.bfloat16)
     yield "autograd.grad of a torch mul", lambda: torch.autograd.grad(small * 2, small, g_small)
     yield "packed op fwd + autograd.grad", op_step
-    yield "floor: a Python Function with the op's allocations and launches", floor_step
-    yield "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)", lambda: launch(cu, tiny)
+    if streaming is not None:
+        yield "floor: a Python Function with the op's allocations and launches", floor_step
+        yield "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)", \
+            lambda: launch(cu, tiny)
     yield "packed op, no grad", lambda: compress_thd_fused_packed(kvs, ape, cu, cuc, n, ratio=ratio,
                                                                    coff=coff)
     if streaming is None:
