@@ -1,12 +1,14 @@
-"""Developer probe: where the host time of the op layer's calls goes, by Python function
-(cProfile over back-to-back calls, one sync at the end), beside each call's host µs
-without the profiler. The calls: the packed op's forward + autograd.grad and its no-grad
+"""Developer probe: where the host time of the op layer's calls goes. First each call's
+host µs without the profiler, the calls taking turns in seven rounds (medians; the op's
+share above a torch mul's step and the kernel API's against a bare launch from the same
+rounds, beside the op layer's host targets), then a cProfile of each (back-to-back calls,
+one sync at the end). The calls: the packed op's forward + autograd.grad and its no-grad
 forward (1x8192 tokens, d128, ratio 4, the launch probe's case); the floor of that step's
 design, a Python autograd.Function that only allocates what the op allocates and launches
 as many small kernels (the compressed-offsets kernel in place of each), no validation, no
-plans; a bare launch of that small kernel; the kernel API's
-pool_forward / pool_backward into caller buffers, the training forward and streaming's
-fused prefill of 8 prompts of 4096 tokens at d512 ratio 4 (bench --streaming's case).
+plans; a bare launch of that small kernel; the kernel API's pool_forward / pool_backward
+into caller buffers, the training forward and streaming's fused prefill of 8 prompts of
+4096 tokens at d512 ratio 4 (bench --streaming's case).
 
     python tools/op_host_profile.py [calls] [rows shown]
 """
@@ -21,6 +23,11 @@ start(__doc__, gpu=True)
 import sys
 
 import torch
+
+
+MUL, OP, FLOOR, BARE = ("autograd.grad of a torch mul", "packed op fwd + autograd.grad",
+                        "floor: a Python Function with the op's allocations and launches",
+                        "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)")
 
 
 def host_us(fn, calls):
@@ -90,12 +97,11 @@ def cases():
     kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
     bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
     out = torch.empty(n, d, device=dev, dtype=torch.bfloat16)
-    yield "autograd.grad of a torch mul", lambda: torch.autograd.grad(small * 2, small, g_small)
-    yield "packed op fwd + autograd.grad", op_step
+    yield MUL, lambda: torch.autograd.grad(small * 2, small, g_small)
+    yield OP, op_step
     if streaming is not None:
-        yield "floor: a Python Function with the op's allocations and launches", floor_step
-        yield "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)", \
-            lambda: launch(cu, tiny)
+        yield FLOOR, floor_step
+        yield BARE, lambda: launch(cu, tiny)
     yield "packed op, no grad", lambda: compress_thd_fused_packed(kvs, ape, cu, cuc, n, ratio=ratio,
                                                                    coff=coff)
     if streaming is None:
@@ -118,9 +124,39 @@ def cases():
         st, pk, ps, pape, cu_host, slots, pooling="fused"))
 
 
+def interleaved(named: dict, calls: int, rounds: int = 7) -> dict:
+    """{name: [µs a call, a round]}: the cases take turns, one batch each a round, so a
+    host that speeds up or slows down (by tens of percent within a loan) moves them alike."""
+    got = {name: [] for name in named}
+    for fn in named.values():
+        host_us(fn, 20)
+    for _ in range(rounds):
+        for name, fn in named.items():
+            got[name].append(_tool.host_us(fn, calls, torch.cuda.synchronize, warm=0, rounds=1))
+    return got
+
+
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
 def main(calls=200, shown=30):
-    for name, fn in cases():
-        print(f"\n===== {name}: {host_us(fn, calls):.1f} µs a call (no profiler) =====")
+    named = dict(cases())
+    got = interleaved(named, calls)
+    for name, us in got.items():
+        print(f"===== {name}: {_median(us):.1f} µs a call (median of {len(us)} rounds, "
+              f"{min(us):.1f}-{max(us):.1f}) =====")
+    if FLOOR in got:
+        rounds = range(len(got[MUL]))
+        op = _median([got[OP][r] - got[MUL][r] for r in rounds])
+        floor = _median([got[FLOOR][r] - got[MUL][r] for r in rounds])
+        print(f"above the torch mul's step, median of the rounds: the op {op:.1f} µs, the floor "
+              f"of its design {floor:.1f} µs (target for the op: 40)")
+        for name in ("kernel API pool_forward", "kernel API pool_backward"):
+            x = _median([got[name][r] / got[BARE][r] for r in rounds])
+            print(f"{name}: {x:.1f}x a bare launch (target 2x)")
+    for name, fn in named.items():
+        print(f"\n===== cProfile: {name} =====")
         _tool.print_cprofile(fn, calls, torch.cuda.synchronize, (shown, shown))
 
 
