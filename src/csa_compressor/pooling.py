@@ -1,14 +1,14 @@
 """The pooling as a torch-facing op, for eager calls and torch.compile.
 
 Under torch.compile each direction is a ``torch.library`` custom op (opaque to the
-compiler, a fake for its shapes) whose body validates and launches the kernels
-(_PoolFn, _PackedFn). Eager calls bypass the custom-op dispatch (tens of microseconds of
-host time): _EagerFn launches on the problem the caller already validated, and its
-backward on that same problem, rebuilt from the saved tensors, so the forward's offsets
-guard (Problem.read_ape) serves both directions. Both paths launch the same kernels and
-give bitwise identical results. The same ops take SBHD inputs ``(S, B, ...)`` where the
-offsets are None: one segment of S tokens a sequence, the sequences one grid index of the
-kernels (validation.validate_sbhd).
+compiler, a fake for its shapes) whose body validates and launches the kernels (_PoolFn,
+_PackedFn). Eager calls bypass the custom-op dispatch (tens of microseconds of host time):
+_EagerFn launches on the problem the caller already validated, and its backward on that
+same problem, its tensors taken back from the saved ones, so the forward's offsets guard
+(Problem.read_ape) serves both directions. Both paths launch the same kernels and give
+bitwise identical results. The same ops take SBHD inputs ``(S, B, ...)`` where the offsets
+are None: one segment of S tokens a sequence, the sequences one grid index of the kernels
+(validation.validate_sbhd).
 """
 
 from __future__ import annotations
