@@ -101,3 +101,23 @@ def test_reference_rejects_like_the_kernels():
     with pytest.raises(ValueError, match="coff"):
         reference.compress_thd(a["kv"], a["score"], a["ape"], a["cu_seqlens"], a["cu_seqlens_comp"],
                                a["total_comp"], ratio=4, coff=0)
+
+
+def test_disjoint_buffers_are_told_apart_from_overlapping_ones():
+    """check_disjoint: inputs may share memory with one another; an output may not share a
+    byte with an input or another output, whether it lies inside one, holds one, or
+    touches its last byte; an output right after another, empty tensors and None pass."""
+    from csa_compressor.checks import check_disjoint
+
+    buf = torch.empty(64, dtype=torch.float32)
+    a, b = buf[:16], buf[16:32]
+    check_disjoint((("out", a), ("none", None), ("empty", buf[:0])), (("x", b), ("y", b)))
+    check_disjoint((("out", a), ("out2", b)), (("x", buf[40:]),))
+    for out, other, others in ((buf[20:24], "x", (("x", b),)),       # inside an input
+                               (buf[8:40], "x", (("x", b),)),        # holds an input
+                               (buf[31:33], "x", (("x", b),)),       # touches its last byte
+                               (buf[:64], "x", (("x", buf[63:]),))):
+        with pytest.raises(ValueError, match=f"^out: shares memory with {other} "):
+            check_disjoint((("out", out),), others)
+    with pytest.raises(ValueError, match="^out: shares memory with out2 "):
+        check_disjoint((("out", a), ("out2", buf[15:20])), (("x", buf[40:]),))

@@ -147,9 +147,13 @@ def check_disjoint(outputs: tuple, inputs: tuple) -> None:
         end = lo + size
     else:
         return
-    named = [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in outputs + inputs
-             if t is not None and t.nbytes]
-    for i, (name, lo, hi) in enumerate(named[:len(outputs)]):
+    def ranges(pairs):
+        return [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in pairs
+                if t is not None and t.nbytes]
+
+    outs = ranges(outputs)
+    named = outs + ranges(inputs)
+    for i, (name, lo, hi) in enumerate(outs):
         for other, lo2, hi2 in named[i + 1:]:
             if lo < hi2 and lo2 < hi:
                 raise ValueError(f"{name}: shares memory with {other} (the kernels would read "
