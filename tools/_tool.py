@@ -78,3 +78,36 @@ def kernel_table(prof, steps: int, digits: int = 1) -> tuple:
         lines.append(f"| `{k}` | {n / steps:g} | {us / steps:.{digits}f} |")
     return (sum(v[1] for v in groups.values()) / steps,
             sum(v[0] for v in groups.values()) / steps, "\n".join(lines))
+
+
+def floor_step(launch, kvs, ape, g_rows):
+    """The packed op's training step reduced to the floor of its design: a Python
+    autograd.Function (a non-tensor first argument, as the op's problem) with the op's five
+    allocations (the guarded APE and the rows, then dkvs, dape and the dape partials) and
+    four ``launch(tensor)`` calls in place of its launches (the offsets guard, the forward,
+    the backward, the dape sum), no validation, no plans. Returns the step: the rows'
+    forward and ``torch.autograd.grad`` of ``kvs``."""
+    import torch
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p, a, k):
+            ctx.save_for_backward(k, a)
+            launch(torch.empty_like(a))
+            out = torch.empty(g_rows.shape, device=k.device, dtype=k.dtype)
+            launch(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            k, a = ctx.saved_tensors
+            dk, da = torch.empty_like(k), torch.empty_like(a)
+            launch(torch.empty((64, a.numel()), device=k.device))
+            launch(da)
+            return None, da, dk
+
+    def step():
+        k = kvs.detach().requires_grad_(True)
+        torch.autograd.grad(Floor.apply(None, ape, k), k, g_rows)
+
+    return step

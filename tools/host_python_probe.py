@@ -99,31 +99,8 @@ def main(calls=2000):
             rows = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
             torch.autograd.grad(rows, k, g_rows)
 
-        def noop(*a):
-            launches.append(len(a))
-
-        class Floor(torch.autograd.Function):
-            # the step's design without the package's Python: a Function with the op's five
-            # allocations and four stubbed launches (tools/op_host_profile.py's floor row)
-            @staticmethod
-            def forward(ctx, p, a, k):
-                ctx.save_for_backward(k, a)
-                noop(cu, torch.empty_like(a))
-                out = torch.empty(n, d, dtype=k.dtype)
-                noop(k, out)
-                return out
-
-            @staticmethod
-            def backward(ctx, grad):
-                k, a = ctx.saved_tensors
-                dk, da = torch.empty_like(k), torch.empty_like(a)
-                noop(dk, torch.empty((64, a.numel())))
-                noop(da)
-                return None, da, dk
-
-        def floor_step():
-            k = kvs.detach().requires_grad_(True)
-            torch.autograd.grad(Floor.apply(None, ape, k), k, g_rows)
+        # the step's design without the package's Python (op_host_profile's floor row)
+        floor_step = _tool.floor_step(lambda t: launches.append(1), kvs, ape, g_rows)
 
         # streaming: a prefill into 8 empty slots (chunks._fresh), the tail kernel stood in
         from csa_compressor import runtime, streaming

@@ -67,32 +67,7 @@ def cases():
         launch = small_kernel(("offsets", ratio), dev,
                               lambda: (CompressedOffsets(ratio), compile_args()))
         tiny = torch.empty_like(cu)
-
-    class Floor(torch.autograd.Function):
-        # the op's step without its Python: its five allocations (the guarded APE and the
-        # rows, then dkvs, dape and the dape partials) and four launches of a small kernel
-        # (the offsets guard, the forward, the backward, the dape sum)
-        @staticmethod
-        def forward(ctx, p, a, k):
-            ctx.save_for_backward(k, a)
-            torch.empty_like(a)
-            launch(cu, tiny)
-            out = torch.empty(n, d, device=dev, dtype=k.dtype)
-            launch(cu, tiny)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            k, a = ctx.saved_tensors
-            dk, da = torch.empty_like(k), torch.empty_like(a)
-            torch.empty((64, a.numel()), device=dev)
-            launch(cu, tiny)
-            launch(cu, tiny)
-            return None, da, dk
-
-    def floor_step():
-        k = kvs.detach().requires_grad_(True)
-        torch.autograd.grad(Floor.apply(None, ape, k), k, g_rows)
+        floor_step = _tool.floor_step(lambda t: launch(cu, tiny), kvs, ape, g_rows)
 
     kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
     bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
