@@ -132,29 +132,33 @@ def check_out(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.devi
     return t
 
 
+def _byte_ranges(pairs) -> list:
+    """``(first byte, past the last, name)`` of each non-empty ``(name, tensor)``."""
+    out = []
+    for name, t in pairs:
+        if t is not None and t.nbytes:
+            lo = t.data_ptr()
+            out.append((lo, lo + t.nbytes, name))
+    return out
+
+
 def check_disjoint(outputs: tuple, inputs: tuple) -> None:
     """The kernel API's output buffers (``(name, contiguous tensor)`` pairs, as check_out
     leaves them) share no byte with one another or with an input (``(name, tensor)``, each
     contiguous): a kernel reading what another CTA writes gives a silently wrong result.
     Empty tensors and None take no part. One sorted walk over the byte ranges; only where
     two ranges meet (inputs may share memory) is each output compared with the rest."""
-    spans = sorted((t.data_ptr(), t.nbytes) for _, t in outputs + inputs
-                   if t is not None and t.nbytes)
+    outs = _byte_ranges(outputs)
+    ranges = outs + _byte_ranges(inputs)
     end = 0
-    for lo, size in spans:
+    for lo, hi, _ in sorted(ranges):
         if lo < end:
             break
-        end = lo + size
+        end = hi
     else:
         return
-    def ranges(pairs):
-        return [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in pairs
-                if t is not None and t.nbytes]
-
-    outs = ranges(outputs)
-    named = outs + ranges(inputs)
-    for i, (name, lo, hi) in enumerate(outs):
-        for other, lo2, hi2 in named[i + 1:]:
+    for i, (lo, hi, name) in enumerate(outs):
+        for lo2, hi2, other in ranges[i + 1:]:
             if lo < hi2 and lo2 < hi:
                 raise ValueError(f"{name}: shares memory with {other} (the kernels would read "
                                  f"what they write); expected a buffer of its own")
