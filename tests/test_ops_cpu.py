@@ -68,10 +68,10 @@ def test_device_guard_is_skipped_with_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 0)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: ("guard", dev))
     monkeypatch.setattr(launch, "_one_gpu", lambda: True)
-    assert launch._on_device(torch.device("cuda", 0)) is launch._CURRENT and not asked
+    assert launch.on_device(torch.device("cuda", 0)) is launch._CURRENT and not asked
     monkeypatch.setattr(launch, "_one_gpu", lambda: False)
-    assert launch._on_device(torch.device("cuda", 0)) is launch._CURRENT and asked
-    assert launch._on_device(torch.device("cuda", 1)) == ("guard", torch.device("cuda", 1))
+    assert launch.on_device(torch.device("cuda", 0)) is launch._CURRENT and asked
+    assert launch.on_device(torch.device("cuda", 1)) == ("guard", torch.device("cuda", 1))
 
 
 def _cpu_launches(monkeypatch, grads):

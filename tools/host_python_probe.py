@@ -72,7 +72,8 @@ def host_us(fn, calls):
 
 def main(calls=2000):
     from csa_compressor import compress_thd_fused_packed
-    from csa_compressor.kernel_api import pool_backward, pool_forward
+    from csa_compressor import pool_plan
+    from csa_compressor.kernel_api import PoolPlan, pool_backward, pool_forward
     from csa_compressor.kernels import plan
 
     with ExitStack() as stack:
@@ -93,11 +94,20 @@ def main(calls=2000):
         kv, score = kvs[:, :coff * d].contiguous(), kvs[:, coff * d:].contiguous()
         bufs = [torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)]
         out = torch.empty(n, d, dtype=torch.bfloat16)
+        # the plan's runs: a CPU plan (its device check passed over)
+        stack.enter_context(mock.patch.object(pool_plan, "check_cuda_device", lambda dev: cpu))
+        stack.enter_context(mock.patch.object(pool_plan, "sm_count", lambda index: 132))
+        cpu = torch.device("cpu")
+        planned = PoolPlan([0, T], ratio=ratio, coff=coff, head_dim=d, dtype=torch.bfloat16)
 
         def op_step():
             k = kvs.detach().requires_grad_(True)
             rows = compress_thd_fused_packed(k, ape, cu, cuc, n, ratio=ratio, coff=coff)
             torch.autograd.grad(rows, k, g_rows)
+
+        def plan_step():
+            k = kvs.detach().requires_grad_(True)
+            torch.autograd.grad(planned.pool_packed(k, ape), k, g_rows)
 
         # the step's design without the package's Python (op_host_profile's floor row)
         floor_step = _tool.floor_step(lambda t: launches.append(1), kvs, ape, g_rows)
@@ -134,6 +144,9 @@ def main(calls=2000):
                 kv, score, ape, cu, cuc, out, ratio=ratio, coff=coff)),
             ("kernel API pool_backward", lambda: pool_backward(
                 kv, score, ape, cu, cuc, g_rows, *bufs, ratio=ratio, coff=coff)),
+            ("packed op through a PoolPlan, fwd + autograd.grad", plan_step),
+            ("PoolPlan.forward", lambda: planned.forward(kv, score, ape, out)),
+            ("PoolPlan.backward", lambda: planned.backward(kv, score, ape, g_rows, *bufs)),
             ("streaming prefill into 8 empty slots", prefill),
         ]
         got = {}

@@ -6,8 +6,9 @@ one sync at the end). The calls: the packed op's forward + autograd.grad and its
 forward (1x8192 tokens, d128, ratio 4, the launch probe's case); the floor of that step's
 design, a Python autograd.Function that only allocates what the op allocates and launches
 as many small kernels (the compressed-offsets kernel in place of each), no validation, no
-plans; a bare launch of that small kernel; the kernel API's pool_forward / pool_backward
-into caller buffers, the training forward and streaming's fused prefill of 8 prompts of
+plans; a bare launch of that small kernel; the same step through a kernel_api.PoolPlan
+(the pack checked once) and the plan's forward / backward into caller buffers; the kernel
+API's pool_forward / pool_backward into caller buffers, the training forward and streaming's fused prefill of 8 prompts of
 4096 tokens at d512 ratio 4 (bench --streaming's case).
 
     python tools/op_host_profile.py [calls] [rows shown]
@@ -25,6 +26,7 @@ import sys
 import torch
 
 
+PLAN_STEP = "packed op through a PoolPlan, fwd + autograd.grad"
 MUL, OP, FLOOR, BARE = ("autograd.grad of a torch mul", "packed op fwd + autograd.grad",
                         "floor: a Python Function with the op's allocations and launches",
                         "a bare TVM-FFI launch (the compressed-offsets kernel, 2 offsets)")
@@ -39,7 +41,7 @@ def cases():
     from csa_compressor.layout import compressed_capacity, compressed_cu_seqlens
     try:  # an older tree (BASE_SRC) may predate the kernel API, streaming and small kernels
         from csa_compressor import streaming
-        from csa_compressor.kernel_api import pool_backward, pool_forward
+        from csa_compressor.kernel_api import PoolPlan, pool_backward, pool_forward
         from csa_compressor.kernels.jit import small_kernel
         from csa_compressor.kernels.offsets import CompressedOffsets, compile_args
     except ImportError as e:
@@ -81,6 +83,15 @@ def cases():
                                                                    coff=coff)
     if streaming is None:
         return
+    planned = PoolPlan([0, T], ratio=ratio, coff=coff, head_dim=d, dtype=torch.bfloat16)
+
+    def plan_step():
+        k = kvs.detach().requires_grad_(True)
+        torch.autograd.grad(planned.pool_packed(k, ape), k, g_rows)
+
+    yield PLAN_STEP, plan_step
+    yield "PoolPlan.forward", lambda: planned.forward(kv, score, ape, out)
+    yield "PoolPlan.backward", lambda: planned.backward(kv, score, ape, g_rows, *bufs)
     yield "kernel API pool_forward", lambda: pool_forward(kv, score, ape, cu, cuc, out,
                                                           ratio=ratio, coff=coff)
     yield "kernel API pool_backward", lambda: pool_backward(kv, score, ape, cu, cuc, g_rows, *bufs,
@@ -125,9 +136,12 @@ def main(calls=200, shown=30):
         rounds = range(len(got[MUL]))
         op = _median([got[OP][r] - got[MUL][r] for r in rounds])
         floor = _median([got[FLOOR][r] - got[MUL][r] for r in rounds])
+        planned = _median([got[PLAN_STEP][r] - got[MUL][r] for r in rounds])
         print(f"above the torch mul's step, median of the rounds: the op {op:.1f} µs, the floor "
-              f"of its design {floor:.1f} µs (target for the op: 40)")
-        for name in ("kernel API pool_forward", "kernel API pool_backward"):
+              f"of its design {floor:.1f} µs, the op through a PoolPlan {planned:.1f} µs "
+              "(target for the op: 40)")
+        for name in ("kernel API pool_forward", "kernel API pool_backward", "PoolPlan.forward",
+                     "PoolPlan.backward"):
             x = _median([got[name][r] / got[BARE][r] for r in rounds])
             print(f"{name}: {x:.1f}x a bare launch (target 2x)")
     for name, fn in named.items():

@@ -36,7 +36,7 @@ from csa_compressor.validation import validate
 def _host_cases(spec):
     """Each layer of a forward call on pack ``spec`` (bf16, d=128, ratio 4, coff 2), from a
     bare allocation up to compress_thd_fused with grad, as zero-argument calls."""
-    from csa_compressor.kernels.launch import _on_device
+    from csa_compressor.kernels.launch import on_device
     from csa_compressor.checks import check_out
 
     shape = testing.parse_shape(spec)
@@ -62,7 +62,7 @@ def _host_cases(spec):
         torch.autograd.grad((x * 2).sum(), (x,))
 
     def guard():
-        with _on_device(dev):
+        with on_device(dev):
             pass
 
     return {

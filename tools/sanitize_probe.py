@@ -2,6 +2,7 @@
 short-window fwd/bwd (ratio 4 coff 2 at d=128 and 512, ratio 3 coff 1, odd head_dim in
 all three dtypes, where buffer sizes are not multiples of their alignment), long-window
 fwd/bwd (ratio 128), capacity padding rows, N below the true count, T < ratio; then
+the same packs through a kernel_api.PoolPlan (its forward, backward and packed op); then
 offsets a caller got wrong (tests/packs.py CORRUPT_OFFSETS), where only staying in
 bounds counts (d=64, and d=512 at ratio 4 coff 2); all of it twice, the second time with
 the backward's large-pack variant forced (BWD_LARGE_PACK_ROWS = 0) and every grid
@@ -58,6 +59,15 @@ for large_from, sms in ((base.BWD_LARGE_PACK_ROWS, None), (0, 4)):
         dkv, dsc, dape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
         kernel_api.pool_backward(kv, score, ape, cu, cuc, torch.randn_like(out), dkv, dsc, dape,
                                  ratio=s.ratio, coff=s.coff, tuning=t)
+        if extra >= 0:  # a PoolPlan of the pack: the same kernels on the plan's own offsets
+            plan = kernel_api.PoolPlan(cu.cpu(), ratio=s.ratio, coff=s.coff, head_dim=s.d,
+                                       dtype=dtype, num_tokens=kv.shape[0], total_comp=N, tuning=t)
+            plan.forward(kv, score, ape, torch.empty_like(out))
+            plan.backward(kv, score, ape, torch.randn_like(out), torch.empty_like(kv),
+                          torch.empty_like(score), torch.empty_like(ape))
+            if (s.coff * s.d * kv.element_size()) % 16 == 0:
+                kvs = torch.cat((kv, score), 1).requires_grad_(True)
+                plan.pool_packed(kvs, ape).backward(torch.randn_like(out))
         torch.cuda.synchronize()
         # a capacity cut below the true row count is malformed: NaN rows by default
         want = "nan" if extra < 0 else "finite"

@@ -1,4 +1,5 @@
-"""The kernel-level API: caller-provided buffers (allocated here: the dape workspace where
+"""The kernel-level API (PoolPlan: a pack's checks and plans made once, for many runs):
+caller-provided buffers (allocated here: the dape workspace where
 none is passed, and the offsets check's small APE copy), each its own memory (no output
 may share a byte with an input or another output), safe to capture in CUDA graphs once
 compiled (``precompile`` first)."""
@@ -14,9 +15,10 @@ from .kernels import compile as _compile
 from .kernels.launch import backward_plan, launch_backward, launch_forward
 from .kernels.plan import EpilogueKey
 from .kernels.tuning import Tuning
+from .pool_plan import PoolPlan
 from .validation import validate
 
-__all__ = ["backward_workspace_shape", "pool_backward", "pool_forward", "precompile"]
+__all__ = ["PoolPlan", "backward_workspace_shape", "pool_backward", "pool_forward", "precompile"]
 
 
 def _problem(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff,

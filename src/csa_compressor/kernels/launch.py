@@ -24,7 +24,7 @@ def _one_gpu() -> bool:
 _CURRENT = contextlib.nullcontext()  # reentrant: one for every launch
 
 
-def _on_device(dev):
+def on_device(dev):
     """``torch.cuda.device(dev)`` only when ``dev`` is not already current (the guard costs
     microseconds of host time on every call otherwise). With one visible GPU it is always
     current, and even the check (``torch.cuda.current_device()``, 0.7 µs on the H200 host)
@@ -76,7 +76,7 @@ def launch_found(found, tuning, num_rows, kv, score, ape, cu, cuc, out, extra=()
 def launch_kept(found, tuning, num_rows, kv, score, ape, cu, cuc, out):
     """launch_found on ``kv``'s device, for a caller that keeps ``found`` (forward_kernel)
     between launches."""
-    with _on_device(kv.device):
+    with on_device(kv.device):
         return launch_found(found, tuning, num_rows, kv, score, ape, cu, cuc, out)
 
 
@@ -87,7 +87,7 @@ def launch_forward(p, out, epilogue=None, extra=()):
     the output)."""
     if p.total_comp == 0:
         return out
-    with _on_device(p.kv.device):
+    with on_device(p.kv.device):
         launch_found(forward_kernel(p, epilogue), p.tuning, p.total_comp, p.kv, p.score,
                      ape_read(p), p.cu_seqlens, p.cu_seqlens_comp, out, extra)
     return out
@@ -163,12 +163,12 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
         # no rows or no tokens: zeros, or NaN where the offsets are malformed
         fill = None
         if p.batch == 0 and not p.offsets_built:
-            with _on_device(dev):
+            with on_device(dev):
                 fill = ape_read(p).view(-1)[:1] * 0
         for g in (grad_kv, grad_score, grad_ape):
             g.zero_() if fill is None else g.copy_(fill.view([1] * g.dim()).expand(g.shape))
         return grad_kv, grad_score, grad_ape
-    with _on_device(dev):
+    with on_device(dev):
         fp32_dscore = grad_score.dtype == torch.float32 and dt != torch.float32
         c, (rows_per_cta, row_ctas, zero_ctas), shape = backward_plan(dev, dt, ratio, coff, d, N, T,
                                                                       p.row_stride, p.batch,
@@ -210,5 +210,5 @@ def launch_decode(c, rings, new, ape, slots, state, outs, next_n: int, history: 
     """One decode step of compiled ``c`` (decode_kernel): ``rings`` (kv, score) ``(slots *
     history, W)``, ``new`` (kv, score) ``(entries * next_n, W)``, ``state`` (counts, last
     steps, bad flags as uint8), ``outs`` (rows, emitted as uint8, positions)."""
-    with _on_device(rings[0].device):
+    with on_device(rings[0].device):
         c.fn(*rings, *new, ape, slots, *state, *outs, next_n, history, limit)
