@@ -11,7 +11,7 @@ Public surface (``__all__``):
   the pooling, which directions of it run inside the pooling kernels, the node alone.
 - ``compressed_cu_seqlens``: the THD offsets of the compressed rows.
 
-Submodules: ``kernel_api`` (caller buffers: ``pool_forward``, ``pool_backward``,
+Submodules: ``kernel_api`` (caller buffers: ``PoolPlan``, ``pool_forward``, ``pool_backward``,
 ``backward_workspace_shape``, ``precompile``), ``reference`` (plain PyTorch), ``layout``,
 ``epilogue`` (``YaRN``), ``megatron`` (Megatron-LM's Compressor on the fused kernels),
 ``streaming`` (prefill / decode for generation), ``transformers`` (Hugging Face's
