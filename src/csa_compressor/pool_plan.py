@@ -122,7 +122,8 @@ class PoolPlan:
         """Write every element of ``grad_kv`` and ``grad_score`` (the shape of kv; may start
         uninitialised) and ``grad_ape`` (fp32, the shape of ape; None for a plan without an
         APE), bitwise what pool_backward writes. ``grad_score`` may be float32 for bf16 /
-        fp16 inputs (dscore before its rounding). Returns the three."""
+        fp16 inputs (dscore before its rounding). Returns the three (grad_ape None without
+        an APE)."""
         a = self._inputs(kv, score, ape)
         self._check("grad_out", grad_out, self._rows, self.dtype)
         self._check("grad_kv", grad_kv, self._tokens, self.dtype)
