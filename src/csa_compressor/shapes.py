@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-IMPLS = ("eager", "compile", "fused", "fused_eager")
+IMPLS = ("eager", "compile", "fused", "fused_eager", "fused_plan")
 
 
 @dataclass(frozen=True)

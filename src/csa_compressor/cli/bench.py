@@ -176,7 +176,24 @@ def _implementations(names):
     if "fused_eager" in names:  # the kernels rounding as the eager region does
         impls["fused_eager"] = lambda kv, score, ape, cu, cuc, N, ratio, coff: compress_thd_fused(
             kv, score, ape, cu, cuc, N, ratio=ratio, coff=coff, numerics="eager")
+    if "fused_plan" in names:  # the pack planned once (kernel_api.PoolPlan): no offsets guard
+        impls["fused_plan"] = _planned()
     return impls
+
+
+def _planned():
+    from ..pool_plan import PoolPlan
+
+    # an input set's plan, made at its run before capture (capture_graph); the entry holds
+    # its offsets tensor, so no other set's can take its id
+    plans = {}
+
+    def planned(kv, score, ape, cu, cuc, N, ratio, coff):
+        if id(cu) not in plans:
+            plans[id(cu)] = cu, PoolPlan(cu, ratio=ratio, coff=coff, head_dim=kv.shape[1] // coff,
+                                         dtype=kv.dtype, num_tokens=kv.shape[0], total_comp=N)
+        return plans[id(cu)][1].pool(kv, score, ape)
+    return planned
 
 
 def gate(shape, sets, dtype) -> list[str]:

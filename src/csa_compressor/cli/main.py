@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                    help='"default", "production", "all", or e.g. "3x8192:512:4:2,1023+2048+509:128:4:2" '
                         "(pack:head_dim:ratio:coff)")
     b.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
-    b.add_argument("--impls", default="eager,compile,fused", help="from eager, compile, fused, fused_eager")
+    b.add_argument("--impls", default="eager,compile,fused", help="from eager, compile, fused, fused_eager, fused_plan")
     b.add_argument("--compile-all", action="store_true", help="torch.compile every shape (slow)")
     b.add_argument("--same-inputs", action="store_true",
                    help="all 20 calls of a graph on the same inputs (L2-warm where a pack fits) "
