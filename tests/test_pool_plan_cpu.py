@@ -161,3 +161,18 @@ def test_the_packed_op_launches_on_the_halves_and_returns_their_gradients(cpu_pl
         calls.clear()
         plan.pool_packed(kvs, ape)
         assert len(calls) == 1
+
+
+def test_the_benchs_plan_impl_makes_one_plan_an_offsets_tensor(cpu_plan):
+    from csa_compressor.cli.bench import _planned
+
+    make, calls = cpu_plan
+    make([0, 300])  # stands the kernels in
+    planned = _planned()
+    kv, score, ape, _ = _tensors()
+    cu, cu2 = torch.tensor([0, 300], dtype=torch.int32), torch.tensor([0, 100, 300])
+    for offsets in (cu, cu, cu2):
+        rows = planned(kv, score, ape, offsets, None, 75, 4, 2)
+        assert rows.shape == (75, 128)
+    assert [c[3].tolist() for c in calls] == [[0, 300], [0, 300], [0, 100, 300]]
+    assert calls[0][3] is calls[1][3]  # the first tensor's plan, made once
