@@ -48,7 +48,7 @@ class PoolPlan:
     ``cu_seqlens[-1]``); ``total_comp``: the output's rows (default: the pack's).
     ``ape=False``: runs take ``ape=None`` (no position bias). ``numerics`` as the ops';
     ``tuning`` frozen here (default: the process's now). Runs go in stream order on any
-    stream; each allocates only the backward's dape partials."""
+    stream: forward and backward allocate only the backward's dape partials."""
 
     def __init__(self, cu_seqlens, *, ratio: int, coff: int, head_dim: int,
                  dtype: torch.dtype, num_tokens: int | None = None,
@@ -101,6 +101,10 @@ class PoolPlan:
         """The APE the kernels read, after checking the inputs."""
         self._check("kv", kv, self._tokens, self.dtype)
         self._check("score", score, self._tokens, self.dtype)
+        return self._read_ape(ape)
+
+    def _read_ape(self, ape) -> torch.Tensor:
+        """``ape`` checked, or the plan's zeros where it has no APE."""
         if self.has_ape:
             self._check("ape", ape, self._ape, torch.float32)
             return ape
@@ -164,14 +168,7 @@ class PoolPlan:
         if (W * kvs.element_size()) % KERNEL_ALIGN_BYTES:
             raise ValueError(f"kvs: the second half starts {W * kvs.element_size()} bytes into "
                              f"each row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES}")
-        if self.has_ape:
-            self._check("ape", ape, self._ape, torch.float32)
-            a = ape
-        elif ape is not None:
-            raise ValueError("ape: expected None (the plan was made with ape=False), got "
-                             f"{type(ape).__name__}")
-        else:
-            a = self._zeros
+        a = self._read_ape(ape)
         # the halves are the kernels' views; autograd differentiates kvs itself
         kv, score = halves(kvs.detach() if kvs.requires_grad else kvs, score_first)
         return self._pooled((kvs,), a, ape, kv, score, 2 * W, score_first)
