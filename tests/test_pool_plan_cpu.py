@@ -176,3 +176,12 @@ def test_the_benchs_plan_impl_makes_one_plan_an_offsets_tensor(cpu_plan):
         assert rows.shape == (75, 128)
     assert [c[3].tolist() for c in calls] == [[0, 300], [0, 300], [0, 100, 300]]
     assert calls[0][3] is calls[1][3]  # the first tensor's plan, made once
+
+
+def test_the_packed_op_refuses_a_second_half_the_kernels_cannot_load(cpu_plan):
+    make, calls = cpu_plan
+    plan = make([0, 8], coff=1, head_dim=4)  # each half 8 bytes into a row
+    kvs = torch.randn(8, 8).bfloat16()
+    with pytest.raises(ValueError, match="kvs: the second half starts 8 bytes into each row"):
+        plan.pool_packed(kvs, torch.randn(4, 4))
+    assert not calls

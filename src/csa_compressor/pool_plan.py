@@ -15,7 +15,7 @@ from .checks import (INT32_MAX, KERNEL_ALIGN_BYTES, check_cuda_device, check_dis
 from .kernels import plan as kplan
 from .kernels.compile import compiled_for
 from .kernels.hardware import sm_count
-from .kernels.launch import backward_plan, dape_sum, on_device
+from .kernels.launch import backward_plan, on_device, sum_dape
 from .kernels.tuning import Tuning, current
 from .layout import compressed_cu_seqlens
 from .pooling import pool
@@ -82,6 +82,9 @@ class PoolPlan:
         self._zeros = None if ape else torch.zeros(self._ape, dtype=torch.float32, device=dev)
         self._no_ape = torch.empty((0,), dtype=torch.float32, device=dev)  # Problem's stand-in
         self._packed = torch.Size((T, 2 * W))
+        # where kvs' second half starts in each row, which the kernels' vector loads need
+        # 16-byte aligned (pool_packed)
+        self._half_bytes = W * torch.empty((), dtype=dtype).element_size()
         self._fwd, self._bwd = {}, {}  # kernels and launch sizes, found at the first run
 
     def __repr__(self) -> str:
@@ -131,7 +134,8 @@ class PoolPlan:
         a = self._inputs(kv, score, ape)
         self._check("grad_out", grad_out, self._rows, self.dtype)
         self._check("grad_kv", grad_kv, self._tokens, self.dtype)
-        fp32_dscore = type(grad_score) is torch.Tensor and grad_score.dtype == torch.float32 \
+        # as pool_backward: an fp32 grad_score for narrower inputs takes dscore unrounded
+        fp32_dscore = getattr(grad_score, "dtype", None) == torch.float32 \
             and self.dtype != torch.float32
         self._check("grad_score", grad_score, self._tokens,
                     torch.float32 if fp32_dscore else self.dtype)
@@ -163,15 +167,14 @@ class PoolPlan:
         check_flag("score_first", score_first)
         if torch.compiler.is_compiling():
             return self._traced(None, None, ape, kvs, score_first)
+        if self._half_bytes % KERNEL_ALIGN_BYTES:
+            raise ValueError(f"kvs: the second half starts {self._half_bytes} bytes into each "
+                             f"row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES}")
         self._check("kvs", kvs, self._packed, self.dtype)
-        W = self._packed[1] // 2
-        if (W * kvs.element_size()) % KERNEL_ALIGN_BYTES:
-            raise ValueError(f"kvs: the second half starts {W * kvs.element_size()} bytes into "
-                             f"each row; the fused kernels need a multiple of {KERNEL_ALIGN_BYTES}")
         a = self._read_ape(ape)
         # the halves are the kernels' views; autograd differentiates kvs itself
         kv, score = halves(kvs.detach() if kvs.requires_grad else kvs, score_first)
-        return self._pooled((kvs,), a, ape, kv, score, 2 * W, score_first)
+        return self._pooled((kvs,), a, ape, kv, score, self._packed[1], score_first)
 
     def _traced(self, kv, score, ape, kvs=None, score_first=False) -> torch.Tensor:
         """Under torch.compile: the ops' custom ops, which trace (fake tensors) and check
@@ -214,18 +217,17 @@ class PoolPlan:
                     g.zero_()
             return
         key = (row_stride, fp32_dscore)
-        c, args, shape, rows = self._bwd.get(key) or self._backward_kernel(key)
+        c, args, shape = self._bwd.get(key) or self._backward_kernel(key)
         with on_device(self.device):
             workspace = torch.empty(shape, dtype=torch.float32, device=self.device)
             c.fn(kv, score, a, self._cu, self._cuc, grad_out, grad_kv, grad_score, workspace,
                  *args)
             if self.has_ape:
-                C = grad_ape.numel()
-                dape_sum(c, rows, self.tuning)(workspace.view(rows, C), grad_ape.view(1, C))
+                sum_dape(c, args[1], workspace, grad_ape, self.tuning)
 
     def _backward_kernel(self, key: tuple) -> tuple:
-        """(compiled, launch sizes, dape partials' shape, partial rows of the dape sum) of
-        this plan's backward, compiled at the first run."""
+        """(compiled, launch sizes, dape partials' shape) of this plan's backward, compiled at
+        the first run."""
         row_stride, fp32_dscore = key
         c, args, shape = backward_plan(self.device, self.dtype, self.ratio, self.coff,
                                        self.head_dim, self.total_comp, self.num_tokens,
@@ -234,7 +236,7 @@ class PoolPlan:
                                        ape=self.has_ape)
         if not self.has_ape:  # the kernels write no partials: one row stands in
             shape = (1, shape[1])
-        got = self._bwd[key] = (c, args, shape, args[1] * c.kernel.grid_z())
+        got = self._bwd[key] = (c, args, shape)
         return got
 
 

@@ -185,12 +185,16 @@ def launch_backward(p, grad_out, grad_kv, grad_score, grad_ape, workspace=None, 
              grad_score, workspace, rows_per_cta, row_ctas, zero_ctas, *extra)
         if not p.has_ape:  # no position bias: no dape partials, no sum
             return grad_kv, grad_score, grad_ape
-        # The partials' fixed-order sum (dape_reduce.py; torch.sum took 12-15 us here), in
-        # the layout for this many partial rows.
-        C = ratio * coff * d
-        rows = row_ctas * c.kernel.grid_z()
-        dape_sum(c, rows, p.tuning)(workspace.view(rows, C), grad_ape.view(1, C))
+        sum_dape(c, row_ctas, workspace, grad_ape, p.tuning)
     return grad_kv, grad_score, grad_ape
+
+
+def sum_dape(c, row_ctas: int, workspace, grad_ape, tuning=None) -> None:
+    """Backward ``c``'s dape partials (``workspace``, written by its ``row_ctas`` row CTAs)
+    summed into ``grad_ape`` in a fixed order (dape_reduce.py; torch.sum took 12-15 us
+    here), in the layout for this many partial rows."""
+    rows, C = row_ctas * c.kernel.grid_z(), grad_ape.numel()
+    dape_sum(c, rows, tuning)(workspace.view(rows, C), grad_ape.view(1, C))
 
 
 def decode_kernel(device, dtype, ratio, coff, head_dim, numerics="fp32", tuning=None):
