@@ -84,6 +84,7 @@
 #                        Megatron's own epilogue (needs MEGATRON_LM_PATH)
 #   bench, scale         python -m csa_compressor bench (default shapes; 2048x64 vs 1x131072)
 #   bench_eager          the bench's eager, fused and fused_eager (numerics="eager") rows
+#   bench_plan           the bench's fused rows beside fused_plan (a PoolPlan's runs, no guard)
 #   bench_fused          the bench's fused rows alone; bench_base the same of the package
 #                        tree in $BASE_SRC (another commit's src/, labelled $BASE_COMMIT):
 #                        run them in turn for a before/after on one loan
@@ -190,6 +191,7 @@ cmd_of() {
         colsum_time) echo "python3 tools/torch_colsum_order_probe.py time" ;;
         colsum_time_base) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH python3 tools/torch_colsum_order_probe.py time" ;;
         sbhd_bench) echo "python3 -m csa_compressor bench --sbhd" ;;
+        bench_plan) echo "python3 -m csa_compressor bench --impls fused,fused_plan --out $WORK/bench_plan" ;;
         bench_fused*) echo "python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         bench_base*) echo "PYTHONPATH=${BASE_SRC:?}:\$PYTHONPATH CSA_COMMIT=${BASE_COMMIT:?} python3 -m csa_compressor bench --impls fused --out $WORK/$1" ;;
         scale) echo "python3 -m csa_compressor bench --impls eager,fused --shapes 2048x64:128:4:2,1x131072:128:4:2,1x8192:65:3:2 --out $WORK/scale" ;;
