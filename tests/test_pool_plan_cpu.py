@@ -110,7 +110,7 @@ def test_a_run_refuses_what_does_not_fit_the_plan_before_any_launch(cpu_plan):
         ((kv[:-1], score, ape, out), ValueError, r"kv: expected shape \(300, 256\)"),
         ((kv, score.float(), ape, out), TypeError, "score: expected dtype torch.bfloat16"),
         ((kv, score, ape.double(), out), TypeError, "ape: expected dtype torch.float32"),
-        ((kv, score, None, out), TypeError, "ape: expected a torch.Tensor"),
+        ((kv, score, None, out), TypeError, r"ape: expected a \(4, 256\) float32 tensor \(the plan was made with ape=True\), got None"),
         ((kv, score, ape, out[:-1]), ValueError, r"out: expected shape \(75, 128\)"),
         ((kv, score, ape, torch.empty(128, 75, dtype=torch.bfloat16).t()), ValueError,
          "out: expected contiguous"),
@@ -185,3 +185,56 @@ def test_the_packed_op_refuses_a_second_half_the_kernels_cannot_load(cpu_plan):
     with pytest.raises(ValueError, match="kvs: the second half starts 8 bytes into each row"):
         plan.pool_packed(kvs, torch.randn(4, 4))
     assert not calls
+
+
+@pytest.mark.parametrize("with_ape", [True, False])
+def test_under_torch_compile_a_run_refuses_an_ape_the_plan_was_not_made_for(cpu_plan, monkeypatch,
+                                                                            with_ape):
+    # traced runs take the ops' custom ops, which read an absent APE as "no position bias":
+    # without the plan's own check, an ape=True plan run with None pools without it
+    make, calls = cpu_plan
+    plan = make([0, 300], ape=with_ape)
+    kv, score, ape, _ = _tensors()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    given = None if with_ape else ape
+    match = "ape: expected a" if with_ape else "ape: expected None"
+    with pytest.raises((TypeError, ValueError), match=match):
+        plan.pool(kv, score, given)
+    with pytest.raises((TypeError, ValueError), match=match):
+        plan.pool_packed(torch.cat([kv, score], 1), given)
+    assert not calls
+
+
+def test_under_torch_compile_a_run_refuses_sizes_and_dtypes_the_plan_was_not_made_for(
+        cpu_plan, monkeypatch):
+    make, calls = cpu_plan
+    plan = make([0, 300])
+    kv, score, ape, _ = _tensors()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match=r"kv: expected shape \(300, 256\)"):
+        plan.pool(kv[:-1], score, ape)
+    with pytest.raises(TypeError, match="score: expected dtype torch.bfloat16"):
+        plan.pool(kv, score.float(), ape)
+    with pytest.raises(TypeError, match="ape: expected dtype torch.float32"):
+        plan.pool(kv, score, ape.bfloat16())
+    with pytest.raises(ValueError, match=r"kvs: expected shape \(300, 512\)"):
+        plan.pool_packed(kv, ape)
+    assert not calls
+
+
+def test_torch_compile_traces_the_plans_checks_and_raises_their_errors(cpu_plan):
+    # dynamo itself (eager backend): the checks trace without a graph break where the
+    # tensors fit, and a misfit raises the plan's error, not the op's
+    make, _ = cpu_plan
+    plan = make([0, 300])
+    kv, score, ape, _ = _tensors()
+    torch._dynamo.reset()
+    run = torch.compile(lambda k, s, a: plan.pool(k, s, a), backend="eager")
+    with pytest.raises(ValueError, match=r"kv: expected shape \(300, 256\), got \(299, 256\)"):
+        run(kv[:-1], score, ape)
+    with pytest.raises(TypeError, match=r"ape: expected a \(4, 256\) float32 tensor"):
+        run(kv, score, None)
+    torch._dynamo.reset()
+    whole = torch.compile(lambda k, s, a: plan.pool(k, s, a), backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match="kv: the fused kernels need CUDA tensors"):
+        whole(kv, score, ape)  # past the plan's checks in one graph, to the op's device check

@@ -108,13 +108,19 @@ class PoolPlan:
 
     def _read_ape(self, ape) -> torch.Tensor:
         """``ape`` checked, or the plan's zeros where it has no APE."""
+        self._ape_as_planned(ape)
         if self.has_ape:
             self._check("ape", ape, self._ape, torch.float32)
             return ape
-        if ape is not None:
+        return self._zeros
+
+    def _ape_as_planned(self, ape) -> None:
+        if self.has_ape and ape is None:
+            raise TypeError(f"ape: expected a {tuple(self._ape)} float32 tensor (the plan was "
+                            "made with ape=True), got None")
+        if not self.has_ape and ape is not None:
             raise ValueError("ape: expected None (the plan was made with ape=False), got "
                              f"{type(ape).__name__}")
-        return self._zeros
 
     def forward(self, kv, score, ape, out) -> torch.Tensor:
         """Write the pooled rows into ``out`` ``(total_comp, head_dim)`` of kv's dtype;
@@ -178,7 +184,16 @@ class PoolPlan:
 
     def _traced(self, kv, score, ape, kvs=None, score_first=False) -> torch.Tensor:
         """Under torch.compile: the ops' custom ops, which trace (fake tensors) and check
-        every argument again when they run."""
+        every argument again when they run. They would take any pack's sizes and dtype,
+        and an absent APE as no position bias, so those are held to the plan first (fake
+        tensors have no address to check)."""
+        self._ape_as_planned(ape)
+        given = [("kvs", kvs, self._packed)] if kvs is not None else \
+            [("kv", kv, self._tokens), ("score", score, self._tokens)]
+        for name, t, shape in given + ([("ape", ape, self._ape)] if self.has_ape else []):
+            dtype = torch.float32 if name == "ape" else self.dtype
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+                check_out(name, t, tuple(shape), dtype, self.device)
         p = Problem(kv, score, self._no_ape if ape is None else ape, self._cu, self._cuc,
                     self.total_comp, self.ratio, self.coff, self.head_dim, kvs=kvs,
                     numerics=self.numerics, tuning=self.tuning, score_first=score_first)
