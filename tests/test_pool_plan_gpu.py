@@ -192,3 +192,11 @@ def test_a_plans_op_compiles_to_the_same_bits():
     got = _step(torch.compile(lambda k, a: plan.pool_packed(k, a) * 1), (kvs, ape))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # compiled, a run the plan was not made for raises its error: without the plan's check
+    # the traced op pooled an absent APE as no position bias
+    torch._dynamo.reset()
+    run = torch.compile(lambda k, a: plan.pool_packed(k, a) * 1)
+    with pytest.raises(TypeError, match="the plan was made with ape=True"):
+        run(kvs, None)
+    with pytest.raises(ValueError, match="kvs: expected shape"):
+        run(kvs[:-1], ape)
