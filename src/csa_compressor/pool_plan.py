@@ -84,7 +84,7 @@ class PoolPlan:
         self._packed = torch.Size((T, 2 * W))
         # where kvs' second half starts in each row, which the kernels' vector loads need
         # 16-byte aligned (pool_packed)
-        self._half_bytes = W * torch.empty((), dtype=dtype).element_size()
+        self._half_bytes = W * dtype.itemsize
         self._fwd, self._bwd = {}, {}  # kernels and launch sizes, found at the first run
 
     def __repr__(self) -> str:
@@ -98,6 +98,11 @@ class PoolPlan:
         if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == dtype
                 and t.device == self.device and t.is_contiguous()
                 and not t.data_ptr() % KERNEL_ALIGN_BYTES):
+            check_out(name, t, tuple(shape), dtype, self.device)
+
+    def _fits(self, name: str, t, shape, dtype) -> None:
+        # shape and dtype alone: all that a traced run's fake tensors can show
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
             check_out(name, t, tuple(shape), dtype, self.device)
 
     def _inputs(self, kv, score, ape) -> torch.Tensor:
@@ -188,12 +193,13 @@ class PoolPlan:
         and an absent APE as no position bias, so those are held to the plan first (fake
         tensors have no address to check)."""
         self._ape_as_planned(ape)
-        given = [("kvs", kvs, self._packed)] if kvs is not None else \
-            [("kv", kv, self._tokens), ("score", score, self._tokens)]
-        for name, t, shape in given + ([("ape", ape, self._ape)] if self.has_ape else []):
-            dtype = torch.float32 if name == "ape" else self.dtype
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-                check_out(name, t, tuple(shape), dtype, self.device)
+        if kvs is None:
+            self._fits("kv", kv, self._tokens, self.dtype)
+            self._fits("score", score, self._tokens, self.dtype)
+        else:
+            self._fits("kvs", kvs, self._packed, self.dtype)
+        if self.has_ape:
+            self._fits("ape", ape, self._ape, torch.float32)
         p = Problem(kv, score, self._no_ape if ape is None else ape, self._cu, self._cuc,
                     self.total_comp, self.ratio, self.coff, self.head_dim, kvs=kvs,
                     numerics=self.numerics, tuning=self.tuning, score_first=score_first)
